@@ -1,0 +1,71 @@
+# mok — build: `make` (libmok.so, libmok.a, build/mok), `make test`, `make sanitize`, `make run`.
+# The CUDA backend is compiled in when nvcc is on PATH (override with CUDA=0 or CUDA=1).
+
+BUILD    ?= build
+CC       ?= cc
+NVCC     ?= nvcc
+CUDA     ?= $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard src/cuda/*.cu)),1,0)
+SAN      ?=
+OPT      ?= -O2
+CFLAGS   += -std=c11 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -fPIC -pthread -ffp-contract=off \
+            -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -Iinclude -Isrc $(SAN)
+LDLIBS   += -lpthread -lm
+NVFLAGS  ?= -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a \
+            -Iinclude -Isrc --expt-relaxed-constexpr -fmad=true
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
+
+LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c)
+LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu),)
+TOOL_C   := $(wildcard tools/*.c)
+TEST_C   := $(wildcard tests/*.c)
+
+ifeq ($(CUDA),1)
+CFLAGS   += -DMOK_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++ -ldl
+NVFLAGS  += -DMOK_HAVE_CUDA=1
+endif
+
+LIB_OBJ  := $(LIB_C:%.c=$(BUILD)/obj/%.o) $(LIB_CU:%.cu=$(BUILD)/obj/%.o)
+TOOL_OBJ := $(TOOL_C:%.c=$(BUILD)/obj/%.o)
+TEST_OBJ := $(TEST_C:%.c=$(BUILD)/obj/%.o)
+
+.PHONY: all test sanitize run clean
+all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok
+
+$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.c src/cuda/*.h src/cuda/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+$(BUILD)/libmok.a: $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libmok.so: $(LIB_OBJ)
+	$(CC) -shared $(SAN) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/mok: $(TOOL_OBJ) $(BUILD)/libmok.a
+	$(CC) $(SAN) -o $@ $(TOOL_OBJ) $(BUILD)/libmok.a $(LDLIBS)
+
+$(BUILD)/mok_tests: $(TEST_OBJ) $(BUILD)/libmok.a
+	$(CC) $(SAN) -o $@ $(TEST_OBJ) $(BUILD)/libmok.a $(LDLIBS)
+
+# The test command of the README: every C test, then the command's own checks, then the Python
+# binding's tests when numpy is importable. Closing line: `N passed, N failed`.
+test: all $(BUILD)/mok_tests
+	./scripts/run-tests.sh $(BUILD)
+
+# The same suite built with AddressSanitizer and UndefinedBehaviorSanitizer (no CUDA).
+sanitize:
+	$(MAKE) BUILD=build-san CUDA=0 OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
+	    build-san/mok build-san/mok_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MOK_TEST_QUICK=1 ./build-san/mok_tests
+
+run: all
+	./$(BUILD)/mok run --preset qwen3-30b-a3b --scale 16 --ranks 4 --check --backend auto
+
+clean:
+	rm -rf build build-san

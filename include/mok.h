@@ -1,0 +1,291 @@
+/* mok.h — the whole public C11 API of mok, a Mixture-of-Experts layer run as one persistent
+ * kernel per pass across an expert-parallel (EP) group.
+ *
+ * The function (every backend computes it, with the same rounding points):
+ *
+ *   FFN_e(v) = W_down[e] · bf16( silu(g) ⊙ u ),   g = bf16(W_gate[e]·v),  u = bf16(W_up[e]·v)
+ *   y[t]     = bf16( FFN_shared(x[t]) + Σ_{j, e = topk_ids[t,j] >= 0} router_w[t,j] · FFN_e(x[t]) )
+ *
+ * Products accumulate in fp32; every expert output (the shared one too) is rounded to bf16 before
+ * the fp32 sum, done in the order shared, then j = 0..k-1. With a SwiGLU limit L > 0, g is clamped
+ * above at L and u to [-L, L] before silu(g)·u (NaN passes through the clamp as NaN).
+ *
+ * Backward, given dy: dx (fp32 sum of the shared part and the k routed parts, in that order, each
+ * part rounded to bf16, the sum rounded once), d_router_w[t,j] = <dy[t], FFN_e(x[t])> computed
+ * without dividing by the weight (exact for zero and negative weights), and every weight gradient,
+ * accumulated in fp32 over rows in schedule order and written as bf16 or added in place into the
+ * caller's fp32 buffers. Empty slots (-1) get d_router_w = 0.
+ *
+ * Layouts (row-major, PyTorch nn.Linear [out, in] for weights):
+ *   x, y, dy, dx        [T, H]            bf16 (uint16_t bit patterns)
+ *   topk_ids            [T, k]            int32, global expert id in [0, E) or -1 (empty slot)
+ *   router_w, d_router  [T, k]            fp32
+ *   w_gate, w_up        [E_local, I, H]   bf16, the experts this rank owns (E_local = E / P)
+ *   w_down              [E_local, H, I]   bf16
+ *   s_gate, s_up        [I_s, H]          bf16, the shared expert (NULL when I_s = 0)
+ *   s_down              [H, I_s]          bf16
+ * Expert e lives on rank e / E_local, as local expert e % E_local.
+ *
+ * Memory: on the cpu backend every pointer is host memory; on the cuda backend every pointer is
+ * device memory of the rank's GPU, and calls are asynchronous on the given stream. Every pointer
+ * must be 16-byte aligned. The schedule and the forward context are caller memory (sizes from
+ * mok_workspace_sizes), so that one workspace serves many layers: a context belongs to one layer
+ * call, the workspace only to the duration of a pass.
+ *
+ * Errors: every call returns a mok_status; on failure mok_last_error() (thread-local) names the
+ * argument and the rule it broke. The library never exits, aborts or traps, and no wait on a peer
+ * lasts longer than the configured timeout.
+ */
+#ifndef MOK_H
+#define MOK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOK_VERSION_MAJOR 0
+#define MOK_VERSION_MINOR 1
+#define MOK_VERSION_PATCH 0
+#define MOK_VERSION (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
+
+/* Shape granularity. H, I and I_s are multiples of MOK_DIM_TILE; every expert's row segment in
+ * the schedule is padded to MOK_ROW_TILE rows so that a GEMM row tile never mixes experts;
+ * minibatch_rows is a multiple of MOK_ROW_TILE and ring_rows a multiple of minibatch_rows. */
+#define MOK_DIM_TILE 64
+#define MOK_ROW_TILE 128
+#define MOK_MAX_RANKS 72
+#define MOK_ALIGN 16
+
+/* One table makes the status enum and its strings. */
+#define MOK_STATUS_TABLE(X)                                                                   \
+    X(MOK_OK, 0, "ok")                                                                        \
+    X(MOK_ERR_INVALID_ARGUMENT, 1, "invalid argument")                                        \
+    X(MOK_ERR_UNSUPPORTED, 2, "not supported by this build or backend")                       \
+    X(MOK_ERR_OUT_OF_MEMORY, 3, "out of memory")                                              \
+    X(MOK_ERR_BACKEND, 4, "backend call failed (CUDA, NCCL or the host)")                     \
+    X(MOK_ERR_TIMEOUT, 5, "timed out waiting for a peer rank")                                \
+    X(MOK_ERR_DEVICE_FAULT, 6, "the kernel reported an inconsistency in its error word")      \
+    X(MOK_ERR_STATE, 7, "the group or workspace is unusable after an earlier failure")        \
+    X(MOK_ERR_INTERNAL, 8, "internal error")
+
+typedef enum mok_status {
+#define MOK_X_ENUM(name, value, text) name = value,
+    MOK_STATUS_TABLE(MOK_X_ENUM)
+#undef MOK_X_ENUM
+} mok_status;
+
+typedef enum mok_backend {
+    MOK_BACKEND_AUTO = 0, /* cuda when this build has it and a GPU is present, else cpu */
+    MOK_BACKEND_CPU = 1,
+    MOK_BACKEND_CUDA = 2
+} mok_backend;
+
+typedef enum mok_precision {
+    MOK_PRECISION_BF16 = 0, /* bf16 storage, fp32 accumulation */
+    MOK_PRECISION_FP8 = 1   /* reserved: block-scaled e4m3; not supported yet */
+} mok_precision;
+
+/* The direction of each transfer. PULL: the rank that needs the rows reads them from the peer.
+ * PUSH: the rank that has them writes them into the peer. */
+typedef enum mok_direction { MOK_PULL = 0, MOK_PUSH = 1 } mok_direction;
+
+/* Tuning and behaviour. Always start from MOK_CONFIG_INIT and change fields; `size` lets the
+ * library (and a binding) check that it receives the struct it expects. */
+typedef struct mok_config {
+    size_t size;            /* sizeof(mok_config) */
+    int fwd_comm_sms;       /* CTAs that move data in the forward (cuda); >= 1 */
+    int bwd_comm_sms;       /* the same for the backward */
+    int minibatch_rows;     /* comm->compute handover unit; multiple of MOK_ROW_TILE */
+    int ring_rows;          /* rows of the ring token buffer (one macrobatch); multiple of
+                               minibatch_rows */
+    int64_t context_rows;   /* routed rows whose gate/up activations the forward context keeps;
+                               rows past it are replayed (recomputed) in the backward.
+                               0 = all rows the worst case can route to a rank */
+    float swiglu_limit;     /* > 0: clamp limit; 0: no clamp */
+    double peer_timeout_ms; /* longest wait on a peer before MOK_ERR_TIMEOUT; > 0 */
+    int cpu_threads;        /* cpu backend: worker threads per rank (0 = the machine's cores,
+                               at least 2); one of them moves data, as set below */
+    int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; >= 1 */
+    int fwd_dispatch;       /* mok_direction; MOK_PULL */
+    int fwd_combine;        /* MOK_PUSH */
+    int bwd_combine;        /* reverse-combine of dy: MOK_PULL */
+    int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH */
+    int trace;              /* 1: record each worker's tasks for mok_trace_write */
+} mok_config;
+
+#define MOK_CONFIG_INIT                                                                       \
+    {                                                                                         \
+        sizeof(mok_config), 32, 32, 1024, 16384, 0, 0.0f, 10000.0, 0, 1, MOK_PULL, MOK_PUSH, \
+            MOK_PULL, MOK_PUSH, 0                                                             \
+    }
+
+/* The layer. Every rank of a group must create its workspace with the same shape. */
+typedef struct mok_shape {
+    int64_t hidden;              /* H, multiple of MOK_DIM_TILE */
+    int64_t intermediate;        /* I of a routed expert, multiple of MOK_DIM_TILE */
+    int64_t num_experts;         /* E, global; a multiple of the group size P */
+    int64_t topk;                /* k, 1 <= k <= E */
+    int64_t shared_intermediate; /* I_s of the shared expert, multiple of MOK_DIM_TILE; 0 = none */
+    int64_t max_tokens;          /* T_max, tokens per rank per call; >= 1 */
+    int precision;               /* mok_precision */
+} mok_shape;
+
+typedef struct mok_unique_id {
+    char bytes[128];
+} mok_unique_id;
+
+typedef struct mok_group mok_group;
+typedef struct mok_workspace mok_workspace;
+
+/* Sizes that a workspace implies, in bytes. */
+typedef struct mok_sizes {
+    size_t schedule_bytes;   /* caller buffer for one schedule (per local rank) */
+    size_t context_bytes;    /* caller buffer for one forward context (per local rank) */
+    size_t symmetric_bytes;  /* symmetric memory the workspace holds per rank */
+    size_t workspace_bytes;  /* all memory the workspace holds per rank, symmetric included */
+    int64_t max_routed_rows; /* padded rows the worst case can route to one rank */
+} mok_sizes;
+
+/* What a built schedule says about one rank (read back on the host; on cuda this waits for the
+ * stream). */
+typedef struct mok_schedule_info {
+    int64_t num_tokens[MOK_MAX_RANKS]; /* T of every rank of the group */
+    int64_t routed_rows;               /* (token, slot) pairs routed to this rank's experts */
+    int64_t padded_rows;               /* the same, each expert padded to MOK_ROW_TILE */
+    int64_t num_minibatches;
+    int64_t num_macrobatches;
+    int64_t max_expert_rows; /* rows of this rank's busiest expert */
+} mok_schedule_info;
+
+/* Arguments of one local rank. Calls take an array of them, one per local rank of the group
+ * (1 when each process drives one rank, P when one process drives all), in local-rank order. */
+typedef struct mok_schedule_args {
+    int64_t num_tokens;       /* T <= T_max; 0 allowed */
+    const int32_t *topk_ids;  /* [T, k] */
+    void *schedule;           /* out: schedule_bytes */
+    void *stream;             /* cudaStream_t (cuda); ignored on cpu */
+} mok_schedule_args;
+
+typedef struct mok_forward_args {
+    int64_t num_tokens;      /* must equal the T the schedule was built with */
+    const void *schedule;    /* from mok_schedule_build */
+    const void *x;           /* [T, H] bf16 */
+    const float *router_w;   /* [T, k] */
+    const void *w_gate;      /* [E_local, I, H] */
+    const void *w_up;        /* [E_local, I, H] */
+    const void *w_down;      /* [E_local, H, I]; not read by mok_recompute_context */
+    const void *s_gate;      /* [I_s, H]; NULL iff I_s = 0 */
+    const void *s_up;        /* [I_s, H] */
+    const void *s_down;      /* [H, I_s]; not read by mok_recompute_context */
+    void *y;                 /* out [T, H]; not written by mok_recompute_context (may be NULL) */
+    void *context;           /* out: context_bytes, read by mok_backward */
+    void *stream;
+} mok_forward_args;
+
+typedef struct mok_backward_args {
+    int64_t num_tokens;
+    const void *schedule;
+    const void *context;     /* left by mok_forward or mok_recompute_context */
+    const void *dy;          /* [T, H] bf16 */
+    const void *x;           /* [T, H] the forward's x */
+    const float *router_w;   /* [T, k] the forward's weights */
+    const void *w_gate, *w_up, *w_down; /* routed weights, as in the forward */
+    const void *s_gate, *s_up, *s_down; /* shared weights or NULL */
+    void *dx;                /* out [T, H] bf16 */
+    float *d_router_w;       /* out [T, k] fp32 */
+    /* Weight gradients, in the weights' layouts. accumulate = 0: bf16, overwritten (experts that
+     * received no rows get zeros). accumulate = 1: fp32, the gradient is added in place (fp32
+     * accumulation starts from the buffer's value); experts with no rows are left untouched. */
+    int accumulate;
+    void *dw_gate, *dw_up, *dw_down;
+    void *ds_gate, *ds_up, *ds_down; /* NULL iff I_s = 0 */
+    void *stream;
+} mok_backward_args;
+
+/* ---- version, errors ---------------------------------------------------------------------- */
+int mok_version(void);                 /* MOK_VERSION of the library */
+size_t mok_config_struct_size(void);   /* sizeof(mok_config) the library was built with */
+const char *mok_status_string(mok_status status);
+const char *mok_last_error(void);      /* this thread's message for its last failed call */
+mok_config mok_config_default(void);   /* MOK_CONFIG_INIT, for bindings */
+mok_status mok_config_validate(const mok_config *config);
+mok_status mok_shape_validate(const mok_shape *shape, int nranks);
+
+/* ---- backends and groups ------------------------------------------------------------------ */
+int mok_backend_available(mok_backend backend); /* 1 if compiled in and usable here */
+const char *mok_backend_name(mok_backend backend);
+
+/* A fresh id for mok_group_create; rank 0 makes it and sends it to the others by any channel.
+ * On cpu, ranks are threads of one process that share the id. */
+mok_status mok_unique_id_create(mok_backend backend, mok_unique_id *id);
+
+/* One process (or thread, on cpu) per rank. Collective: every rank calls it with the same id
+ * and nranks; a rank that does not join within config->peer_timeout_ms makes the others fail
+ * with MOK_ERR_TIMEOUT. device: the GPU of this rank (cuda), ignored on cpu. */
+mok_status mok_group_create(mok_group **group, mok_backend backend, int nranks, int rank,
+                            const mok_unique_id *id, int device, const mok_config *config);
+
+/* One process drives all nranks ranks. devices: nranks GPU ordinals (cuda), NULL on cpu. */
+mok_status mok_group_create_local(mok_group **group, mok_backend backend, int nranks,
+                                  const int *devices, const mok_config *config);
+mok_status mok_group_destroy(mok_group *group);
+
+/* nranks, local ranks driven by this handle, the first local rank's index, the backend. */
+mok_status mok_group_info(const mok_group *group, int *nranks, int *num_local_ranks,
+                          int *first_rank, mok_backend *backend);
+
+/* ---- workspace ---------------------------------------------------------------------------- */
+/* Collective: every rank creates its workspace with the same shape and config; all buffers are
+ * allocated here, none per call. config may be NULL (defaults). */
+mok_status mok_workspace_create(mok_workspace **workspace, mok_group *group,
+                                const mok_shape *shape, const mok_config *config);
+mok_status mok_workspace_destroy(mok_workspace *workspace);
+mok_status mok_workspace_sizes(const mok_workspace *workspace, mok_sizes *sizes);
+
+/* ---- passes (collective; args has one entry per local rank) ------------------------------- */
+mok_status mok_schedule_build(mok_workspace *workspace, const mok_schedule_args *args);
+mok_status mok_schedule_read(mok_workspace *workspace, const void *schedule, int local_rank,
+                             mok_schedule_info *info);
+mok_status mok_forward(mok_workspace *workspace, const mok_forward_args *args);
+mok_status mok_backward(mok_workspace *workspace, const mok_backward_args *args);
+/* Rebuilds the forward context (activation checkpointing); bitwise equal to the forward's. */
+mok_status mok_recompute_context(mok_workspace *workspace, const mok_forward_args *args);
+
+/* Writes the tasks recorded by the last pass (config.trace = 1) as Chrome trace JSON. */
+mok_status mok_trace_write(mok_workspace *workspace, const char *path);
+
+/* ---- reference (host memory, all ranks at once, fp64 accumulation; for tests) -------------
+ * Arrays of pointers have one entry per rank. Outputs follow the rounding points above. */
+typedef struct mok_ref_layer {
+    const mok_shape *shape;
+    int nranks;
+    float swiglu_limit;
+    const int64_t *num_tokens;                /* [P] */
+    const void *const *x;                     /* [P] -> [T_p, H] */
+    const int32_t *const *topk_ids;           /* [P] -> [T_p, k] */
+    const float *const *router_w;             /* [P] -> [T_p, k] */
+    const void *const *w_gate, *const *w_up, *const *w_down; /* [P] -> rank's experts */
+    const void *s_gate, *s_up, *s_down;       /* shared weights: one copy, the same on all ranks;
+                                                 NULL when I_s = 0 */
+} mok_ref_layer;
+
+mok_status mok_ref_forward(const mok_ref_layer *layer, void *const *y /* [P] -> [T_p, H] */);
+
+/* Shared-weight gradients are per rank (each rank's own tokens), like the backends'. Gradients
+ * are written as fp32 (no rounding), so tests compare before the backend's last rounding. */
+mok_status mok_ref_backward(const mok_ref_layer *layer, const void *const *dy,
+                            void *const *dx /* bf16 */, float *const *d_router_w,
+                            float *const *dw_gate, float *const *dw_up, float *const *dw_down,
+                            float *const *ds_gate, float *const *ds_up, float *const *ds_down);
+
+/* bf16 helpers for callers that hold fp32 (round to nearest even; NaN stays NaN). */
+uint16_t mok_bf16_from_float(float value);
+float mok_bf16_to_float(uint16_t value);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOK_H */

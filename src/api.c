@@ -1,0 +1,408 @@
+/* api.c — the public entry points: validate every argument (the message names the argument and
+ * the rule), then hand over to the backend the group was created with. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+mok_status mok__check_ptr(const void *ptr, const char *name, int required) {
+    if (!ptr) return required ? mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: must not be NULL", name) : MOK_OK;
+    if ((uintptr_t)ptr % MOK_ALIGN != 0)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: pointer %p is not %d-byte aligned", name, ptr, MOK_ALIGN);
+    return MOK_OK;
+}
+
+#define TRY(expr)                           \
+    do {                                    \
+        mok_status try_status_ = (expr);    \
+        if (try_status_ != MOK_OK) return try_status_; \
+    } while (0)
+
+const char *mok_backend_name(mok_backend backend) {
+    switch (backend) {
+    case MOK_BACKEND_AUTO: return "auto";
+    case MOK_BACKEND_CPU: return "cpu";
+    case MOK_BACKEND_CUDA: return "cuda";
+    }
+    return "unknown";
+}
+
+int mok_backend_available(mok_backend backend) {
+    switch (backend) {
+    case MOK_BACKEND_CPU: return 1;
+    case MOK_BACKEND_CUDA:
+#ifdef MOK_HAVE_CUDA
+        return mok__cuda_device_count() > 0;
+#else
+        return 0;
+#endif
+    case MOK_BACKEND_AUTO: return 1;
+    }
+    return 0;
+}
+
+static mok_status resolve_backend(mok_backend requested, mok_backend *out) {
+    if (requested == MOK_BACKEND_AUTO) {
+        *out = mok_backend_available(MOK_BACKEND_CUDA) ? MOK_BACKEND_CUDA : MOK_BACKEND_CPU;
+        return MOK_OK;
+    }
+    if (requested == MOK_BACKEND_CPU) {
+        *out = requested;
+        return MOK_OK;
+    }
+    if (requested == MOK_BACKEND_CUDA) {
+        if (!mok_backend_available(MOK_BACKEND_CUDA))
+            return mok__fail(MOK_ERR_UNSUPPORTED,
+                             "backend: cuda is not available (this build has no CUDA backend or no GPU is visible)");
+        *out = requested;
+        return MOK_OK;
+    }
+    return mok__fail(MOK_ERR_INVALID_ARGUMENT, "backend: %d is not a mok_backend", (int)requested);
+}
+
+mok_status mok_unique_id_create(mok_backend backend, mok_unique_id *id) {
+    mok__clear_error();
+    if (!id) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "id: must not be NULL");
+    mok_backend resolved;
+    TRY(resolve_backend(backend, &resolved));
+    memset(id, 0, sizeof *id);
+#ifdef MOK_HAVE_CUDA
+    if (resolved == MOK_BACKEND_CUDA) return mok__cuda_unique_id(id);
+#endif
+    /* cpu: ranks are threads of this process; the id only has to be unique within it. */
+    static _Atomic unsigned long long counter;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    unsigned long long words[4] = {0x6d6f6b6370750000ull, (unsigned long long)getpid(),
+                                   (unsigned long long)now.tv_sec * 1000000000ull + (unsigned long long)now.tv_nsec,
+                                   ++counter};
+    memcpy(id->bytes, words, sizeof words);
+    return MOK_OK;
+}
+
+static mok_status group_new(mok_group **out, mok_backend backend, int nranks, const mok_config *config,
+                            mok_group **group) {
+    if (!out) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "group: output pointer must not be NULL");
+    *out = NULL;
+    if (nranks < 1 || nranks > MOK_MAX_RANKS)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "nranks: %d is not in [1, %d]", nranks, MOK_MAX_RANKS);
+    mok_config cfg = config ? *config : mok_config_default();
+    TRY(mok_config_validate(&cfg));
+    mok_backend resolved;
+    TRY(resolve_backend(backend, &resolved));
+    mok_group *g = calloc(1, sizeof *g);
+    if (!g) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "group: out of host memory");
+    g->backend = resolved;
+    g->nranks = nranks;
+    g->config = cfg;
+    *group = g;
+    return MOK_OK;
+}
+
+static mok_status group_finish(mok_group **out, mok_group *g, int rank, const mok_unique_id *id, const int *devices) {
+    mok_status st;
+#ifdef MOK_HAVE_CUDA
+    if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_group_create(g, rank, id, devices);
+    else
+#endif
+        st = mok__cpu_group_create(g, rank, id, devices);
+    if (st != MOK_OK) {
+        free(g);
+        return st;
+    }
+    *out = g;
+    return MOK_OK;
+}
+
+mok_status mok_group_create(mok_group **out, mok_backend backend, int nranks, int rank, const mok_unique_id *id,
+                            int device, const mok_config *config) {
+    mok__clear_error();
+    mok_group *g = NULL;
+    TRY(group_new(out, backend, nranks, config, &g));
+    if (rank < 0 || rank >= nranks) {
+        free(g);
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "rank: %d is not in [0, nranks = %d)", rank, nranks);
+    }
+    if (!id) {
+        free(g);
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "id: must not be NULL (rank 0 makes it with mok_unique_id_create)");
+    }
+    if (device < 0) {
+        free(g);
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "device: %d is negative", device);
+    }
+    g->num_local_ranks = 1;
+    g->first_rank = rank;
+    return group_finish(out, g, rank, id, &device);
+}
+
+mok_status mok_group_create_local(mok_group **out, mok_backend backend, int nranks, const int *devices,
+                                  const mok_config *config) {
+    mok__clear_error();
+    mok_group *g = NULL;
+    TRY(group_new(out, backend, nranks, config, &g));
+    if (g->backend == MOK_BACKEND_CUDA && !devices) {
+        free(g);
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "devices: must list nranks GPU ordinals for the cuda backend");
+    }
+    g->num_local_ranks = nranks;
+    g->first_rank = 0;
+    return group_finish(out, g, 0, NULL, devices);
+}
+
+mok_status mok_group_destroy(mok_group *g) {
+    mok__clear_error();
+    if (!g) return MOK_OK;
+#ifdef MOK_HAVE_CUDA
+    if (g->backend == MOK_BACKEND_CUDA) mok__cuda_group_destroy(g);
+    else
+#endif
+        mok__cpu_group_destroy(g);
+    free(g);
+    return MOK_OK;
+}
+
+mok_status mok_group_info(const mok_group *g, int *nranks, int *num_local_ranks, int *first_rank,
+                          mok_backend *backend) {
+    mok__clear_error();
+    if (!g) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "group: must not be NULL");
+    if (nranks) *nranks = g->nranks;
+    if (num_local_ranks) *num_local_ranks = g->num_local_ranks;
+    if (first_rank) *first_rank = g->first_rank;
+    if (backend) *backend = g->backend;
+    return MOK_OK;
+}
+
+static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_shape *shape, const mok_config *config) {
+    mok__clear_error();
+    if (!out) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: output pointer must not be NULL");
+    *out = NULL;
+    if (!g) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "group: must not be NULL");
+    if (g->failed) return mok__fail(MOK_ERR_STATE, "group: unusable after an earlier timeout; destroy it");
+    TRY(mok_shape_validate(shape, g->nranks));
+    mok_config cfg = config ? *config : g->config;
+    TRY(mok_config_validate(&cfg));
+    if (g->backend == MOK_BACKEND_CPU &&
+        (cfg.fwd_dispatch != MOK_PULL || cfg.fwd_combine != MOK_PUSH || cfg.bwd_combine != MOK_PULL ||
+         cfg.bwd_dispatch != MOK_PUSH))
+        return mok__fail(MOK_ERR_UNSUPPORTED,
+                         "config.fwd_dispatch/fwd_combine/bwd_combine/bwd_dispatch: the cpu backend runs pull "
+                         "dispatch, push combine, pull reverse-combine and push reverse-dispatch only");
+
+    mok_workspace *ws = calloc(1, sizeof *ws);
+    if (!ws) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
+    ws->group = g;
+    ws->shape = *shape;
+    ws->config = cfg;
+    ws->num_local_experts = shape->num_experts / g->nranks;
+    mok__sched_layout(&ws->sched_layout, g->nranks, ws->num_local_experts, shape->topk, shape->max_tokens);
+    int64_t max_rows = ws->sched_layout.max_rows;
+    ws->context_rows = (cfg.context_rows == 0 || cfg.context_rows > max_rows)
+                           ? max_rows
+                           : (cfg.context_rows + MOK_ROW_TILE - 1) / MOK_ROW_TILE * MOK_ROW_TILE;
+    size_t routed = (size_t)ws->context_rows * 2u * (size_t)shape->intermediate * 2u;
+    ws->context_shared_offset = align_up(routed, 256);
+    size_t shared = (size_t)shape->max_tokens * 2u * (size_t)shape->shared_intermediate * 2u;
+    ws->sizes.schedule_bytes = ws->sched_layout.bytes;
+    ws->sizes.context_bytes = align_up(ws->context_shared_offset + shared, 256);
+    ws->sizes.max_routed_rows = max_rows;
+
+    mok_status st;
+#ifdef MOK_HAVE_CUDA
+    if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_workspace_create(ws);
+    else
+#endif
+        st = mok__cpu_workspace_create(ws);
+    if (st != MOK_OK) {
+        free(ws);
+        return st;
+    }
+    *out = ws;
+    return MOK_OK;
+}
+
+mok_status mok_workspace_destroy(mok_workspace *ws) {
+    mok__clear_error();
+    if (!ws) return MOK_OK;
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) mok__cuda_workspace_destroy(ws);
+    else
+#endif
+        mok__cpu_workspace_destroy(ws);
+    free(ws);
+    return MOK_OK;
+}
+
+mok_status mok_workspace_sizes(const mok_workspace *ws, mok_sizes *sizes) {
+    mok__clear_error();
+    if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
+    if (!sizes) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "sizes: must not be NULL");
+    *sizes = ws->sizes;
+    return MOK_OK;
+}
+
+static mok_status check_usable(mok_workspace *ws) {
+    if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
+    if (ws->failed || ws->group->failed)
+        return mok__fail(MOK_ERR_STATE, "workspace: unusable after an earlier timeout or fault; destroy the group");
+    return MOK_OK;
+}
+
+static mok_status check_tokens(const mok_workspace *ws, int r, int64_t t) {
+    if (t < 0 || t > ws->shape.max_tokens)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].num_tokens: %lld is not in [0, max_tokens = %lld]", r,
+                         (long long)t, (long long)ws->shape.max_tokens);
+    return MOK_OK;
+}
+
+#define CHECK_ARG(ptr, required)                                                       \
+    do {                                                                               \
+        char name_[96];                                                                \
+        snprintf(name_, sizeof name_, "args[%d].%s", r, #ptr);                         \
+        TRY(mok__check_ptr(a->ptr, name_, (required)));                                \
+    } while (0)
+
+#define CHECK_SHARED(ptr)                                                                                     \
+    do {                                                                                                      \
+        if (has_shared) CHECK_ARG(ptr, 1);                                                                    \
+        else if (a->ptr)                                                                                      \
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].%s: must be NULL, the layer has no shared expert", \
+                             r, #ptr);                                                                        \
+    } while (0)
+
+mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) {
+    mok__clear_error();
+    TRY(check_usable(ws));
+    if (!args) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL");
+    for (int r = 0; r < ws->group->num_local_ranks; ++r) {
+        const mok_schedule_args *a = &args[r];
+        TRY(check_tokens(ws, r, a->num_tokens));
+        CHECK_ARG(topk_ids, a->num_tokens > 0);
+        CHECK_ARG(schedule, 1);
+    }
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_schedule_build(ws, args);
+#endif
+    return mok__cpu_schedule_build(ws, args);
+}
+
+mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_rank, mok_schedule_info *info) {
+    mok__clear_error();
+    TRY(check_usable(ws));
+    TRY(mok__check_ptr(schedule, "schedule", 1));
+    if (!info) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "info: must not be NULL");
+    if (local_rank < 0 || local_rank >= ws->group->num_local_ranks)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "local_rank: %d is not in [0, %d)", local_rank,
+                         ws->group->num_local_ranks);
+    mok_sched_header h;
+    mok_status st;
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) st = mok__cuda_schedule_read(ws, schedule, local_rank, &h);
+    else
+#endif
+        st = mok__cpu_schedule_read(ws, schedule, local_rank, &h);
+    if (st != MOK_OK) return st;
+    if (h.magic != MOK_SCHED_MAGIC)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "schedule: not a schedule built by mok_schedule_build");
+    memset(info, 0, sizeof *info);
+    for (int p = 0; p < MOK_MAX_RANKS; ++p) info->num_tokens[p] = h.num_tokens[p];
+    info->routed_rows = h.routed_rows;
+    info->padded_rows = h.padded_rows;
+    info->num_minibatches = (h.padded_rows + ws->config.minibatch_rows - 1) / ws->config.minibatch_rows;
+    info->num_macrobatches = (h.padded_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
+    info->max_expert_rows = h.max_expert_rows;
+    if (h.error) return mok__fail(MOK_ERR_DEVICE_FAULT, "schedule: the build reported error %d", h.error);
+    return MOK_OK;
+}
+
+static mok_status check_forward_args(mok_workspace *ws, const mok_forward_args *args, int recompute) {
+    int has_shared = ws->shape.shared_intermediate > 0;
+    for (int r = 0; r < ws->group->num_local_ranks; ++r) {
+        const mok_forward_args *a = &args[r];
+        TRY(check_tokens(ws, r, a->num_tokens));
+        CHECK_ARG(schedule, 1);
+        CHECK_ARG(x, a->num_tokens > 0);
+        CHECK_ARG(router_w, a->num_tokens > 0);
+        CHECK_ARG(w_gate, 1);
+        CHECK_ARG(w_up, 1);
+        CHECK_ARG(w_down, !recompute);
+        CHECK_SHARED(s_gate);
+        CHECK_SHARED(s_up);
+        if (!recompute) CHECK_SHARED(s_down);
+        CHECK_ARG(y, !recompute && a->num_tokens > 0);
+        CHECK_ARG(context, 1);
+    }
+    return MOK_OK;
+}
+
+static mok_status forward_common(mok_workspace *ws, const mok_forward_args *args, int recompute) {
+    TRY(check_usable(ws));
+    if (!args) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL");
+    TRY(check_forward_args(ws, args, recompute));
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_forward(ws, args, recompute);
+#endif
+    return mok__cpu_forward(ws, args, recompute);
+}
+
+mok_status mok_forward(mok_workspace *ws, const mok_forward_args *args) {
+    mok__clear_error();
+    return forward_common(ws, args, 0);
+}
+
+mok_status mok_recompute_context(mok_workspace *ws, const mok_forward_args *args) {
+    mok__clear_error();
+    return forward_common(ws, args, 1);
+}
+
+mok_status mok_backward(mok_workspace *ws, const mok_backward_args *args) {
+    mok__clear_error();
+    TRY(check_usable(ws));
+    if (!args) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL");
+    int has_shared = ws->shape.shared_intermediate > 0;
+    for (int r = 0; r < ws->group->num_local_ranks; ++r) {
+        const mok_backward_args *a = &args[r];
+        TRY(check_tokens(ws, r, a->num_tokens));
+        CHECK_ARG(schedule, 1);
+        CHECK_ARG(context, 1);
+        CHECK_ARG(dy, a->num_tokens > 0);
+        CHECK_ARG(x, a->num_tokens > 0);
+        CHECK_ARG(router_w, a->num_tokens > 0);
+        CHECK_ARG(w_gate, 1);
+        CHECK_ARG(w_up, 1);
+        CHECK_ARG(w_down, 1);
+        CHECK_SHARED(s_gate);
+        CHECK_SHARED(s_up);
+        CHECK_SHARED(s_down);
+        CHECK_ARG(dx, a->num_tokens > 0);
+        CHECK_ARG(d_router_w, a->num_tokens > 0);
+        if (a->accumulate != 0 && a->accumulate != 1)
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].accumulate: %d must be 0 or 1", r, a->accumulate);
+        CHECK_ARG(dw_gate, 1);
+        CHECK_ARG(dw_up, 1);
+        CHECK_ARG(dw_down, 1);
+        CHECK_SHARED(ds_gate);
+        CHECK_SHARED(ds_up);
+        CHECK_SHARED(ds_down);
+    }
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_backward(ws, args);
+#endif
+    return mok__cpu_backward(ws, args);
+}
+
+mok_status mok_trace_write(mok_workspace *ws, const char *path) {
+    mok__clear_error();
+    if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
+    if (!path) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "path: must not be NULL");
+    if (!ws->config.trace) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "config.trace: tracing was off for this workspace");
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_trace_write(ws, path);
+#endif
+    return mok__cpu_trace_write(ws, path);
+}

@@ -1,0 +1,104 @@
+/* tasks.h — the task list of one pass on one rank: every unit of work in the one global order,
+ * each with the counters it waits on and the counter it bumps when done.
+ *
+ * Deadlock freedom (DESIGN 2.4): a task only waits on counters bumped by tasks that come earlier
+ * in the order, and every worker of a role takes its role's tasks in that order. Then the first
+ * unfinished task always has its inputs ready and a worker on it. mok__tasks_check verifies the
+ * first half of that for any list; the tests run it on every list they build.
+ *
+ * Counters are per minibatch (or per shared row tile, or per macrobatch) and only grow within a
+ * pass; a task's wait is "counter >= target". Portable C: built on the host for the cpu backend,
+ * the same code on the device for cuda. */
+#ifndef MOK_CORE_TASKS_H
+#define MOK_CORE_TASKS_H
+
+#include <stdint.h>
+
+#include "portable.h"
+
+/* Minibatches the dispatching comm workers may run ahead of the compute workers (bounded by
+ * the ring: never more than ring_rows / minibatch_rows - 1). */
+#define MOK_LOOKAHEAD_MINIBATCHES 2
+
+enum mok_role { MOK_ROLE_COMM = 0, MOK_ROLE_COMPUTE = 1 };
+
+enum mok_task_kind {
+    /* forward */
+    MOK_TASK_SHARED_UP = 0, /* shared expert gate/up + SwiGLU for (token tile a, I_s tile b) */
+    MOK_TASK_SHARED_DOWN,   /* shared expert down for (token tile a, H tile b) */
+    MOK_TASK_DISPATCH,      /* pull the routed rows of row tile a into the ring */
+    MOK_TASK_GATEUP,        /* gate/up GEMM + SwiGLU for (row tile a, I tile b) */
+    MOK_TASK_DOWN,          /* down GEMM for (row tile a, H tile b) */
+    MOK_TASK_COMBINE,       /* push the expert outputs of row tile a to their owners */
+    /* backward */
+    MOK_TASK_SHARED_DH,     /* dy·S_down + SwiGLU backward for (token tile a, I_s tile b) */
+    MOK_TASK_SHARED_DX,     /* shared dx part for (token tile a, H tile b) */
+    MOK_TASK_PULL,          /* pull dy, router weight and x rows of row tile a into the ring */
+    MOK_TASK_DH,            /* dy·W_down (+ replay of g/u) + SwiGLU backward + router dot, (a, I tile b) */
+    MOK_TASK_DX,            /* dx part of row tile a, H tile b */
+    MOK_TASK_PUSH,          /* push dx parts and router gradients of row tile a to their owners */
+    MOK_TASK_WGRAD,         /* one weight-gradient tile of a local expert over a macrobatch's rows */
+    MOK_TASK_SHARED_WGRAD,  /* one weight-gradient tile of the shared expert over all local tokens */
+    MOK_TASK_WGRAD_ZERO,    /* zero the gradients of an expert that received no rows (bf16 mode) */
+    MOK_TASK_NUM_KINDS
+};
+
+/* Weight-gradient tiles: which matrix, and a tile of its [rows, cols] output. */
+enum mok_wgrad_matrix { MOK_WGRAD_GATE = 0, MOK_WGRAD_UP = 1, MOK_WGRAD_DOWN = 2 };
+
+typedef struct mok_task {
+    int16_t kind, role;
+    int32_t minibatch;   /* minibatch (or macrobatch for WGRAD), -1 when none */
+    int32_t a, b;        /* tile indices, meaning by kind (see above) */
+    int32_t expert;      /* WGRAD, WGRAD_ZERO: local expert; else -1 */
+    int32_t matrix;      /* WGRAD, SHARED_WGRAD: enum mok_wgrad_matrix; else -1 */
+    int32_t done[2];     /* counters bumped when done, -1 none */
+    int32_t wait[2];     /* counters waited on, -1 none */
+    int32_t target[2];
+} mok_task;
+
+/* What the list is built from. Tiles: rows MOK_ROW_TILE; n_tile columns for the routed and
+ * shared GEMM outputs; wgrad tiles are wgrad_tile x wgrad_tile. */
+typedef struct mok_plan {
+    int backward;       /* 0 forward, 1 backward */
+    int recompute;      /* forward only: rebuild the context (no down, no combine) */
+    int accumulate;     /* backward: fp32 in-place weight gradients */
+    int64_t padded_rows;
+    int64_t context_rows; /* rows < context_rows have g/u in the context */
+    int64_t num_tokens;   /* local T */
+    int64_t hidden, intermediate, shared_intermediate;
+    int num_local_experts;
+    int minibatch_rows, ring_rows;
+    int n_tile, wgrad_tile;
+    const int64_t *expert_start; /* [E_local + 1] padded row offsets */
+    const int64_t *expert_rows;  /* [E_local] */
+} mok_plan;
+
+/* Counter layout for a plan: [kind-major blocks]. */
+typedef struct mok_counters_layout {
+    int64_t num_minibatches, num_macrobatches, num_token_tiles;
+    int64_t dispatched, gateup_done, down_done, combined;       /* per minibatch */
+    int64_t shared_up_done;                                     /* per token tile */
+    int64_t pulled, dh_done, dx_done, pushed;                   /* per minibatch */
+    int64_t wgrad_done, dh_macro_done;                          /* per macrobatch */
+    int64_t shared_dh_all;                                      /* one */
+    int64_t total;
+} mok_counters_layout;
+
+MOK_HD void mok__counters_layout(const mok_plan *plan, mok_counters_layout *layout);
+
+/* Upper bounds, for sizing buffers at workspace creation. */
+MOK_HD int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+MOK_HD int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+
+/* Writes the list into tasks (capacity cap); returns its length, or -1 if cap is too small. */
+MOK_HD int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap);
+
+/* Returns 0 if every wait of every task is satisfied by tasks earlier in the list; else the
+ * index + 1 of the first task that breaks it. scratch: num_counters int64 (host only). */
+int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch);
+
+/* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
+MOK_HD void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
+
+#endif

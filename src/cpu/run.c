@@ -1,0 +1,328 @@
+/* run.c — one collective pass on the cpu backend. Per local rank: stage the inputs into the
+ * symmetric region, cross-rank barrier, workers walk the task list (comm and compute roles),
+ * cross-rank barrier (every push into this rank has landed), then the fixed-order epilogue.
+ * In local mode one thread per rank runs this concurrently; the ranks only meet at barriers. */
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu.h"
+
+typedef struct rank_job {
+    mok_workspace *ws;
+    int local_rank;
+    int kind; /* CPU_PASS_* or -1 for a schedule build */
+    const void *args;
+    mok_status status;
+    char message[1024];
+} rank_job;
+
+typedef struct worker_job {
+    cpu_pass *pass;
+    int worker, role;
+} worker_job;
+
+/* ---- task execution ------------------------------------------------------------------------ */
+
+static int wait_counter(cpu_rank *R, int32_t counter, int32_t target) {
+    if (counter < 0) return 1;
+    int round = 0;
+    while (atomic_load_explicit(&R->counters[counter], memory_order_acquire) < target) {
+        if (atomic_load_explicit(&R->abort, memory_order_relaxed)) return 0;
+        if (++round > 64) sched_yield();
+    }
+    return 1;
+}
+
+static void *worker_main(void *arg) {
+    worker_job *job = arg;
+    cpu_pass *pass = job->pass;
+    cpu_rank *R = pass->R;
+    float *scratch = R->scratch + (size_t)job->worker * R->scratch_floats;
+    for (;;) {
+        int64_t i = atomic_fetch_add_explicit(&R->cursor[job->role], 1, memory_order_relaxed);
+        if (i >= R->num_tasks) break;
+        const mok_task *t = &R->tasks[i];
+        if (t->role != job->role) continue;
+        if (!wait_counter(R, t->wait[0], t->target[0]) || !wait_counter(R, t->wait[1], t->target[1])) break;
+        int64_t start = R->trace ? mok__cpu_now_ns() : 0;
+        if (pass->kind == CPU_PASS_BACKWARD) mok__cpu_run_backward_task(pass, t, scratch);
+        else mok__cpu_run_forward_task(pass, t, scratch);
+        if (R->trace) {
+            int64_t n = atomic_fetch_add(&R->trace_count, 1);
+            if (n < R->trace_cap)
+                R->trace[n] = (cpu_trace_event){t->kind, (int16_t)job->worker, t->minibatch, start, mok__cpu_now_ns()};
+        }
+        /* NOTE: release: the tile's writes are visible to whoever acquires this counter. */
+        for (int d = 0; d < 2; ++d)
+            if (t->done[d] >= 0) atomic_fetch_add_explicit(&R->counters[t->done[d]], 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static mok_status run_workers(cpu_pass *pass) {
+    cpu_workspace *cw = pass->cw;
+    cpu_rank *R = pass->R;
+    worker_job jobs[1024];
+    pthread_t threads[1024];
+    int n = cw->workers;
+    for (int w = 0; w < n; ++w) jobs[w] = (worker_job){pass, w, w < cw->comm_workers ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE};
+    int started = 1;
+    for (int w = 1; w < n; ++w, ++started)
+        if (pthread_create(&threads[w], NULL, worker_main, &jobs[w]) != 0) break;
+    if (started < n) {
+        /* Too few threads for both roles would leave tasks unclaimed: stop the ones we have. */
+        atomic_store(&R->abort, 1);
+        for (int w = 1; w < started; ++w) pthread_join(threads[w], NULL);
+        return mok__fail(MOK_ERR_BACKEND, "cpu backend: could not start %d worker threads", n);
+    }
+    worker_main(&jobs[0]);
+    for (int w = 1; w < n; ++w) pthread_join(threads[w], NULL);
+    return MOK_OK;
+}
+
+/* ---- passes ---------------------------------------------------------------------------------- */
+
+static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t num_tokens) {
+    mok_workspace *ws = pass->ws;
+    pass->sched = mok__sched_view(&ws->sched_layout, (void *)schedule);
+    const mok_sched_header *h = pass->sched.header;
+    int rank = pass->R->rank;
+    if (h->magic != MOK_SCHED_MAGIC)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: not built by mok_schedule_build",
+                         pass->local_rank);
+    if (h->rank != rank || h->nranks != ws->group->nranks || h->num_local_experts != ws->num_local_experts ||
+        h->topk != ws->shape.topk || h->max_rows != ws->sched_layout.max_rows)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: built for another rank or workspace shape",
+                         pass->local_rank);
+    if (h->error) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: its build failed", pass->local_rank);
+    if (h->num_tokens[rank] != num_tokens)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].num_tokens: %lld differs from the %lld of the schedule",
+                         pass->local_rank, (long long)num_tokens, (long long)h->num_tokens[rank]);
+    return MOK_OK;
+}
+
+static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedule, int accumulate) {
+    mok_workspace *ws = pass->ws;
+    cpu_rank *R = pass->R;
+    mok_status st = read_schedule(pass, schedule, num_tokens);
+    if (st != MOK_OK) return st;
+    mok_plan *p = &pass->plan;
+    memset(p, 0, sizeof *p);
+    p->backward = pass->kind == CPU_PASS_BACKWARD;
+    p->recompute = pass->kind == CPU_PASS_RECOMPUTE;
+    p->accumulate = accumulate;
+    p->padded_rows = pass->sched.header->padded_rows;
+    p->context_rows = ws->context_rows;
+    p->num_tokens = num_tokens;
+    p->hidden = ws->shape.hidden;
+    p->intermediate = ws->shape.intermediate;
+    p->shared_intermediate = ws->shape.shared_intermediate;
+    p->num_local_experts = (int)ws->num_local_experts;
+    p->minibatch_rows = ws->config.minibatch_rows;
+    p->ring_rows = ws->config.ring_rows;
+    p->n_tile = CPU_N_TILE;
+    p->wgrad_tile = CPU_WGRAD_TILE;
+    p->expert_start = pass->sched.expert_start;
+    p->expert_rows = pass->sched.expert_rows;
+    mok__counters_layout(p, &pass->counters);
+    R->num_tasks = mok__tasks_build(p, R->tasks, R->tasks_cap);
+    if (R->num_tasks < 0 || pass->counters.total > R->counters_cap)
+        return mok__fail(MOK_ERR_INTERNAL, "cpu backend: task list larger than its bound");
+    for (int64_t c = 0; c < pass->counters.total; ++c) atomic_store_explicit(&R->counters[c], 0, memory_order_relaxed);
+    atomic_store(&R->cursor[0], 0);
+    atomic_store(&R->cursor[1], 0);
+    atomic_store(&R->abort, 0);
+    atomic_store(&R->trace_count, 0);
+    return MOK_OK;
+}
+
+static void stage(void *dst, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst, src, bytes);
+}
+
+static mok_status run_schedule_build(rank_job *job) {
+    mok_workspace *ws = job->ws;
+    cpu_workspace *cw = ws->impl;
+    cpu_rank *R = &cw->ranks[job->local_rank];
+    const mok_schedule_args *a = job->args;
+    const int64_t k = ws->shape.topk, P = ws->group->nranks;
+    *(int64_t *)(R->region + cw->sym.tokens) = a->num_tokens;
+    stage(R->region + cw->sym.ids, a->topk_ids, (size_t)(a->num_tokens * k) * 4);
+    mok_status st = mok__cpu_barrier(ws->group, job->local_rank, 1);
+    if (st != MOK_OK) return st;
+    int64_t tokens[MOK_MAX_RANKS];
+    const int32_t *ids[MOK_MAX_RANKS];
+    for (int p = 0; p < P; ++p) {
+        tokens[p] = *(const int64_t *)(R->peers[p] + cw->sym.tokens);
+        ids[p] = (const int32_t *)(R->peers[p] + cw->sym.ids);
+    }
+    int err = mok__sched_build(&ws->sched_layout, a->schedule, R->rank, ws->shape.num_experts, tokens, ids);
+    if (err == MOK_SCHED_ERR_EXPERT_ID) {
+        /* Name the first bad id, of whichever rank; every rank reports the same one. */
+        for (int p = 0; p < P; ++p)
+            for (int64_t s = 0; s < tokens[p] * k; ++s)
+                if (ids[p][s] < -1 || ids[p][s] >= ws->shape.num_experts) {
+                    st = mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                                   "topk_ids: rank %d token %lld slot %lld holds expert id %d, not in [-1, E = %lld)", p,
+                                   (long long)(s / k), (long long)(s % k), ids[p][s],
+                                   (long long)ws->shape.num_experts);
+                    p = (int)P;
+                    break;
+                }
+    } else if (err) {
+        st = mok__fail(MOK_ERR_INTERNAL, "schedule: build error %d", err);
+    }
+    /* Peers read this rank's ids until they pass this barrier. */
+    mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, 1);
+    return st != MOK_OK ? st : bst;
+}
+
+static mok_status run_pass(rank_job *job) {
+    mok_workspace *ws = job->ws;
+    cpu_workspace *cw = ws->impl;
+    cpu_pass pass;
+    memset(&pass, 0, sizeof pass);
+    pass.ws = ws;
+    pass.cw = cw;
+    pass.R = &cw->ranks[job->local_rank];
+    pass.local_rank = job->local_rank;
+    pass.kind = job->kind;
+    cpu_rank *R = pass.R;
+    const mok_shape *s = &ws->shape;
+    const size_t H = (size_t)s->hidden, k = (size_t)s->topk;
+    int64_t T;
+    mok_status st;
+    if (job->kind == CPU_PASS_BACKWARD) {
+        pass.ba = job->args;
+        T = pass.ba->num_tokens;
+        st = prepare(&pass, T, pass.ba->schedule, pass.ba->accumulate);
+        if (st == MOK_OK) {
+            stage(R->region + cw->sym.x, pass.ba->x, (size_t)T * H * 2);
+            stage(R->region + cw->sym.dy, pass.ba->dy, (size_t)T * H * 2);
+            stage(R->region + cw->sym.router_w, pass.ba->router_w, (size_t)T * k * 4);
+        }
+    } else {
+        pass.fa = job->args;
+        T = pass.fa->num_tokens;
+        st = prepare(&pass, T, pass.fa->schedule, 0);
+        if (st == MOK_OK) {
+            stage(R->region + cw->sym.x, pass.fa->x, (size_t)T * H * 2);
+            stage(R->region + cw->sym.router_w, pass.fa->router_w, (size_t)T * k * 4);
+        }
+    }
+    /* Start barrier: every rank's inputs are staged before anyone pulls. A rank that rejected its
+       arguments makes every rank return an error here instead of waiting for it. */
+    char message[1024] = "";
+    if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
+    mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
+    if (st != MOK_OK) return mok__fail(st, "%s", message);
+    if (bst != MOK_OK) return bst;
+    st = run_workers(&pass);
+    /* End barrier: every push into this rank's buffers has landed, and no peer still reads from
+       this rank's region. */
+    bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
+    if (st != MOK_OK) return st;
+    if (bst != MOK_OK) return bst;
+    if (job->kind == CPU_PASS_FORWARD) mok__cpu_forward_epilogue(&pass, 0, T);
+    else if (job->kind == CPU_PASS_BACKWARD) mok__cpu_backward_epilogue(&pass, 0, T);
+    return MOK_OK;
+}
+
+static void *rank_main(void *arg) {
+    rank_job *job = arg;
+    job->status = job->kind < 0 ? run_schedule_build(job) : run_pass(job);
+    if (job->status != MOK_OK) snprintf(job->message, sizeof job->message, "%s", mok_last_error());
+    return NULL;
+}
+
+/* Runs one job per local rank: in this thread when there is one, else one thread each (the
+ * ranks wait for each other at barriers, so they must run at the same time). */
+static mok_status run_ranks(mok_workspace *ws, int kind, const void *args, size_t arg_size) {
+    int n = ws->group->num_local_ranks;
+    rank_job jobs[MOK_MAX_RANKS];
+    pthread_t threads[MOK_MAX_RANKS];
+    for (int r = 0; r < n; ++r)
+        jobs[r] = (rank_job){ws, r, kind, (const char *)args + (size_t)r * arg_size, MOK_OK, ""};
+    if (n == 1) {
+        rank_main(&jobs[0]);
+    } else {
+        int started = 0;
+        for (; started < n; ++started)
+            if (pthread_create(&threads[started], NULL, rank_main, &jobs[started]) != 0) break;
+        for (int r = 0; r < started; ++r) pthread_join(threads[r], NULL);
+        if (started < n) return mok__fail(MOK_ERR_BACKEND, "cpu backend: could not start a thread for each rank");
+    }
+    /* Report the most telling failure: an argument error over the peers' echo of it. */
+    int pick = -1;
+    for (int r = 0; r < n; ++r) {
+        if (jobs[r].status == MOK_OK) continue;
+        if (pick < 0 || (strstr(jobs[pick].message, "rejected its arguments") && !strstr(jobs[r].message, "rejected")))
+            pick = r;
+    }
+    if (pick >= 0) {
+        if (jobs[pick].status == MOK_ERR_TIMEOUT) ws->failed = 1;
+        return mok__fail(jobs[pick].status, "%s", jobs[pick].message);
+    }
+    return MOK_OK;
+}
+
+mok_status mok__cpu_schedule_build(mok_workspace *ws, const mok_schedule_args *args) {
+    return run_ranks(ws, -1, args, sizeof *args);
+}
+
+mok_status mok__cpu_schedule_read(mok_workspace *ws, const void *schedule, int local_rank, mok_sched_header *header) {
+    (void)ws;
+    (void)local_rank;
+    memcpy(header, schedule, sizeof *header);
+    return MOK_OK;
+}
+
+mok_status mok__cpu_forward(mok_workspace *ws, const mok_forward_args *args, int recompute) {
+    return run_ranks(ws, recompute ? CPU_PASS_RECOMPUTE : CPU_PASS_FORWARD, args, sizeof *args);
+}
+
+mok_status mok__cpu_backward(mok_workspace *ws, const mok_backward_args *args) {
+    return run_ranks(ws, CPU_PASS_BACKWARD, args, sizeof *args);
+}
+
+static const char *kind_name(int kind) {
+    static const char *names[MOK_TASK_NUM_KINDS] = {
+        "shared_up", "shared_down", "dispatch", "gateup", "down", "combine", "shared_dh", "shared_dx",
+        "pull", "dh", "dx", "push", "wgrad", "shared_wgrad", "wgrad_zero"};
+    return kind >= 0 && kind < MOK_TASK_NUM_KINDS ? names[kind] : "?";
+}
+
+mok_status mok__cpu_trace_write(mok_workspace *ws, const char *path) {
+    cpu_workspace *cw = ws->impl;
+    FILE *f = fopen(path, "w");
+    if (!f) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "path: cannot open '%s' for writing", path);
+    int64_t origin = INT64_MAX;
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        cpu_rank *R = &cw->ranks[lr];
+        int64_t n = atomic_load(&R->trace_count);
+        for (int64_t i = 0; i < n && i < R->trace_cap; ++i)
+            if (R->trace[i].start_ns < origin) origin = R->trace[i].start_ns;
+    }
+    fprintf(f, "{\"traceEvents\":[\n");
+    int first = 1;
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        cpu_rank *R = &cw->ranks[lr];
+        int64_t n = atomic_load(&R->trace_count);
+        for (int64_t i = 0; i < n && i < R->trace_cap; ++i) {
+            const cpu_trace_event *e = &R->trace[i];
+            fprintf(f, "%s{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                       "\"args\":{\"minibatch\":%d}}",
+                    first ? "" : ",\n", kind_name(e->kind), e->worker < cw->comm_workers ? "comm" : "compute", R->rank,
+                    e->worker, (double)(e->start_ns - origin) / 1e3, (double)(e->end_ns - e->start_ns) / 1e3,
+                    e->minibatch);
+            first = 0;
+        }
+    }
+    fprintf(f, "\n]}\n");
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad) return mok__fail(MOK_ERR_BACKEND, "path: error writing '%s'", path);
+    return MOK_OK;
+}

@@ -1,0 +1,177 @@
+/* tasks_fwd.c — the forward's tasks on the cpu backend (kinds in core/tasks.h) and its
+ * epilogue. Buffer ownership: ring rows are written by DISPATCH (x) and GATEUP/DOWN (h, y) of
+ * the row tile that owns them and read by later tasks of the same tile; a peer's combine buffer
+ * row (token, slot) is written by exactly one COMBINE, of the rank that owns the expert. */
+#include "cpu.h"
+
+#define NT CPU_N_TILE
+
+static float *scratch_a(float *s) { return s; }
+static float *scratch_bt(const cpu_pass *p, float *s, int which) {
+    const mok_shape *sh = &p->ws->shape;
+    size_t kmax = (size_t)(sh->hidden > sh->intermediate ? sh->hidden : sh->intermediate);
+    if (2 * (size_t)sh->intermediate > kmax) kmax = 2 * (size_t)sh->intermediate;
+    if (2 * (size_t)sh->shared_intermediate > kmax) kmax = 2 * (size_t)sh->shared_intermediate;
+    return s + (size_t)MOK_ROW_TILE * kmax + (size_t)which * kmax * NT;
+}
+static float *scratch_acc(const cpu_pass *p, float *s, int which) {
+    return scratch_bt(p, s, 2) + (size_t)which * MOK_ROW_TILE * NT;
+}
+
+cpu_tile mok__cpu_tile(const cpu_pass *pass, int64_t rt) {
+    cpu_tile t;
+    t.row0 = rt * MOK_ROW_TILE;
+    t.ring0 = t.row0 % pass->ws->config.ring_rows;
+    t.expert = mok__sched_row_expert(&pass->sched, (int)pass->ws->num_local_experts, t.row0);
+    t.nreal = 0;
+    /* padding rows close an expert's segment, so the real rows are a prefix of the tile */
+    while (t.nreal < MOK_ROW_TILE && pass->sched.row_peer[t.row0 + t.nreal] >= 0) ++t.nreal;
+    return t;
+}
+
+/* g and u ([nreal][NT], bf16-rounded values) of the tile's ring x rows, columns [n0, n0+NT). */
+void mok__cpu_gateup(const cpu_pass *pass, const cpu_tile *tile, int64_t n0, float *scratch, float *g, float *u) {
+    const mok_shape *s = &pass->ws->shape;
+    const int64_t H = s->hidden, I = s->intermediate;
+    const void *w_gate = pass->fa ? pass->fa->w_gate : pass->ba->w_gate;
+    const void *w_up = pass->fa ? pass->fa->w_up : pass->ba->w_up;
+    float *a = scratch_a(scratch), *bg = scratch_bt(pass, scratch, 0), *bu = scratch_bt(pass, scratch, 1);
+    mok__cpu_rows_to_f32(a, pass->R->ring_x + tile->ring0 * H, H, tile->nreal, H);
+    mok__cpu_bt_from_nk(bg, (const uint16_t *)w_gate + (int64_t)tile->expert * I * H, H, n0, NT, H);
+    mok__cpu_bt_from_nk(bu, (const uint16_t *)w_up + (int64_t)tile->expert * I * H, H, n0, NT, H);
+    mok__cpu_gemm(g, a, tile->nreal, H, bg, NT);
+    mok__cpu_gemm(u, a, tile->nreal, H, bu, NT);
+    for (int i = 0; i < tile->nreal * NT; ++i) {
+        g[i] = mok__round_bf16(g[i]);
+        u[i] = mok__round_bf16(u[i]);
+    }
+}
+
+static void shared_up(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
+    const mok_shape *s = &pass->ws->shape;
+    const int64_t H = s->hidden, Is = s->shared_intermediate, n0 = nt * NT, t0 = mt * MOK_ROW_TILE;
+    const float limit = pass->ws->config.swiglu_limit;
+    int rows = (int)(pass->plan.num_tokens - t0 < MOK_ROW_TILE ? pass->plan.num_tokens - t0 : MOK_ROW_TILE);
+    float *a = scratch_a(scratch), *bg = scratch_bt(pass, scratch, 0), *bu = scratch_bt(pass, scratch, 1);
+    float *g = scratch_acc(pass, scratch, 0), *u = scratch_acc(pass, scratch, 1);
+    mok__cpu_rows_to_f32(a, (const uint16_t *)pass->fa->x + t0 * H, H, rows, H);
+    mok__cpu_bt_from_nk(bg, pass->fa->s_gate, H, n0, NT, H);
+    mok__cpu_bt_from_nk(bu, pass->fa->s_up, H, n0, NT, H);
+    mok__cpu_gemm(g, a, rows, H, bg, NT);
+    mok__cpu_gemm(u, a, rows, H, bu, NT);
+    uint16_t *ctx = (uint16_t *)((char *)pass->fa->context + pass->ws->context_shared_offset);
+    for (int r = 0; r < rows; ++r) {
+        uint16_t *crow = ctx + (t0 + r) * 2 * Is;
+        for (int n = 0; n < NT; ++n) {
+            uint16_t gb = mok__bf16_from_f32(g[r * NT + n]), ub = mok__bf16_from_f32(u[r * NT + n]);
+            crow[n0 + n] = gb;
+            crow[Is + n0 + n] = ub;
+            pass->R->sh_h[(t0 + r) * Is + n0 + n] =
+                mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(gb), mok__bf16_to_f32(ub), limit));
+        }
+    }
+}
+
+static void shared_down(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
+    const mok_shape *s = &pass->ws->shape;
+    const int64_t H = s->hidden, Is = s->shared_intermediate, n0 = nt * NT, t0 = mt * MOK_ROW_TILE;
+    int rows = (int)(pass->plan.num_tokens - t0 < MOK_ROW_TILE ? pass->plan.num_tokens - t0 : MOK_ROW_TILE);
+    float *a = scratch_a(scratch), *bt = scratch_bt(pass, scratch, 0), *acc = scratch_acc(pass, scratch, 0);
+    mok__cpu_rows_to_f32(a, pass->R->sh_h + t0 * Is, Is, rows, Is);
+    mok__cpu_bt_from_nk(bt, pass->fa->s_down, Is, n0, NT, Is);
+    mok__cpu_gemm(acc, a, rows, Is, bt, NT);
+    for (int r = 0; r < rows; ++r)
+        for (int n = 0; n < NT; ++n) pass->R->sh_out[(t0 + r) * H + n0 + n] = mok__bf16_from_f32(acc[r * NT + n]);
+}
+
+static void dispatch(cpu_pass *pass, int64_t rt) {
+    const int64_t H = pass->ws->shape.hidden, k = pass->ws->shape.topk;
+    cpu_rank *R = pass->R;
+    cpu_tile tile = mok__cpu_tile(pass, rt);
+    for (int r = 0; r < tile.nreal; ++r) {
+        int p = pass->sched.row_peer[tile.row0 + r];
+        int64_t token = pass->sched.row_slot[tile.row0 + r] / k;
+        memcpy(R->ring_x + (tile.ring0 + r) * H, sym_bf16(R, &pass->cw->sym, p, pass->cw->sym.x) + token * H,
+               (size_t)H * 2);
+    }
+}
+
+static void gateup(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
+    const int64_t I = pass->ws->shape.intermediate, n0 = nt * NT;
+    const float limit = pass->ws->config.swiglu_limit;
+    cpu_tile tile = mok__cpu_tile(pass, rt);
+    float *g = scratch_acc(pass, scratch, 0), *u = scratch_acc(pass, scratch, 1);
+    mok__cpu_gateup(pass, &tile, n0, scratch, g, u);
+    uint16_t *ctx = pass->fa->context;
+    for (int r = 0; r < MOK_ROW_TILE; ++r) {
+        int64_t row = tile.row0 + r;
+        int real = r < tile.nreal;
+        if (row < pass->ws->context_rows) {
+            uint16_t *crow = ctx + row * 2 * I;
+            for (int n = 0; n < NT; ++n) {
+                crow[n0 + n] = real ? mok__bf16_from_f32(g[r * NT + n]) : 0;
+                crow[I + n0 + n] = real ? mok__bf16_from_f32(u[r * NT + n]) : 0;
+            }
+        }
+        if (!real) continue;
+        uint16_t *h = pass->R->ring_h + (tile.ring0 + r) * I + n0;
+        for (int n = 0; n < NT; ++n) h[n] = mok__bf16_from_f32(mok__swiglu(g[r * NT + n], u[r * NT + n], limit));
+    }
+}
+
+static void down(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
+    const int64_t H = pass->ws->shape.hidden, I = pass->ws->shape.intermediate, n0 = nt * NT;
+    cpu_tile tile = mok__cpu_tile(pass, rt);
+    if (tile.nreal == 0) return;
+    float *a = scratch_a(scratch), *bt = scratch_bt(pass, scratch, 0), *acc = scratch_acc(pass, scratch, 0);
+    mok__cpu_rows_to_f32(a, pass->R->ring_h + tile.ring0 * I, I, tile.nreal, I);
+    mok__cpu_bt_from_nk(bt, (const uint16_t *)pass->fa->w_down + (int64_t)tile.expert * H * I, I, n0, NT, I);
+    mok__cpu_gemm(acc, a, tile.nreal, I, bt, NT);
+    for (int r = 0; r < tile.nreal; ++r)
+        for (int n = 0; n < NT; ++n)
+            pass->R->ring_y[(tile.ring0 + r) * H + n0 + n] = mok__bf16_from_f32(acc[r * NT + n]);
+}
+
+static void combine(cpu_pass *pass, int64_t rt) {
+    const int64_t H = pass->ws->shape.hidden;
+    cpu_rank *R = pass->R;
+    cpu_tile tile = mok__cpu_tile(pass, rt);
+    for (int r = 0; r < tile.nreal; ++r) {
+        int p = pass->sched.row_peer[tile.row0 + r];
+        int64_t slot = pass->sched.row_slot[tile.row0 + r];
+        memcpy(sym_bf16(R, &pass->cw->sym, p, pass->cw->sym.comb) + slot * H, R->ring_y + (tile.ring0 + r) * H,
+               (size_t)H * 2);
+    }
+}
+
+void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *t, float *scratch) {
+    switch (t->kind) {
+    case MOK_TASK_SHARED_UP: shared_up(pass, t->a, t->b, scratch); break;
+    case MOK_TASK_SHARED_DOWN: shared_down(pass, t->a, t->b, scratch); break;
+    case MOK_TASK_DISPATCH: dispatch(pass, t->a); break;
+    case MOK_TASK_GATEUP: gateup(pass, t->a, t->b, scratch); break;
+    case MOK_TASK_DOWN: down(pass, t->a, t->b, scratch); break;
+    case MOK_TASK_COMBINE: combine(pass, t->a); break;
+    default: break;
+    }
+}
+
+/* y[t] = bf16(shared[t] + sum_j w[t,j] * comb[t,j]) in fp32, in that order. */
+void mok__cpu_forward_epilogue(cpu_pass *pass, int64_t t0, int64_t t1) {
+    const int64_t H = pass->ws->shape.hidden, k = pass->ws->shape.topk;
+    const int has_shared = pass->ws->shape.shared_intermediate > 0;
+    const uint16_t *comb = (const uint16_t *)(pass->R->region + pass->cw->sym.comb);
+    const float *w = pass->fa->router_w;
+    float *acc = pass->R->scratch;
+    uint16_t *y = pass->fa->y;
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h = 0; h < H; ++h) acc[h] = has_shared ? mok__bf16_to_f32(pass->R->sh_out[t * H + h]) : 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            if (pass->sched.own_ids[t * k + j] < 0) continue;
+            const float wj = w[t * k + j];
+            const uint16_t *row = comb + (t * k + j) * H;
+            for (int64_t h = 0; h < H; ++h) acc[h] += wj * mok__bf16_to_f32(row[h]);
+        }
+        for (int64_t h = 0; h < H; ++h) y[t * H + h] = mok__bf16_from_f32(acc[h]);
+    }
+}

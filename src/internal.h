@@ -1,0 +1,64 @@
+/* internal.h — what the host side of the library shares: the error path, the group and
+ * workspace handles, and the backend entry points that api.c dispatches to. */
+#ifndef MOK_INTERNAL_H
+#define MOK_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/schedule.h"
+#include "mok.h"
+
+/* Records the thread-local message (printf format) and returns `status`. */
+mok_status mok__fail(mok_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void mok__clear_error(void);
+
+struct mok_group {
+    mok_backend backend; /* resolved: MOK_BACKEND_CPU or MOK_BACKEND_CUDA */
+    int nranks;
+    int num_local_ranks; /* 1 (one rank per process) or nranks (one process drives all) */
+    int first_rank;      /* global index of local rank 0 */
+    mok_config config;
+    int failed;          /* set after a timeout: peers may be out of step, the group is unusable */
+    void *impl;          /* backend state */
+};
+
+struct mok_workspace {
+    mok_group *group;
+    mok_shape shape;
+    mok_config config;
+    int64_t num_local_experts;
+    mok_sched_layout sched_layout;
+    int64_t context_rows;   /* routed rows whose gate/up the context keeps */
+    size_t context_shared_offset; /* byte offset of the shared expert's g/u in a context */
+    mok_sizes sizes;
+    int failed;
+    void *impl;
+};
+
+/* Validation shared by every backend (api.c). */
+mok_status mok__check_ptr(const void *ptr, const char *name, int required);
+
+/* Backend entry points. The cpu backend is always built; the cuda one when MOK_HAVE_CUDA. */
+#define MOK_BACKEND_FUNCS(prefix)                                                                  \
+    mok_status prefix##_group_create(mok_group *group, int rank, const mok_unique_id *id,          \
+                                     const int *devices);                                          \
+    void prefix##_group_destroy(mok_group *group);                                                 \
+    mok_status prefix##_workspace_create(mok_workspace *ws);                                       \
+    void prefix##_workspace_destroy(mok_workspace *ws);                                            \
+    mok_status prefix##_schedule_build(mok_workspace *ws, const mok_schedule_args *args);          \
+    mok_status prefix##_schedule_read(mok_workspace *ws, const void *schedule, int local_rank,     \
+                                      mok_sched_header *header);                                   \
+    mok_status prefix##_forward(mok_workspace *ws, const mok_forward_args *args, int recompute);   \
+    mok_status prefix##_backward(mok_workspace *ws, const mok_backward_args *args);                \
+    mok_status prefix##_trace_write(mok_workspace *ws, const char *path);
+
+MOK_BACKEND_FUNCS(mok__cpu)
+#ifdef MOK_HAVE_CUDA
+MOK_BACKEND_FUNCS(mok__cuda)
+int mok__cuda_device_count(void);
+mok_status mok__cuda_unique_id(mok_unique_id *id);
+#endif
+
+#endif
