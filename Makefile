@@ -4,14 +4,14 @@
 BUILD    ?= build
 CC       ?= cc
 NVCC     ?= nvcc
-CUDA     ?= $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard src/cuda/*.cu)),1,0)
+CUDA     ?= $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard src/cuda/forward.cu)),1,0)
 SAN      ?=
 OPT      ?= -O2
 CFLAGS   += -std=c11 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -fPIC -pthread -ffp-contract=off \
             -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -Iinclude -Isrc $(SAN)
 LDLIBS   += -lpthread -lm
 NVFLAGS  ?= -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a \
-            -Iinclude -Isrc --expt-relaxed-constexpr -fmad=true
+            -Iinclude -Isrc --expt-relaxed-constexpr -fmad=true -diag-suppress 177,550
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
 
 LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c)
@@ -19,10 +19,16 @@ LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu),)
 TOOL_C   := $(wildcard tools/*.c)
 TEST_C   := $(wildcard tests/*.c)
 
+# NCCL_HOME: a folder with include/nccl.h and lib/libnccl.so.2 (e.g. PyTorch's nvidia/nccl); the
+# device API must be compiled against the NCCL that runs. Empty: the CUDA toolkit's copy.
+NCCL_HOME ?=
 ifeq ($(CUDA),1)
-CFLAGS   += -DMOK_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++ -ldl
-NVFLAGS  += -DMOK_HAVE_CUDA=1
+NCCL_FLAGS := $(if $(NCCL_HOME),-I$(NCCL_HOME)/include,)
+comma    := ,
+NCCL_LINK  := $(if $(NCCL_HOME),-L$(NCCL_HOME)/lib -Wl$(comma)-rpath$(comma)$(NCCL_HOME)/lib -l:libnccl.so.2,-lnccl)
+CFLAGS   += -DMOK_HAVE_CUDA=1 $(NCCL_FLAGS) -I$(CUDA_HOME)/include
+LDLIBS   += $(NCCL_LINK) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl
+NVFLAGS  += -DMOK_HAVE_CUDA=1 $(NCCL_FLAGS)
 endif
 
 LIB_OBJ  := $(LIB_C:%.c=$(BUILD)/obj/%.o) $(LIB_CU:%.cu=$(BUILD)/obj/%.o)

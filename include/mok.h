@@ -254,6 +254,22 @@ mok_status mok_backward(mok_workspace *workspace, const mok_backward_args *args)
 /* Rebuilds the forward context (activation checkpointing); bitwise equal to the forward's. */
 mok_status mok_recompute_context(mok_workspace *workspace, const mok_forward_args *args);
 
+/* ---- memory and synchronisation, for callers without an allocator of their own -----------
+ * Memory where a local rank's backend wants it: device memory of its GPU (cuda) or host memory
+ * (cpu), MOK_ALIGN-aligned. mok_memory_copy is synchronous. */
+typedef enum mok_copy_kind {
+    MOK_COPY_HOST_TO_RANK = 0,
+    MOK_COPY_RANK_TO_HOST = 1,
+    MOK_COPY_RANK_TO_RANK = 2 /* within the same local rank's memory */
+} mok_copy_kind;
+mok_status mok_memory_alloc(mok_group *group, int local_rank, size_t bytes, void **ptr);
+mok_status mok_memory_free(mok_group *group, int local_rank, void *ptr);
+mok_status mok_memory_copy(mok_group *group, int local_rank, void *dst, const void *src, size_t bytes,
+                           mok_copy_kind kind);
+/* Waits until every pass issued on every local rank has finished, then reports any error the
+ * kernels recorded (timeouts, bad ids). On cpu every call is already synchronous. */
+mok_status mok_synchronize(mok_workspace *workspace);
+
 /* Writes the tasks recorded by the last pass (config.trace = 1) as Chrome trace JSON. */
 mok_status mok_trace_write(mok_workspace *workspace, const char *path);
 

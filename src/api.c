@@ -406,3 +406,54 @@ mok_status mok_trace_write(mok_workspace *ws, const char *path) {
 #endif
     return mok__cpu_trace_write(ws, path);
 }
+
+static mok_status check_rank(const mok_group *g, int local_rank) {
+    if (!g) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "group: must not be NULL");
+    if (local_rank < 0 || local_rank >= g->num_local_ranks)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "local_rank: %d is not in [0, %d)", local_rank, g->num_local_ranks);
+    return MOK_OK;
+}
+
+mok_status mok_memory_alloc(mok_group *g, int local_rank, size_t bytes, void **ptr) {
+    mok__clear_error();
+    TRY(check_rank(g, local_rank));
+    if (!ptr) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "ptr: must not be NULL");
+    *ptr = NULL;
+#ifdef MOK_HAVE_CUDA
+    if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_alloc(g, local_rank, bytes, ptr);
+#endif
+    return mok__cpu_memory_alloc(g, local_rank, bytes, ptr);
+}
+
+mok_status mok_memory_free(mok_group *g, int local_rank, void *ptr) {
+    mok__clear_error();
+    TRY(check_rank(g, local_rank));
+    if (!ptr) return MOK_OK;
+#ifdef MOK_HAVE_CUDA
+    if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_free(g, local_rank, ptr);
+#endif
+    return mok__cpu_memory_free(g, local_rank, ptr);
+}
+
+mok_status mok_memory_copy(mok_group *g, int local_rank, void *dst, const void *src, size_t bytes,
+                           mok_copy_kind kind) {
+    mok__clear_error();
+    TRY(check_rank(g, local_rank));
+    if (bytes == 0) return MOK_OK;
+    if (!dst || !src) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "dst, src: must not be NULL");
+    if (kind != MOK_COPY_HOST_TO_RANK && kind != MOK_COPY_RANK_TO_HOST && kind != MOK_COPY_RANK_TO_RANK)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "kind: %d is not a mok_copy_kind", (int)kind);
+#ifdef MOK_HAVE_CUDA
+    if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_copy(g, local_rank, dst, src, bytes, kind);
+#endif
+    return mok__cpu_memory_copy(g, local_rank, dst, src, bytes, kind);
+}
+
+mok_status mok_synchronize(mok_workspace *ws) {
+    mok__clear_error();
+    if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_synchronize(ws);
+#endif
+    return mok__cpu_synchronize(ws);
+}

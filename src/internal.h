@@ -52,7 +52,12 @@ mok_status mok__check_ptr(const void *ptr, const char *name, int required);
                                       mok_sched_header *header);                                   \
     mok_status prefix##_forward(mok_workspace *ws, const mok_forward_args *args, int recompute);   \
     mok_status prefix##_backward(mok_workspace *ws, const mok_backward_args *args);                \
-    mok_status prefix##_trace_write(mok_workspace *ws, const char *path);
+    mok_status prefix##_trace_write(mok_workspace *ws, const char *path);                         \
+    mok_status prefix##_memory_alloc(mok_group *group, int local_rank, size_t bytes, void **ptr);  \
+    mok_status prefix##_memory_free(mok_group *group, int local_rank, void *ptr);                  \
+    mok_status prefix##_memory_copy(mok_group *group, int local_rank, void *dst, const void *src,  \
+                                    size_t bytes, mok_copy_kind kind);                             \
+    mok_status prefix##_synchronize(mok_workspace *ws);
 
 MOK_BACKEND_FUNCS(mok__cpu)
 #ifdef MOK_HAVE_CUDA

@@ -9,10 +9,14 @@
 
 #if defined(__CUDACC__)
 #define MOK_HD __host__ __device__
-#define MOK_INLINE __host__ __device__ __forceinline__
+#define MOK_INLINE static __host__ __device__ __forceinline__
+/* The cuda backend compiles the core's .c files into each of its translation units (see
+ * cuda/core.cuh), so there the core's functions have internal linkage. */
+#define MOK_CORE static __host__ __device__
 #else
 #define MOK_HD
 #define MOK_INLINE static inline
+#define MOK_CORE
 #endif
 
 /* Round to nearest even; NaN keeps a quiet NaN with its sign. */

@@ -4,7 +4,7 @@
 
 static MOK_HD size_t align16(size_t bytes) { return (bytes + 15u) & ~(size_t)15u; }
 
-MOK_HD int64_t mok__sched_max_rows(int nranks, int64_t num_local_experts, int64_t topk, int64_t max_tokens) {
+MOK_CORE int64_t mok__sched_max_rows(int nranks, int64_t num_local_experts, int64_t topk, int64_t max_tokens) {
     int64_t slots = (int64_t)nranks * max_tokens * topk;
     /* An expert with n rows pads to roundup(n, tile); in total at most tile - 1 extra rows per
        expert, and never more than the experts that can receive rows at all. */
@@ -13,7 +13,7 @@ MOK_HD int64_t mok__sched_max_rows(int nranks, int64_t num_local_experts, int64_
     return (rows + MOK_ROW_TILE - 1) / MOK_ROW_TILE * MOK_ROW_TILE;
 }
 
-MOK_HD void mok__sched_layout(mok_sched_layout *layout, int nranks, int64_t num_local_experts, int64_t topk,
+MOK_CORE void mok__sched_layout(mok_sched_layout *layout, int nranks, int64_t num_local_experts, int64_t topk,
                               int64_t max_tokens) {
     size_t off = align16(sizeof(mok_sched_header));
     layout->nranks = nranks;
@@ -36,7 +36,7 @@ MOK_HD void mok__sched_layout(mok_sched_layout *layout, int nranks, int64_t num_
     layout->bytes = off;
 }
 
-MOK_HD mok_sched_view mok__sched_view(const mok_sched_layout *layout, void *buffer) {
+MOK_CORE mok_sched_view mok__sched_view(const mok_sched_layout *layout, void *buffer) {
     char *base = (char *)buffer;
     mok_sched_view view;
     view.header = (mok_sched_header *)base;
@@ -49,7 +49,7 @@ MOK_HD mok_sched_view mok__sched_view(const mok_sched_layout *layout, void *buff
     return view;
 }
 
-MOK_HD int mok__sched_build(const mok_sched_layout *layout, void *buffer, int rank, int64_t num_experts,
+MOK_CORE int mok__sched_build(const mok_sched_layout *layout, void *buffer, int rank, int64_t num_experts,
                             const int64_t *num_tokens, const int32_t *const *ids) {
     mok_sched_view v = mok__sched_view(layout, buffer);
     const int P = layout->nranks, L = layout->num_local_experts, k = layout->topk;
@@ -140,7 +140,7 @@ MOK_HD int mok__sched_build(const mok_sched_layout *layout, void *buffer, int ra
     return error;
 }
 
-MOK_HD int mok__sched_row_expert(const mok_sched_view *view, int num_local_experts, int64_t row) {
+MOK_CORE int mok__sched_row_expert(const mok_sched_view *view, int num_local_experts, int64_t row) {
     int lo = 0, hi = num_local_experts - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;

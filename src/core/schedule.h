@@ -55,8 +55,8 @@ typedef struct mok_sched_layout {
 
 /* Worst-case padded rows one rank can receive: every slot of every rank routed here, plus the
  * padding of every local expert. */
-MOK_HD int64_t mok__sched_max_rows(int nranks, int64_t num_local_experts, int64_t topk, int64_t max_tokens);
-MOK_HD void mok__sched_layout(mok_sched_layout *layout, int nranks, int64_t num_local_experts, int64_t topk,
+MOK_CORE int64_t mok__sched_max_rows(int nranks, int64_t num_local_experts, int64_t topk, int64_t max_tokens);
+MOK_CORE void mok__sched_layout(mok_sched_layout *layout, int nranks, int64_t num_local_experts, int64_t topk,
                               int64_t max_tokens);
 
 /* Typed views of a schedule buffer. */
@@ -70,15 +70,15 @@ typedef struct mok_sched_view {
     int32_t *own_ids;      /* [T_max * k] */
 } mok_sched_view;
 
-MOK_HD mok_sched_view mok__sched_view(const mok_sched_layout *layout, void *buffer);
+MOK_CORE mok_sched_view mok__sched_view(const mok_sched_layout *layout, void *buffer);
 
 /* Builds rank `rank`'s schedule from all ranks' topk_ids (ids[p] -> [num_tokens[p], k]).
  * Sequential reference form, used by the cpu backend and the tests; the cuda backend runs the
  * same phases in parallel. Returns the header's error code (0 = fine). */
-MOK_HD int mok__sched_build(const mok_sched_layout *layout, void *buffer, int rank, int64_t num_experts,
+MOK_CORE int mok__sched_build(const mok_sched_layout *layout, void *buffer, int rank, int64_t num_experts,
                             const int64_t *num_tokens, const int32_t *const *ids);
 
 /* Expert (local index) that padded row `row` belongs to: binary search of expert_start. */
-MOK_HD int mok__sched_row_expert(const mok_sched_view *view, int num_local_experts, int64_t row);
+MOK_CORE int mok__sched_row_expert(const mok_sched_view *view, int num_local_experts, int64_t row);
 
 #endif

@@ -8,7 +8,7 @@
 
 static MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-MOK_HD void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l) {
+MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l) {
     int64_t nmb = ceil_div(plan->padded_rows, plan->minibatch_rows);
     int64_t nmacro = ceil_div(plan->padded_rows, plan->ring_rows);
     int64_t ntt = ceil_div(plan->num_tokens, MOK_ROW_TILE);
@@ -31,7 +31,7 @@ MOK_HD void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l) {
     l->total = off;
 }
 
-MOK_HD void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end) {
+MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end) {
     int64_t s = plan->expert_start[e], n = plan->expert_rows[e];
     int64_t lo = m * plan->ring_rows, hi = lo + plan->ring_rows;
     int64_t f = s > lo ? s : lo, t = s + n < hi ? s + n : hi;
@@ -97,7 +97,7 @@ static MOK_HD int64_t wgrad_tiles_per_expert(const mok_plan *p, int64_t inter) {
 }
 
 static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L, emitter *em) {
-    const int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile;
+    const int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile_h;
     const int64_t nIs = p->shared_intermediate / p->n_tile;
     if (p->shared_intermediate > 0) {
         for (int64_t mt = 0; mt < L->num_token_tiles; ++mt)
@@ -168,7 +168,7 @@ static MOK_HD int64_t dh_tasks_in(const mok_plan *p, int64_t m) {
 }
 
 static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *L, emitter *em) {
-    const int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile;
+    const int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile_h;
     const int64_t nIs = p->shared_intermediate / p->n_tile;
     int64_t shared_dx_tasks = 0;
     if (p->shared_intermediate > 0) {
@@ -251,7 +251,92 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
                 emit(em, MOK_TASK_WGRAD_ZERO, MOK_ROLE_COMPUTE, -1, -1, -1, e, -1, -1, -1, -1, 0, -1, 0);
 }
 
-MOK_HD int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap) {
+static MOK_HD void group_set(mok_task_group *g, int kind, int64_t mb, int64_t first, int64_t num, int64_t n_tiles,
+                              int64_t wait, int64_t target, int wait_per_tile, int64_t done, int done_per_tile) {
+    g->kind = kind;
+    g->minibatch = mb;
+    g->first_tile = first;
+    g->num_tiles = num;
+    g->n_tiles = n_tiles;
+    g->wait = wait;
+    g->target = target;
+    g->wait_per_tile = wait_per_tile;
+    g->done = done;
+    g->done_per_tile = done_per_tile;
+}
+
+MOK_CORE int mok__forward_group(const mok_plan *p, const mok_counters_layout *L, int role, int64_t g,
+                              mok_task_group *out) {
+    const int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile_h;
+    const int64_t nIs = p->shared_intermediate / p->n_tile;
+    int64_t rows = p->padded_rows;
+    if (p->recompute && p->context_rows < rows) rows = p->context_rows;
+    const int64_t nmb = ceil_div(rows, p->minibatch_rows);
+    const int64_t ring_mbs = p->ring_rows / p->minibatch_rows;
+    const int64_t ahead = ring_mbs - 1 < MOK_LOOKAHEAD_MINIBATCHES ? ring_mbs - 1 : MOK_LOOKAHEAD_MINIBATCHES;
+    if (role == MOK_ROLE_COMPUTE) {
+        const int has_shared = p->shared_intermediate > 0 && L->num_token_tiles > 0;
+        const int64_t shared_groups = has_shared ? (p->recompute ? 1 : 2) : 0;
+        if (g < shared_groups) {
+            if (g == 0)
+                group_set(out, MOK_TASK_SHARED_UP, -1, 0, L->num_token_tiles, nIs, -1, 0, 0, L->shared_up_done, 1);
+            else
+                group_set(out, MOK_TASK_SHARED_DOWN, -1, 0, L->num_token_tiles, nH, L->shared_up_done, nIs, 1, -1, 0);
+            return 1;
+        }
+        g -= shared_groups;
+        const int64_t per_mb = p->recompute ? 1 : 2;
+        int64_t b = g / per_mb;
+        if (b >= nmb) return 0;
+        int64_t t0, t1;
+        mb_tiles(p, rows, b, &t0, &t1);
+        if (g % per_mb == 0)
+            group_set(out, MOK_TASK_GATEUP, b, t0, t1 - t0, nI, L->dispatched + b, t1 - t0, 0, L->gateup_done + b, 0);
+        else
+            group_set(out, MOK_TASK_DOWN, b, t0, t1 - t0, nH, L->gateup_done + b, (t1 - t0) * nI, 0, L->down_done + b,
+                      0);
+        return 1;
+    }
+    /* comm: D(0 .. A-1), then C(b) followed by D(b + A) while there is one (A = dispatches
+       ahead of the first combine); recompute has no combines, so just D(0 ..). */
+    const int64_t A = nmb < ahead + 1 ? nmb : ahead + 1;
+    int64_t kind_is_dispatch, b;
+    if (p->recompute) {
+        if (g >= nmb) return 0;
+        kind_is_dispatch = 1;
+        b = g;
+    } else if (g < A) {
+        kind_is_dispatch = 1;
+        b = g;
+    } else {
+        int64_t h = g - A, pairs = nmb - A;
+        if (h < 2 * pairs) {
+            kind_is_dispatch = h % 2;
+            b = h / 2 + (kind_is_dispatch ? A : 0);
+        } else {
+            kind_is_dispatch = 0;
+            b = pairs + (h - 2 * pairs);
+            if (b >= nmb) return 0;
+        }
+    }
+    int64_t t0, t1;
+    mb_tiles(p, rows, b, &t0, &t1);
+    if (kind_is_dispatch) {
+        int64_t wait = -1, target = 0;
+        if (b >= ring_mbs) {
+            int64_t prev = b - ring_mbs, q0, q1;
+            mb_tiles(p, rows, prev, &q0, &q1);
+            wait = p->recompute ? L->gateup_done + prev : L->combined + prev;
+            target = p->recompute ? (q1 - q0) * nI : (q1 - q0);
+        }
+        group_set(out, MOK_TASK_DISPATCH, b, t0, t1 - t0, 1, wait, target, 0, L->dispatched + b, 0);
+    } else {
+        group_set(out, MOK_TASK_COMBINE, b, t0, t1 - t0, 1, L->down_done + b, (t1 - t0) * nH, 0, L->combined + b, 0);
+    }
+    return 1;
+}
+
+MOK_CORE int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap) {
     mok_counters_layout L;
     mok__counters_layout(plan, &L);
     emitter em = {tasks, cap, 0};
@@ -260,11 +345,11 @@ MOK_HD int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t c
     return em.count <= cap ? em.count : -1;
 }
 
-MOK_HD int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {
+MOK_CORE int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {
     const int64_t w = p->wgrad_tile;
     int64_t tiles = max_rows / MOK_ROW_TILE;
     int64_t ntt = ceil_div(max_tokens, MOK_ROW_TILE);
-    int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile, nIs = p->shared_intermediate / p->n_tile;
+    int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile_h, nIs = p->shared_intermediate / p->n_tile;
     int64_t per_tile = 2 + nI + nH;
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     int64_t wg = (p->num_local_experts + max_macro) * 3 * (p->intermediate / w) * (p->hidden / w);
@@ -272,7 +357,7 @@ MOK_HD int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max_t
     return tiles * per_tile + wg + shared + p->num_local_experts;
 }
 
-MOK_HD int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {
+MOK_CORE int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {
     mok_plan worst = *p;
     worst.padded_rows = max_rows;
     worst.num_tokens = max_tokens;
@@ -281,6 +366,7 @@ MOK_HD int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t ma
     return L.total;
 }
 
+#ifndef __CUDACC__
 int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch) {
     /* Replays the list in order with counters that only grow: a wait whose target is not met by
        the tasks before it would wait on a later task (or forever). */
@@ -299,3 +385,4 @@ int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_count
     }
     return 0;
 }
+#endif

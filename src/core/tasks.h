@@ -69,7 +69,9 @@ typedef struct mok_plan {
     int64_t hidden, intermediate, shared_intermediate;
     int num_local_experts;
     int minibatch_rows, ring_rows;
-    int n_tile, wgrad_tile;
+    int n_tile;         /* columns of I (or I_s) per gate/up, SwiGLU-backward task */
+    int n_tile_h;       /* columns of H per down, dx task */
+    int wgrad_tile;
     const int64_t *expert_start; /* [E_local + 1] padded row offsets */
     const int64_t *expert_rows;  /* [E_local] */
 } mok_plan;
@@ -85,20 +87,42 @@ typedef struct mok_counters_layout {
     int64_t total;
 } mok_counters_layout;
 
-MOK_HD void mok__counters_layout(const mok_plan *plan, mok_counters_layout *layout);
+MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *layout);
 
 /* Upper bounds, for sizing buffers at workspace creation. */
-MOK_HD int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
-MOK_HD int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+MOK_CORE int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+MOK_CORE int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 
 /* Writes the list into tasks (capacity cap); returns its length, or -1 if cap is too small. */
-MOK_HD int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap);
+MOK_CORE int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap);
 
 /* Returns 0 if every wait of every task is satisfied by tasks earlier in the list; else the
  * index + 1 of the first task that breaks it. scratch: num_counters int64 (host only). */
+#ifndef __CUDACC__
 int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch);
+#endif
+
+/* The forward's tasks of one role as a sequence of groups: a group is one kind for one
+ * minibatch (or all token tiles of the shared expert), its tasks (row tile, n tile) in row-tile
+ * major order, all waiting on one counter (or one per row tile) and bumping one. The sequence is
+ * the role's subsequence of mok__tasks_build's list, so a GPU CTA can walk it with a ticket
+ * instead of a materialized list. */
+typedef struct mok_task_group {
+    int kind;
+    int64_t minibatch;
+    int64_t first_tile, num_tiles; /* row tiles (or token tiles) */
+    int64_t n_tiles;               /* tasks per row tile (1 for transfers) */
+    int64_t wait, target;          /* counter (-1 none) and target */
+    int wait_per_tile;             /* 1: the counter is wait + (tile - first_tile) */
+    int64_t done;                  /* counter bumped per task (-1 none) */
+    int done_per_tile;             /* 1: the counter is done + (tile - first_tile) */
+} mok_task_group;
+
+/* Group g of `role` in a forward (or recompute) plan; returns 0 past the last group. */
+MOK_CORE int mok__forward_group(const mok_plan *plan, const mok_counters_layout *L, int role, int64_t g,
+                              mok_task_group *out);
 
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
-MOK_HD void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
+MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 
 #endif

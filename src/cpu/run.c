@@ -124,6 +124,7 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     p->minibatch_rows = ws->config.minibatch_rows;
     p->ring_rows = ws->config.ring_rows;
     p->n_tile = CPU_N_TILE;
+    p->n_tile_h = CPU_N_TILE;
     p->wgrad_tile = CPU_WGRAD_TILE;
     p->expert_start = pass->sched.expert_start;
     p->expert_rows = pass->sched.expert_rows;

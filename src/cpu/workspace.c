@@ -50,6 +50,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     worst.minibatch_rows = ws->config.minibatch_rows;
     worst.ring_rows = ws->config.ring_rows;
     worst.n_tile = CPU_N_TILE;
+    worst.n_tile_h = CPU_N_TILE;
     worst.wgrad_tile = CPU_WGRAD_TILE;
     R->tasks_cap = mok__tasks_max(&worst, max_rows, s->max_tokens);
     R->counters_cap = mok__counters_max(&worst, max_rows, s->max_tokens);
@@ -176,4 +177,33 @@ void mok__cpu_workspace_destroy(mok_workspace *ws) {
     free(cw->ranks);
     free(cw);
     ws->impl = NULL;
+}
+
+/* ---- memory for callers: plain host memory ------------------------------------------------ */
+mok_status mok__cpu_memory_alloc(mok_group *g, int local_rank, size_t bytes, void **ptr) {
+    (void)g;
+    (void)local_rank;
+    *ptr = aligned_alloc(64, align64(bytes ? bytes : 64));
+    if (!*ptr) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "bytes: %zu of host memory are not available", bytes);
+    return MOK_OK;
+}
+
+mok_status mok__cpu_memory_free(mok_group *g, int local_rank, void *ptr) {
+    (void)g;
+    (void)local_rank;
+    free(ptr);
+    return MOK_OK;
+}
+
+mok_status mok__cpu_memory_copy(mok_group *g, int local_rank, void *dst, const void *src, size_t bytes,
+                                mok_copy_kind kind) {
+    (void)g;
+    (void)local_rank;
+    (void)kind;
+    memmove(dst, src, bytes);
+    return MOK_OK;
+}
+
+mok_status mok__cpu_synchronize(mok_workspace *ws) {
+    return ws->failed ? mok__fail(MOK_ERR_STATE, "workspace: unusable after an earlier timeout") : MOK_OK;
 }

@@ -1,0 +1,125 @@
+/* cuda_common.cuh — what the cuda backend's files share: the checked-call path, the per-rank
+ * state, and the device helpers for memory order and bounded waits.
+ *
+ * NOTE (memory order): within a GPU a producer CTA writes its rows, bar.syncs, and one thread
+ * makes a gpu-scope release add on the counter; a consumer thread spins with gpu-scope acquire
+ * loads, then bar.syncs before the CTA reads the rows (through L2: ld.global / cp.async.cg, never
+ * the non-coherent path). Across GPUs only the barrier kernel orders memory: system-scope
+ * release stores of the epoch into every peer's flag, system-scope acquire loads of its own. */
+#ifndef MOK_CUDA_COMMON_CUH
+#define MOK_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+extern "C" {
+#include "internal.h"
+}
+/* The portable core, compiled into this translation unit for host and device. */
+#include "core/schedule.c"
+#include "core/tasks.c"
+
+#define CUDA_TRY(call)                                                                                   \
+    do {                                                                                                 \
+        cudaError_t e_ = (call);                                                                         \
+        if (e_ != cudaSuccess)                                                                           \
+            return mok__fail(MOK_ERR_BACKEND, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+    } while (0)
+
+#define NCCL_TRY(call)                                                                                   \
+    do {                                                                                                 \
+        ncclResult_t r_ = (call);                                                                        \
+        if (r_ != ncclSuccess)                                                                           \
+            return mok__fail(MOK_ERR_BACKEND, "%s:%d: %s: %s", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
+    } while (0)
+
+/* Every launch goes through here: the launch error is checked at once. */
+#define LAUNCH_TRY(...)                                                                                  \
+    do {                                                                                                 \
+        __VA_ARGS__;                                                                                     \
+        CUDA_TRY(cudaGetLastError());                                                                    \
+    } while (0)
+
+/* GPU tile constants: gate/up tasks cover CUDA_N_TILE columns of gate and of up; down tasks
+ * CUDA_N_TILE_H columns of H (64 when H is not a multiple of 128). */
+#define CUDA_N_TILE 64
+#define CUDA_THREADS 256
+
+/* Error word codes (the kernel never traps; the host reports these). */
+#define MOK_KERR_TIMEOUT 1       /* a peer did not reach a barrier in time */
+#define MOK_KERR_EXPERT_ID 2     /* topk_ids held an id outside [-1, E) */
+#define MOK_KERR_TOKENS 3        /* a peer's T outside [0, T_max] */
+#define MOK_KERR_STALL 4         /* a local counter wait timed out (an internal inconsistency) */
+#define MOK_KERR_SCHEDULE 5      /* the schedule buffer was not built for this pass */
+
+typedef struct cuda_group {
+    ncclComm_t comm[MOK_MAX_RANKS];
+    int device[MOK_MAX_RANKS];
+    int num_sms[MOK_MAX_RANKS];
+} cuda_group;
+
+/* Byte offsets in a symmetric region; equal on every rank. */
+typedef struct cuda_sym_layout {
+    size_t flags;    /* u64 [MOK_MAX_RANKS]: barrier epoch written by each peer */
+    size_t tokens;   /* i64: this rank's T for the current pass */
+    size_t x;        /* bf16 [T_max, H] */
+    size_t router_w; /* f32 [T_max * k] */
+    size_t ids;      /* i32 [T_max * k] */
+    size_t comb;     /* bf16 [T_max * k, H] */
+    size_t bytes;
+} cuda_sym_layout;
+
+typedef struct cuda_rank {
+    int device, rank, num_sms;
+    char *sym;             /* ncclMemAlloc'd, registered as window `win` */
+    ncclWindow_t win;
+    char **peers;          /* device [P]: every rank's symmetric region */
+    uint16_t *ring_x, *ring_h, *ring_y; /* [ring, H], [ring, I], [ring, H] */
+    uint16_t *sh_h, *sh_out;            /* [T_max, I_s], [T_max, H] */
+    unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
+    int64_t counters_cap;
+    unsigned long long *epoch;          /* device: barriers passed by this rank */
+    int *error_host;                    /* mapped pinned: the error word */
+    int *error_dev;
+    void *sched_tmp;                    /* device scratch of the schedule build */
+} cuda_rank;
+
+typedef struct cuda_workspace {
+    cuda_sym_layout sym;
+    int num_local;
+    cuda_rank ranks[MOK_MAX_RANKS];
+} cuda_workspace;
+
+/* ---- device helpers ------------------------------------------------------------------------- */
+#ifdef __CUDACC__
+static __device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void st_release_sys(unsigned long long *p, unsigned long long v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+static __device__ __forceinline__ void red_release_gpu(unsigned long long *p, unsigned long long v) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+static __device__ __forceinline__ long long globaltimer_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+
+/* Host side, defined in the .cu files. */
+mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish);
+mok_status mok__cuda_check_error_word(mok_workspace *ws);
+
+#endif

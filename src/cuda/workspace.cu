@@ -1,0 +1,296 @@
+/* workspace.cu — the cuda backend's memory per rank: the symmetric region (ncclMemAlloc,
+ * registered once as a window; peer pointers fetched once into a device table), the ring, the
+ * shared expert's buffers, counters, the barrier epoch and the mapped error word; and the
+ * cross-GPU barrier kernel. */
+#include <string.h>
+
+#include <nccl_device.h>
+
+#include "cuda_common.cuh"
+
+static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
+
+static void sym_layout(cuda_sym_layout *L, const mok_shape *s) {
+    size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
+    L->flags = off; off = align256(off + 8 * MOK_MAX_RANKS);
+    L->tokens = off; off = align256(off + 8);
+    L->x = off; off = align256(off + T * H * 2);
+    L->router_w = off; off = align256(off + T * k * 4);
+    L->ids = off; off = align256(off + T * k * 4);
+    L->comb = off; off = align256(off + T * k * H * 2);
+    L->bytes = off;
+}
+
+__global__ void peer_table_kernel(ncclWindow_t win, int nranks, char **peers) {
+    int p = threadIdx.x;
+    if (p < nranks) peers[p] = (char *)ncclGetLsaPointer(win, 0, p);
+}
+
+/* NOTE: every rank runs the same sequence of barriers, so the epochs agree. The epoch lives in
+ * device memory and is bumped by the kernel itself, so a captured CUDA graph replays correctly. */
+__global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_tokens, int rank, int nranks,
+                               unsigned long long *epoch, long long tokens, int publish_tokens, int *error,
+                               long long timeout_ns) {
+    __shared__ unsigned long long e;
+    __threadfence_system();
+    if (threadIdx.x == 0) {
+        if (publish_tokens) *(volatile long long *)(peers[rank] + off_tokens) = tokens;
+        e = *epoch + 1;
+        *epoch = e;
+        __threadfence_system();
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < nranks; p += blockDim.x)
+        st_release_sys((unsigned long long *)(peers[p] + off_flags) + rank, e);
+    const unsigned long long *mine = (const unsigned long long *)(peers[rank] + off_flags);
+    long long start = globaltimer_ns();
+    for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
+        while (ld_acquire_sys(mine + p) < e) {
+            if (*(volatile int *)error) break;
+            if (globaltimer_ns() - start > timeout_ns) {
+                atomicCAS(error, 0, MOK_KERR_TIMEOUT);
+                __threadfence_system();
+                break;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    cuda_rank *R = &cw->ranks[lr];
+    LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.tokens, R->rank,
+                                                      ws->group->nranks, R->epoch, (long long)tokens_to_publish,
+                                                      tokens_to_publish >= 0, R->error_dev,
+                                                      (long long)(ws->config.peer_timeout_ms * 1e6)));
+    return MOK_OK;
+}
+
+mok_status mok__cuda_check_error_word(mok_workspace *ws) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        int code = *(volatile int *)cw->ranks[lr].error_host;
+        if (!code) continue;
+        ws->failed = 1;
+        switch (code) {
+        case MOK_KERR_TIMEOUT:
+            ws->group->failed = 1;
+            return mok__fail(MOK_ERR_TIMEOUT, "rank %d: a peer did not reach a barrier within peer_timeout_ms = %.0f",
+                             cw->ranks[lr].rank, ws->config.peer_timeout_ms);
+        case MOK_KERR_EXPERT_ID:
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                             "topk_ids: rank %d's kernel found an expert id outside [-1, E = %lld)", cw->ranks[lr].rank,
+                             (long long)ws->shape.num_experts);
+        default:
+            return mok__fail(MOK_ERR_DEVICE_FAULT, "rank %d: the kernel reported error %d", cw->ranks[lr].rank, code);
+        }
+    }
+    return MOK_OK;
+}
+
+static void rank_release(cuda_rank *R) {
+    cudaFree(R->peers);
+    cudaFree(R->ring_x);
+    cudaFree(R->ring_h);
+    cudaFree(R->ring_y);
+    cudaFree(R->sh_h);
+    cudaFree(R->sh_out);
+    cudaFree(R->counters);
+    cudaFree(R->epoch);
+    if (R->error_host) cudaFreeHost(R->error_host);
+    R->peers = NULL;
+    R->ring_x = R->ring_h = R->ring_y = R->sh_h = R->sh_out = NULL;
+    R->counters = R->epoch = NULL;
+    R->error_host = R->error_dev = NULL;
+}
+
+#define ALLOC(ptr, bytes)                                               \
+    do {                                                                \
+        size_t b_ = (bytes) ? (bytes) : 256;                            \
+        CUDA_TRY(cudaMalloc((void **)&(ptr), b_));                      \
+        *total += b_;                                                   \
+    } while (0)
+
+static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R, size_t *total) {
+    const mok_shape *s = &ws->shape;
+    const size_t ring = (size_t)ws->config.ring_rows, H = (size_t)s->hidden, I = (size_t)s->intermediate;
+    const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
+    mok_plan worst;
+    memset(&worst, 0, sizeof worst);
+    worst.hidden = s->hidden;
+    worst.intermediate = s->intermediate;
+    worst.shared_intermediate = s->shared_intermediate;
+    worst.num_local_experts = (int)ws->num_local_experts;
+    worst.minibatch_rows = ws->config.minibatch_rows;
+    worst.ring_rows = ws->config.ring_rows;
+    worst.n_tile = CUDA_N_TILE;
+    worst.n_tile_h = CUDA_N_TILE;
+    worst.wgrad_tile = 64;
+    R->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    ALLOC(R->peers, sizeof(char *) * MOK_MAX_RANKS);
+    ALLOC(R->ring_x, ring * H * 2);
+    ALLOC(R->ring_h, ring * I * 2);
+    ALLOC(R->ring_y, ring * H * 2);
+    ALLOC(R->sh_h, T * Is * 2);
+    ALLOC(R->sh_out, T * H * 2);
+    ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
+    ALLOC(R->epoch, sizeof(unsigned long long));
+    CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
+    CUDA_TRY(cudaHostAlloc((void **)&R->error_host, sizeof(int), cudaHostAllocMapped));
+    *R->error_host = 0;
+    CUDA_TRY(cudaHostGetDevicePointer((void **)&R->error_dev, R->error_host, 0));
+    return MOK_OK;
+}
+
+extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
+    mok_group *g = ws->group;
+    cuda_group *cg = (cuda_group *)g->impl;
+    cuda_workspace *cw = (cuda_workspace *)calloc(1, sizeof *cw);
+    if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
+    sym_layout(&cw->sym, &ws->shape);
+    cw->num_local = g->num_local_ranks;
+    ws->impl = cw;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    mok_status st = MOK_OK;
+    size_t total = 0;
+    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
+        cuda_rank *R = &cw->ranks[lr];
+        R->device = cg->device[lr];
+        R->rank = g->first_rank + lr;
+        R->num_sms = cg->num_sms[lr];
+        cudaSetDevice(R->device);
+        ncclTeam_t lsa = ncclTeamLsa(cg->comm[lr]);
+        if (lsa.nRanks != g->nranks) {
+            st = mok__fail(MOK_ERR_UNSUPPORTED,
+                           "group: %d of its %d ranks share load/store memory with rank %d; mok needs one NVLink "
+                           "domain for the whole EP group",
+                           lsa.nRanks, g->nranks, R->rank);
+            break;
+        }
+        size_t mine = 0;
+        st = rank_alloc(ws, cw, R, &mine);
+        total = mine;
+        if (st == MOK_OK) {
+            ncclResult_t r = ncclMemAlloc((void **)&R->sym, cw->sym.bytes);
+            if (r != ncclSuccess) st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: ncclMemAlloc(%zu): %s",
+                                                 cw->sym.bytes, ncclGetErrorString(r));
+            else if (cudaMemset(R->sym, 0, cw->sym.bytes) != cudaSuccess)
+                st = mok__fail(MOK_ERR_BACKEND, "workspace: clearing the symmetric region failed");
+        }
+    }
+    /* Collective: every rank registers its region (one group call for all local ranks). */
+    if (st == MOK_OK) {
+        ncclResult_t r = ncclGroupStart();
+        for (int lr = 0; lr < cw->num_local && r == ncclSuccess; ++lr) {
+            cudaSetDevice(cw->ranks[lr].device);
+            r = ncclCommWindowRegister(cg->comm[lr], cw->ranks[lr].sym, cw->sym.bytes, &cw->ranks[lr].win,
+                                       NCCL_WIN_COLL_SYMMETRIC);
+        }
+        ncclResult_t r2 = ncclGroupEnd();
+        if (r == ncclSuccess) r = r2;
+        if (r != ncclSuccess) st = mok__fail(MOK_ERR_BACKEND, "workspace: ncclCommWindowRegister: %s", ncclGetErrorString(r));
+    }
+    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
+        cuda_rank *R = &cw->ranks[lr];
+        cudaSetDevice(R->device);
+        peer_table_kernel<<<1, MOK_MAX_RANKS>>>(R->win, g->nranks, R->peers);
+        if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+            st = mok__fail(MOK_ERR_BACKEND, "workspace: fetching the peer pointers failed on rank %d", R->rank);
+    }
+    ws->sizes.symmetric_bytes = cw->sym.bytes;
+    ws->sizes.workspace_bytes = total + cw->sym.bytes;
+    cudaSetDevice(previous);
+    if (st != MOK_OK) {
+        mok__cuda_workspace_destroy(ws);
+        return st;
+    }
+    return MOK_OK;
+}
+
+extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    if (!cw) return;
+    cuda_group *cg = (cuda_group *)ws->group->impl;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    /* No kernel may still use this memory, on this rank or (through the barrier) a peer. */
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        cudaSetDevice(cw->ranks[lr].device);
+        cudaDeviceSynchronize();
+    }
+    if (!ws->group->failed) {
+        ncclGroupStart();
+        for (int lr = 0; lr < cw->num_local; ++lr)
+            if (cw->ranks[lr].win) {
+                cudaSetDevice(cw->ranks[lr].device);
+                ncclCommWindowDeregister(cg->comm[lr], cw->ranks[lr].win);
+            }
+        ncclGroupEnd();
+    }
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        cuda_rank *R = &cw->ranks[lr];
+        cudaSetDevice(R->device);
+        if (R->sym) ncclMemFree(R->sym);
+        rank_release(R);
+    }
+    cudaSetDevice(previous);
+    free(cw);
+    ws->impl = NULL;
+}
+
+/* ---- memory for callers ------------------------------------------------------------------- */
+extern "C" mok_status mok__cuda_memory_alloc(mok_group *g, int lr, size_t bytes, void **ptr) {
+    cuda_group *cg = (cuda_group *)g->impl;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    CUDA_TRY(cudaSetDevice(cg->device[lr]));
+    cudaError_t e = cudaMalloc(ptr, bytes ? bytes : 256);
+    cudaSetDevice(previous);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        *ptr = NULL;
+        return mok__fail(MOK_ERR_OUT_OF_MEMORY, "bytes: %zu of GPU %d memory: %s", bytes, cg->device[lr],
+                         cudaGetErrorString(e));
+    }
+    return MOK_OK;
+}
+
+extern "C" mok_status mok__cuda_memory_free(mok_group *g, int lr, void *ptr) {
+    cuda_group *cg = (cuda_group *)g->impl;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    CUDA_TRY(cudaSetDevice(cg->device[lr]));
+    cudaError_t e = cudaFree(ptr);
+    cudaSetDevice(previous);
+    if (e != cudaSuccess) return mok__fail(MOK_ERR_BACKEND, "ptr: cudaFree: %s", cudaGetErrorString(e));
+    return MOK_OK;
+}
+
+extern "C" mok_status mok__cuda_memory_copy(mok_group *g, int lr, void *dst, const void *src, size_t bytes,
+                                            mok_copy_kind kind) {
+    cuda_group *cg = (cuda_group *)g->impl;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    CUDA_TRY(cudaSetDevice(cg->device[lr]));
+    cudaMemcpyKind k = kind == MOK_COPY_HOST_TO_RANK   ? cudaMemcpyHostToDevice
+                       : kind == MOK_COPY_RANK_TO_HOST ? cudaMemcpyDeviceToHost
+                                                       : cudaMemcpyDeviceToDevice;
+    cudaError_t e = cudaMemcpy(dst, src, bytes, k);
+    cudaSetDevice(previous);
+    if (e != cudaSuccess) return mok__fail(MOK_ERR_BACKEND, "dst, src: cudaMemcpy: %s", cudaGetErrorString(e));
+    return MOK_OK;
+}
+
+extern "C" mok_status mok__cuda_synchronize(mok_workspace *ws) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        CUDA_TRY(cudaSetDevice(cw->ranks[lr].device));
+        CUDA_TRY(cudaDeviceSynchronize());
+    }
+    cudaSetDevice(previous);
+    return mok__cuda_check_error_word(ws);
+}
