@@ -215,7 +215,9 @@ mok_status mok_config_validate(const mok_config *config);
 mok_status mok_shape_validate(const mok_shape *shape, int nranks);
 
 /* ---- backends and groups ------------------------------------------------------------------ */
-int mok_backend_available(mok_backend backend); /* 1 if compiled in and usable here */
+/* cpu and auto: 1. cuda: the number of usable GPUs (0 when the build has no CUDA backend or the
+ * machine no GPU). */
+int mok_backend_available(mok_backend backend);
 const char *mok_backend_name(mok_backend backend);
 
 /* A fresh id for mok_group_create; rank 0 makes it and sends it to the others by any channel.

@@ -8,6 +8,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 total_pass=0
 total_fail=0
+total_skip=0
 log=$(mktemp)
 
 count() { # count LOG: add the last "N passed, N failed" (pytest's "N passed" / "N failed" too)
@@ -17,6 +18,9 @@ count() { # count LOG: add the last "N passed, N failed" (pytest's "N passed" / 
     f=$(grep -oE '[0-9]+ failed' <<<"$line" | grep -oE '[0-9]+' || true)
     total_pass=$((total_pass + ${p:-0}))
     total_fail=$((total_fail + ${f:-0}))
+    local k
+    k=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || true)
+    total_skip=$((total_skip + ${k:-0}))
 }
 
 part() { # part NAME CMD...: run one runner, show its output, count it; a runner that dies counts as a failure
@@ -40,5 +44,5 @@ else
     echo "== Python binding: skipped (numpy or pytest not importable)"
 fi
 rm -f "$log"
-echo "$total_pass passed, $total_fail failed"
+echo "$total_pass passed, $total_fail failed, $total_skip skipped"
 [ "$total_fail" -eq 0 ]

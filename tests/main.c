@@ -12,6 +12,17 @@
 static mok_test_case tests[MAX_TESTS];
 static int num_tests;
 static int current_failures;
+static int current_skipped;
+
+void mok_test_skip(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    printf("     skip: ");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    current_skipped = 1;
+}
 
 void mok_test_register(const char *name, void (*fn)(void)) {
     if (num_tests < MAX_TESTS) tests[num_tests++] = (mok_test_case){name, fn};
@@ -46,14 +57,18 @@ int main(int argc, char **argv) {
     seed = env ? strtoull(env, NULL, 10) : (unsigned long long)time(NULL);
     printf("seed %llu (MOK_TEST_SEED=%llu reproduces)\n", seed, seed);
     qsort(tests, (size_t)num_tests, sizeof tests[0], by_name);
-    int passed = 0, failed = 0;
+    int passed = 0, failed = 0, skipped = 0;
     for (int i = 0; i < num_tests; ++i) {
         if (argc > 1 && !strstr(tests[i].name, argv[1])) continue;
         current_failures = 0;
+        current_skipped = 0;
         clock_t start = clock();
         tests[i].fn();
         double secs = (double)(clock() - start) / CLOCKS_PER_SEC;
-        if (current_failures == 0) {
+        if (current_failures == 0 && current_skipped) {
+            ++skipped;
+            printf("SKIP %-48s\n", tests[i].name);
+        } else if (current_failures == 0) {
             ++passed;
             printf("PASS %-48s %6.2fs\n", tests[i].name, secs);
         } else {
@@ -62,6 +77,6 @@ int main(int argc, char **argv) {
         }
         fflush(stdout);
     }
-    printf("%d passed, %d failed\n", passed, failed);
+    printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed ? 1 : 0;
 }

@@ -14,6 +14,8 @@ typedef struct mok_test_case {
 
 void mok_test_register(const char *name, void (*fn)(void));
 void mok_test_fail(const char *file, int line, const char *fmt, ...);
+/* Marks the running test skipped (why: printf format); it counts as skipped, not passed. */
+void mok_test_skip(const char *fmt, ...);
 int mok_test_quick(void); /* 1 under MOK_TEST_QUICK=1 (sanitizer runs): tests shrink their matrix */
 unsigned long long mok_test_seed(void); /* printed once; MOK_TEST_SEED=N reproduces a run */
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# gpu-check.sh [--quick] [--sanitize] [--bench] — on a GPU machine: build against the NCCL that
+# runs (PyTorch's, when python3 has it), run every GPU test, optionally compute-sanitizer and the
+# benchmark, write the full log to $OUT/gpu-check.log (or build/gpu-check.log) and end with a
+# short table. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-build}
+mkdir -p "$out" build
+log=$out/gpu-check.log
+: >"$log"
+sanitize=0
+bench=0
+for a in "$@"; do
+    case $a in
+    --sanitize) sanitize=1 ;;
+    --bench) bench=1 ;;
+    esac
+done
+declare -a rows
+row() { rows+=("$(printf '%-44s %s' "$1" "$2")"); }
+step() { # step NAME CMD...: run, log, record pass/fail
+    local name=$1
+    shift
+    echo "== $name: $*" >>"$log"
+    local t0=$(date +%s.%N)
+    "$@" >>"$log" 2>&1
+    local rc=$?
+    local dt=$(printf '%.1f' "$(echo "$(date +%s.%N) - $t0" | bc)")
+    if [ $rc -eq 0 ]; then row "$name" "ok (${dt}s)"; else row "$name" "FAILED rc=$rc (${dt}s)"; fi
+    return $rc
+}
+
+{
+    nvidia-smi -L
+    nvcc --version | tail -1
+} >>"$log" 2>&1
+nccl_home=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)
+if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then
+    echo "NCCL: $nccl_home ($(grep -E '#define NCCL_(MAJOR|MINOR|PATCH) ' "$nccl_home/include/nccl.h" | awk '{print $3}' | paste -sd.))" >>"$log"
+    make_args=(CUDA=1 NCCL_HOME="$nccl_home")
+else
+    echo "NCCL: the toolkit's" >>"$log"
+    make_args=(CUDA=1)
+fi
+ngpu=$(nvidia-smi -L | wc -l)
+row "GPUs" "$ngpu"
+
+step "build" make -j16 "${make_args[@]}" all build/mok_tests || { printf '%s\n' "${rows[@]}"; exit 1; }
+step "GPU tests (cuda_*)" timeout 900 ./build/mok_tests cuda_
+grep -E '^(PASS|FAIL|SKIP) cuda_|passed, ' "$log" | tail -n 20 >>"$out/gpu-tests.txt"
+if [ $sanitize -eq 1 ]; then
+    for tool in memcheck racecheck synccheck; do
+        step "compute-sanitizer $tool (ep1 small)" timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 \
+            ./build/mok_tests cuda_recompute_context
+    done
+fi
+if [ $bench -eq 1 ] && [ -x bench/run.sh ]; then
+    step "benchmark" timeout 900 bash bench/run.sh "$out"
+fi
+echo
+echo "---- gpu-check summary (full log: $log)"
+printf '%s\n' "${rows[@]}"
+grep -E '^(PASS|FAIL|SKIP) cuda_' "$log" | sed 's/  */ /g'
+tail -n 1 "$out/gpu-tests.txt" 2>/dev/null

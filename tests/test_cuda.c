@@ -1,0 +1,360 @@
+/* test_cuda.c — the cuda backend against the reference and the cpu backend, on one and two GPUs;
+ * bitwise determinism across runs and configs; faults. Every test skips (passes with a note)
+ * where the build has no CUDA backend or the machine has too few GPUs. Buffers are placed with
+ * mok_memory_alloc, so this file needs no CUDA headers. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "layer.h"
+#include "test.h"
+
+static int gpus(void) { return mok_backend_available(MOK_BACKEND_CUDA); }
+
+static int skip(int need, const char *name) {
+    if (gpus() >= need) return 0;
+    mok_test_skip("%s needs %d GPU%s, this machine has %d", name, need, need > 1 ? "s" : "", gpus());
+    return 1;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* Device copies of one layer, a group and a workspace. */
+typedef struct gpu_run {
+    mok_group *group;
+    mok_workspace *ws;
+    mok_sizes sizes;
+    int nranks;
+    void *x[MOK_MAX_RANKS], *ids[MOK_MAX_RANKS], *rw[MOK_MAX_RANKS], *w[3][MOK_MAX_RANKS], *s[3][MOK_MAX_RANKS];
+    void *y[MOK_MAX_RANKS], *schedule[MOK_MAX_RANKS], *context[MOK_MAX_RANKS];
+    char message[1024];
+} gpu_run;
+
+static void *upload(gpu_run *G, int p, const void *host, size_t bytes, mok_status *st) {
+    void *d = NULL;
+    if (*st != MOK_OK) return NULL;
+    *st = mok_memory_alloc(G->group, p, bytes, &d);
+    if (*st == MOK_OK && host && bytes) *st = mok_memory_copy(G->group, p, d, host, bytes, MOK_COPY_HOST_TO_RANK);
+    return d;
+}
+
+static mok_status gpu_open(gpu_run *G, const layer *L, const mok_config *config) {
+    memset(G, 0, sizeof *G);
+    G->nranks = L->nranks;
+    mok_config cfg = config ? *config : mok_config_default();
+    cfg.swiglu_limit = L->swiglu_limit;
+    int devices[MOK_MAX_RANKS];
+    for (int p = 0; p < L->nranks; ++p) devices[p] = p;
+    mok_status st = mok_group_create_local(&G->group, MOK_BACKEND_CUDA, L->nranks, devices, &cfg);
+    if (st == MOK_OK) st = mok_workspace_create(&G->ws, G->group, &L->shape, &cfg);
+    if (st == MOK_OK) st = mok_workspace_sizes(G->ws, &G->sizes);
+    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
+    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
+    const size_t T = (size_t)L->shape.max_tokens;
+    for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
+        size_t t = (size_t)L->num_tokens[p];
+        G->x[p] = upload(G, p, L->x[p], t * H * 2 + 16, &st);
+        G->ids[p] = upload(G, p, L->topk_ids[p], t * k * 4 + 16, &st);
+        G->rw[p] = upload(G, p, L->router_w[p], t * k * 4 + 16, &st);
+        for (int m = 0; m < 3; ++m) G->w[m][p] = upload(G, p, L->w[m][p], El * I * H * 2, &st);
+        if (Is)
+            for (int m = 0; m < 3; ++m) G->s[m][p] = upload(G, p, L->s[m], Is * H * 2, &st);
+        G->y[p] = upload(G, p, NULL, T * H * 2, &st);
+        G->schedule[p] = upload(G, p, NULL, G->sizes.schedule_bytes, &st);
+        G->context[p] = upload(G, p, NULL, G->sizes.context_bytes, &st);
+    }
+    if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
+    return st;
+}
+
+static void gpu_close(gpu_run *G) {
+    for (int p = 0; p < G->nranks && G->group; ++p) {
+        void **all[] = {&G->x[p], &G->ids[p], &G->rw[p], &G->w[0][p], &G->w[1][p], &G->w[2][p], &G->s[0][p],
+                        &G->s[1][p], &G->s[2][p], &G->y[p], &G->schedule[p], &G->context[p]};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) mok_memory_free(G->group, p, *all[i]);
+    }
+    mok_workspace_destroy(G->ws);
+    mok_group_destroy(G->group);
+    memset(G, 0, sizeof *G);
+}
+
+static mok_status gpu_forward(gpu_run *G, const layer *L, int recompute) {
+    mok_schedule_args sa[MOK_MAX_RANKS];
+    mok_forward_args fa[MOK_MAX_RANKS];
+    for (int p = 0; p < L->nranks; ++p) {
+        sa[p] = (mok_schedule_args){L->num_tokens[p], G->ids[p], G->schedule[p], NULL};
+        fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p], G->rw[p], G->w[0][p], G->w[1][p],
+                                   G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], NULL};
+    }
+    mok_status st = mok_schedule_build(G->ws, sa);
+    if (st == MOK_OK) st = recompute ? mok_recompute_context(G->ws, fa) : mok_forward(G->ws, fa);
+    if (st == MOK_OK) st = mok_synchronize(G->ws);
+    if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
+    return st;
+}
+
+static void poison_y(gpu_run *G, const layer *L) {
+    size_t bytes = (size_t)L->shape.max_tokens * (size_t)L->shape.hidden * 2;
+    void *host = malloc(bytes);
+    memset(host, 0xff, bytes);
+    for (int p = 0; p < L->nranks; ++p) mok_memory_copy(G->group, p, G->y[p], host, bytes, MOK_COPY_HOST_TO_RANK);
+    free(host);
+}
+
+static void download_y(gpu_run *G, const layer *L, layer_result *out) {
+    out->nranks = L->nranks;
+    for (int p = 0; p < L->nranks; ++p) {
+        size_t bytes = (size_t)L->num_tokens[p] * (size_t)L->shape.hidden * 2;
+        out->y[p] = malloc(bytes + 16);
+        mok_memory_copy(G->group, p, out->y[p], G->y[p], bytes, MOK_COPY_RANK_TO_HOST);
+    }
+}
+
+/* The reference on the first `keep` tokens of every rank (outputs of a token depend only on it). */
+static void reference_prefix(const layer *L, int64_t keep, layer_result *ref) {
+    layer sub = *L;
+    for (int p = 0; p < L->nranks; ++p)
+        if (sub.num_tokens[p] > keep) sub.num_tokens[p] = keep;
+    layer_run_reference(&sub, ref);
+}
+
+static double compare_prefix(const layer *L, const layer_result *got, const layer_result *ref, int64_t keep,
+                             const char *tag) {
+    layer sub = *L;
+    for (int p = 0; p < L->nranks; ++p)
+        if (sub.num_tokens[p] > keep) sub.num_tokens[p] = keep;
+    return layer_compare(&sub, got, ref, tag);
+}
+
+/* Forward on cuda, against the reference (all tokens, or the first `keep`) and, for small layers,
+ * against the cpu backend. */
+static void check_forward(const char *tag, const mok_shape *shape, int P, const int64_t *tokens, int routing,
+                          float limit, const mok_config *config, int64_t keep) {
+    layer L;
+    if (layer_make(&L, shape, P, tokens, mok_test_seed() ^ (uint64_t)(uintptr_t)tag, routing) != 0) {
+        CHECK(0, "%s: layer_make failed", tag);
+        return;
+    }
+    L.swiglu_limit = limit;
+    gpu_run G;
+    mok_status st = gpu_open(&G, &L, config);
+    CHECK(st == MOK_OK, "%s: open: %s", tag, G.message);
+    if (st == MOK_OK) {
+        poison_y(&G, &L);
+        st = gpu_forward(&G, &L, 0);
+        CHECK(st == MOK_OK, "%s: forward: %s", tag, G.message);
+    }
+    if (st == MOK_OK) {
+        layer_result got = {0}, ref = {0};
+        download_y(&G, &L, &got);
+        reference_prefix(&L, keep, &ref);
+        double err = compare_prefix(&L, &got, &ref, keep, tag);
+        CHECK(err <= 1.0, "%s: cuda vs reference error %.3f", tag, err);
+        if (keep >= shape->max_tokens && shape->hidden * shape->intermediate <= 256 * 256) {
+            layer_result cpu = {0};
+            mok_config cc = config ? *config : mok_config_default();
+            cc.fwd_dispatch = MOK_PULL;
+            if (layer_run_backend(&L, &cc, 0, &cpu) == MOK_OK) {
+                layer_result cpu_y = {0};
+                cpu_y.nranks = P;
+                for (int p = 0; p < P; ++p) cpu_y.y[p] = cpu.y[p];
+                double e2 = layer_compare(&L, &got, &cpu_y, tag);
+                CHECK(e2 <= 1.0, "%s: cuda vs cpu error %.3f", tag, e2);
+                for (int p = 0; p < P; ++p) cpu_y.y[p] = NULL;
+            }
+            layer_result_free(&cpu);
+        }
+        layer_result_free(&got);
+        layer_result_free(&ref);
+    }
+    gpu_close(&G);
+    layer_free(&L);
+}
+
+static mok_shape small_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is) {
+    mok_shape s = {H, I, E, k, Is, 1, MOK_PRECISION_BF16};
+    return s;
+}
+
+MOK_TEST(cuda_forward_ep1_small) {
+    if (skip(1, "cuda_forward_ep1_small")) return;
+    int64_t t1[1] = {300};
+    mok_shape a = small_shape(256, 128, 8, 2, 128);
+    check_forward("ep1 uniform", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 1 << 30);
+    check_forward("ep1 skewed", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1 << 30);
+    check_forward("ep1 one expert", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 1 << 30);
+    check_forward("ep1 even", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 1 << 30);
+    check_forward("ep1 holes", &a, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, NULL, 1 << 30);
+    check_forward("ep1 clamp", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 1 << 30);
+    mok_shape b = small_shape(192, 64, 4, 1, 0); /* H not a multiple of 128, no shared expert */
+    check_forward("ep1 h192 k1", &b, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 1 << 30);
+    mok_config ring = mok_config_default();
+    ring.minibatch_rows = 128;
+    ring.ring_rows = 256;
+    check_forward("ep1 several macrobatches", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, &ring, 1 << 30);
+    int64_t zero[1] = {0};
+    check_forward("ep1 T=0", &a, 1, zero, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 1 << 30);
+}
+
+MOK_TEST(cuda_forward_ep2_small) {
+    if (skip(2, "cuda_forward_ep2_small")) return;
+    int64_t even[2] = {300, 300}, uneven[2] = {0, 417};
+    mok_shape a = small_shape(256, 128, 8, 4, 128);
+    check_forward("ep2 uniform", &a, 2, even, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 1 << 30);
+    check_forward("ep2 skewed", &a, 2, even, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1 << 30);
+    check_forward("ep2 one expert", &a, 2, even, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 1 << 30);
+    check_forward("ep2 even", &a, 2, even, LAYER_ROUTE_EVEN, 0.0f, NULL, 1 << 30);
+    check_forward("ep2 holes", &a, 2, uneven, LAYER_ROUTE_HOLES | LAYER_ENCODED, 0.0f, NULL, 1 << 30);
+    mok_config ring = mok_config_default();
+    ring.minibatch_rows = 128;
+    ring.ring_rows = 256;
+    ring.fwd_comm_sms = 4;
+    check_forward("ep2 several macrobatches", &a, 2, uneven, LAYER_ROUTE_SKEWED, 0.0f, &ring, 1 << 30);
+}
+
+/* Full-size layers, checked on the first 24 tokens of every rank. */
+MOK_TEST(cuda_forward_full_size) {
+    if (skip(1, "cuda_forward_full_size")) return;
+    int64_t t[2] = {4096, 4096};
+    mok_shape dsv3 = small_shape(7168, 2048, 32, 8, 2048);
+    check_forward("deepseek-v3 32 experts", &dsv3, 1, t, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 24);
+    mok_shape qwen = small_shape(2048, 768, 128, 8, 0);
+    check_forward("qwen3-30b-a3b", &qwen, 1, t, LAYER_ROUTE_SKEWED, 0.0f, NULL, 24);
+    if (gpus() >= 2) {
+        mok_shape dsv3_ep2 = small_shape(7168, 2048, 64, 8, 2048);
+        check_forward("deepseek-v3 ep2 64 experts", &dsv3_ep2, 2, t, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 24);
+    }
+}
+
+/* Bitwise equality across repeated runs and across fwd_comm_sms, minibatch_rows, ring_rows. */
+MOK_TEST(cuda_forward_deterministic) {
+    if (skip(1, "cuda_forward_deterministic")) return;
+    int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {1500, 1100};
+    mok_shape s = small_shape(512, 256, 16, 4, 256);
+    layer L;
+    layer_make(&L, &s, P, tokens, mok_test_seed(), LAYER_ROUTE_SKEWED);
+    size_t bytes[2] = {(size_t)tokens[0] * 512 * 2, (size_t)tokens[1] * 512 * 2};
+    uint16_t *first[2] = {malloc(bytes[0]), malloc(bytes[1])};
+    struct { int comm, mb, ring; } cfgs[] = {{32, 1024, 16384}, {8, 1024, 16384}, {16, 256, 16384},
+                                             {16, 128, 256}, {24, 512, 1024}};
+    int runs = 0;
+    for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; ++c) {
+        mok_config cfg = mok_config_default();
+        cfg.fwd_comm_sms = cfgs[c].comm;
+        cfg.minibatch_rows = cfgs[c].mb;
+        cfg.ring_rows = cfgs[c].ring;
+        gpu_run G;
+        if (gpu_open(&G, &L, &cfg) != MOK_OK) {
+            CHECK(0, "open: %s", G.message);
+            break;
+        }
+        int reps = c == 0 ? 20 : 3;
+        for (int r = 0; r < reps; ++r) {
+            poison_y(&G, &L);
+            if (gpu_forward(&G, &L, 0) != MOK_OK) {
+                CHECK(0, "forward: %s", G.message);
+                break;
+            }
+            for (int p = 0; p < P; ++p) {
+                uint16_t *y = malloc(bytes[p]);
+                mok_memory_copy(G.group, p, y, G.y[p], bytes[p], MOK_COPY_RANK_TO_HOST);
+                if (runs == 0) memcpy(first[p], y, bytes[p]);
+                else CHECK(memcmp(first[p], y, bytes[p]) == 0, "config %zu run %d rank %d: y differs bitwise", c, r, p);
+                free(y);
+            }
+            ++runs;
+        }
+        gpu_close(&G);
+    }
+    free(first[0]);
+    free(first[1]);
+    layer_free(&L);
+}
+
+/* mok_recompute_context rebuilds the forward's context bit for bit. */
+MOK_TEST(cuda_recompute_context) {
+    if (skip(1, "cuda_recompute_context")) return;
+    int64_t tokens[1] = {700};
+    mok_shape s = small_shape(256, 128, 8, 4, 128);
+    layer L;
+    layer_make(&L, &s, 1, tokens, mok_test_seed() + 7, LAYER_ROUTE_UNIFORM);
+    gpu_run G;
+    if (gpu_open(&G, &L, NULL) != MOK_OK) {
+        CHECK(0, "open: %s", G.message);
+        layer_free(&L);
+        return;
+    }
+    size_t bytes = G.sizes.context_bytes;
+    unsigned char *a = malloc(bytes), *b = malloc(bytes), *ff = malloc(bytes);
+    memset(ff, 0xff, bytes);
+    mok_memory_copy(G.group, 0, G.context[0], ff, bytes, MOK_COPY_HOST_TO_RANK);
+    CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "forward: %s", G.message);
+    mok_memory_copy(G.group, 0, a, G.context[0], bytes, MOK_COPY_RANK_TO_HOST);
+    mok_memory_copy(G.group, 0, G.context[0], ff, bytes, MOK_COPY_HOST_TO_RANK);
+    CHECK(gpu_forward(&G, &L, 1) == MOK_OK, "recompute: %s", G.message);
+    mok_memory_copy(G.group, 0, b, G.context[0], bytes, MOK_COPY_RANK_TO_HOST);
+    CHECK(memcmp(a, b, bytes) == 0, "recomputed context differs from the forward's");
+    free(a);
+    free(b);
+    free(ff);
+    gpu_close(&G);
+    layer_free(&L);
+}
+
+/* A bad expert id is found by the schedule kernel and reported, not trapped. */
+MOK_TEST(cuda_bad_expert_id) {
+    if (skip(1, "cuda_bad_expert_id")) return;
+    int64_t tokens[1] = {64};
+    mok_shape s = small_shape(128, 64, 4, 2, 0);
+    layer L;
+    layer_make(&L, &s, 1, tokens, 5, LAYER_ROUTE_UNIFORM);
+    L.topk_ids[0][17] = 9;
+    gpu_run G;
+    if (gpu_open(&G, &L, NULL) == MOK_OK) {
+        mok_status st = gpu_forward(&G, &L, 0);
+        CHECK(st == MOK_ERR_INVALID_ARGUMENT, "bad id: got %s (%s)", mok_status_string(st), G.message);
+        CHECK(strstr(G.message, "topk_ids") != NULL, "message should name topk_ids: %s", G.message);
+    }
+    gpu_close(&G);
+    layer_free(&L);
+}
+
+/* A peer that never joins: the group creation times out. */
+MOK_TEST(cuda_peer_never_joins) {
+    if (skip(1, "cuda_peer_never_joins")) return;
+    mok_unique_id id;
+    CHECK(mok_unique_id_create(MOK_BACKEND_CUDA, &id) == MOK_OK, "unique id: %s", mok_last_error());
+    mok_config cfg = mok_config_default();
+    cfg.peer_timeout_ms = 3000;
+    mok_group *g = NULL;
+    double t0 = now_ms();
+    mok_status st = mok_group_create(&g, MOK_BACKEND_CUDA, 2, 0, &id, 0, &cfg);
+    double dt = now_ms() - t0;
+    CHECK(st == MOK_ERR_TIMEOUT, "got %s: %s", mok_status_string(st), mok_last_error());
+    CHECK(dt < 3000 + 5000, "took %.0f ms for a 3000 ms timeout", dt);
+    mok_group_destroy(g);
+}
+
+/* Create and destroy a group and a workspace many times; device memory must not grow. */
+MOK_TEST(cuda_create_destroy_cycles) {
+    if (skip(1, "cuda_create_destroy_cycles")) return;
+    mok_shape s = small_shape(256, 128, 8, 2, 128);
+    s.max_tokens = 512;
+    int devices[1] = {0};
+    for (int i = 0; i < 100; ++i) {
+        mok_group *g = NULL;
+        mok_workspace *ws = NULL;
+        mok_status st = mok_group_create_local(&g, MOK_BACKEND_CUDA, 1, devices, NULL);
+        if (st == MOK_OK) st = mok_workspace_create(&ws, g, &s, NULL);
+        CHECK(st == MOK_OK, "cycle %d: %s", i, mok_last_error());
+        mok_workspace_destroy(ws);
+        mok_group_destroy(g);
+        if (st != MOK_OK) break;
+    }
+}
