@@ -24,10 +24,10 @@ step() { # step NAME CMD...: run, log, record pass/fail
     local name=$1
     shift
     echo "== $name: $*" >>"$log"
-    local t0=$(date +%s.%N)
+    local t0=$SECONDS
     "$@" >>"$log" 2>&1
     local rc=$?
-    local dt=$(printf '%.1f' "$(echo "$(date +%s.%N) - $t0" | bc)")
+    local dt=$((SECONDS - t0))
     if [ $rc -eq 0 ]; then row "$name" "ok (${dt}s)"; else row "$name" "FAILED rc=$rc (${dt}s)"; fi
     return $rc
 }
@@ -36,7 +36,7 @@ step() { # step NAME CMD...: run, log, record pass/fail
     nvidia-smi -L
     nvcc --version | tail -1
 } >>"$log" 2>&1
-nccl_home=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)
+nccl_home=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>>"$log" || true)
 if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then
     echo "NCCL: $nccl_home ($(grep -E '#define NCCL_(MAJOR|MINOR|PATCH) ' "$nccl_home/include/nccl.h" | awk '{print $3}' | paste -sd.))" >>"$log"
     make_args=(CUDA=1 NCCL_HOME="$nccl_home")

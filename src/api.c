@@ -35,7 +35,7 @@ int mok_backend_available(mok_backend backend) {
     case MOK_BACKEND_CPU: return 1;
     case MOK_BACKEND_CUDA:
 #ifdef MOK_HAVE_CUDA
-        return mok__cuda_device_count() > 0;
+        return mok__cuda_device_count();
 #else
         return 0;
 #endif

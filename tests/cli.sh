@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# cli.sh — checks of the `mok` command: usage, the preset list, every preset scaled down on four
+# cpu ranks against the reference, a few configurations that stress the protocol, and bad input
+# (each must exit 2 with a message: the command's own, or the library's "mok: <function>: ...").
+# Usage: tests/cli.sh BUILD_DIR. Prints PASS/FAIL per check and closes with `N passed, N failed`.
+set -u
+
+build=${1:?usage: tests/cli.sh BUILD_DIR}
+mok="$build/mok"
+if [ ! -x "$mok" ]; then
+    echo "cli.sh: $mok is not an executable (run make first)" >&2
+    echo "0 passed, 1 failed"
+    exit 1
+fi
+
+passed=0
+failed=0
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+# expect NAME STATUS TEXT ARGS...: runs `mok ARGS`, wants exit status STATUS and TEXT (a fixed
+# string; empty = anything) somewhere in stdout + stderr. On failure shows the output's tail.
+expect() {
+    local name=$1 want=$2 text=$3
+    shift 3
+    local start=$SECONDS
+    "$mok" "$@" >"$out" 2>&1
+    local got=$?
+    if [ "$got" -eq "$want" ] && { [ -z "$text" ] || grep -qF -- "$text" "$out"; }; then
+        echo "PASS $name ($((SECONDS - start))s)"
+        passed=$((passed + 1))
+    else
+        echo "FAIL $name: exit $got (wanted $want), wanted text '$text'; mok $*"
+        tail -n 25 "$out" | sed 's/^/    /'
+        failed=$((failed + 1))
+    fi
+}
+
+# ---- usage and the preset list ----------------------------------------------------------------
+expect help 0 "usage: mok" --help
+expect run-help 0 "--preset NAME" run --help
+expect no-arguments 2 "usage: mok"
+expect unknown-command 2 "unknown command 'frobnicate'" frobnicate
+expect presets 0 "deepseek-v4-pro" presets
+
+presets=$("$mok" presets | awk 'NR > 1 { print $1 }')
+count=$(printf '%s\n' "$presets" | grep -c .)
+if [ "$count" -eq 11 ]; then
+    echo "PASS presets-count"
+    passed=$((passed + 1))
+else
+    echo "FAIL presets-count: $count presets listed, wanted 11"
+    failed=$((failed + 1))
+fi
+
+# ---- every preset, scaled, on four cpu ranks against the reference ------------------------------
+check_run() {
+    local name=$1
+    shift
+    local start=$SECONDS
+    "$mok" run "$@" >"$out" 2>&1
+    local got=$?
+    if [ "$got" -eq 0 ] && grep -qx PASS "$out"; then
+        echo "PASS $name ($((SECONDS - start))s)"
+        passed=$((passed + 1))
+    else
+        echo "FAIL $name: exit $got; mok run $*"
+        tail -n 25 "$out" | sed 's/^/    /'
+        failed=$((failed + 1))
+    fi
+}
+
+for preset in $presets; do
+    check_run "check-$preset" --preset "$preset" --scale 16 --ranks 4 --check --backend cpu
+done
+
+# ---- configurations that stress the protocol ---------------------------------------------------
+# Upper-case name, uneven tokens, skewed routing, a SwiGLU clamp, small minibatches and a ring of
+# two of them (several macrobatches), and a context that keeps only part of the rows (replay).
+check_run uneven-skew-limit --preset Qwen3.5-397B-A17B --scale 16 --ranks 3 --uneven --skew 4 \
+    --limit 0.5 --seed 7 --repeat 2 --check --backend cpu
+check_run small-ring-replay --preset qwen3-30b-a3b --scale 16 --ranks 2 --tokens 192 --minibatch 128 \
+    --ring 256 --context-rows 256 --repeat 2 --check --backend cpu
+check_run one-rank-shared --preset glm-4.5 --scale 16 --ranks 1 --tokens 96 --repeat 1 --check --backend cpu
+check_run no-tokens --preset deepseek-v3 --scale 16 --ranks 2 --tokens 0 --repeat 1 --check --backend cpu
+check_run experts-rounded-up-to-ranks --preset mixtral-8x7b --scale 32 --ranks 8 --tokens 16 --repeat 1 \
+    --check --backend cpu
+
+# ---- bad input: the command's own rules --------------------------------------------------------
+expect bad-unknown-preset 2 "unknown preset 'gpt-5'" run --preset gpt-5
+expect bad-no-preset 2 "--preset NAME is required" run --scale 16
+expect bad-scale-zero 2 "--scale must be greater than 0" run --preset olmoe-1b-7b --scale 0
+expect bad-scale-negative 2 "--scale must be greater than 0" run --preset olmoe-1b-7b --scale -1
+expect bad-scale-text 2 "--scale expects a finite number, not '16x'" run --preset olmoe-1b-7b --scale 16x
+expect bad-scale-nan 2 "--scale expects a finite number" run --preset olmoe-1b-7b --scale nan
+expect bad-tokens-negative 2 "--tokens must be at least 0, not '-5'" run --preset olmoe-1b-7b --tokens -5
+expect bad-ranks-text 2 "--ranks expects an integer, not '4.5'" run --preset olmoe-1b-7b --ranks 4.5
+expect bad-ranks-overflow 2 "--ranks expects an integer that fits in an int" run --preset olmoe-1b-7b \
+    --ranks 99999999999
+expect bad-repeat-zero 2 "--repeat must be between 1" run --preset olmoe-1b-7b --repeat 0
+expect bad-seed-negative 2 "--seed expects a non-negative integer" run --preset olmoe-1b-7b --seed -3
+expect bad-backend 2 "--backend expects cpu, cuda or auto, not 'tpu'" run --preset olmoe-1b-7b --backend tpu
+expect bad-unknown-flag 2 "unknown option '--bogus'" run --preset olmoe-1b-7b --bogus 1
+expect bad-missing-value 2 "--seed needs a value" run --preset olmoe-1b-7b --seed
+expect bad-stray-argument 2 "unexpected argument 'extra'" run --preset olmoe-1b-7b extra
+
+# ---- bad input the library rejects: its function, status and message come through ---------------
+lib="invalid argument"
+expect lib-ranks-zero 2 "mok: mok_shape_validate: $lib: nranks: 0" \
+    run --preset olmoe-1b-7b --scale 16 --ranks 0 --backend cpu
+expect lib-ranks-too-many 2 "mok: mok_shape_validate: $lib: nranks: 100" \
+    run --preset olmoe-1b-7b --scale 16 --ranks 100 --backend cpu
+expect lib-experts-not-divisible 2 "mok: mok_shape_validate: $lib: shape.num_experts: 256" \
+    run --preset deepseek-v3 --ranks 3 --backend cpu
+expect lib-too-many-tokens 2 "mok: mok_shape_validate: $lib: shape.max_tokens" \
+    run --preset olmoe-1b-7b --scale 16 --tokens 20000000 --backend cpu
+expect lib-minibatch 2 "mok: mok_config_validate: $lib: config.minibatch_rows: 100" \
+    run --preset olmoe-1b-7b --scale 16 --minibatch 100 --backend cpu
+expect lib-ring 2 "mok: mok_config_validate: $lib: config.ring_rows: 1536" \
+    run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
+expect lib-threads 2 "mok: mok_config_validate: $lib: config.cpu_threads: 1" \
+    run --preset olmoe-1b-7b --scale 16 --threads 1 --backend cpu
+expect lib-comm-threads 2 "mok: mok_config_validate: $lib: config.cpu_comm_threads: 0" \
+    run --preset olmoe-1b-7b --scale 16 --comm-threads 0 --backend cpu
+expect lib-limit 2 "mok: mok_config_validate: $lib: config.swiglu_limit" \
+    run --preset olmoe-1b-7b --scale 16 --limit -1 --backend cpu
+expect lib-context-rows 2 "mok: mok_config_validate: $lib: config.context_rows" \
+    run --preset olmoe-1b-7b --scale 16 --context-rows -1 --backend cpu
+expect lib-trace-path 2 "mok: mok_trace_write: $lib: path" \
+    run --preset olmoe-1b-7b --scale 16 --repeat 1 --trace /nonexistent-dir/trace.json --backend cpu
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

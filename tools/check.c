@@ -1,0 +1,64 @@
+/* check.c — the tolerance table of `mok run --check` and the comparison it uses. */
+#include "check.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "mok.h"
+
+/* Both sides round at the same points (g, u, h, every expert output, the sums), but the library
+ * accumulates in fp32 in its own order and the reference in fp64, so now and then a value that
+ * sits near a bf16 rounding boundary rounds the other way. A bf16 ulp is 2^-7 of the value at
+ * the bottom of its binade (2^-8 at the top); one flip of g, u or h moves that row's expert
+ * output by about one ulp of h. The tolerances are relative to the tensor's largest magnitude,
+ * so elements near zero do not set the bar; a wrong row, slot, weight or expert makes an error
+ * of the order of max |ref| and fails by far.
+ *
+ *  y, dx        bf16 outputs, each rounded once more at the end (at most half an ulp, 2^-8 of
+ *               max |ref|). 2e-2 of max |ref| is 2.5 to 5 ulps of the largest element: room for
+ *               the final rounding plus a few flipped intermediates landing on one element.
+ *  d_router_w   fp32 dot products <dy, FFN_e(x)> over H; a flipped expert output element changes
+ *               one term by |dy| * ulp. 3e-2 of max |ref|, as for the weight gradients.
+ *  dw_*, ds_*   fp32 sums over every routed row of products of bf16 values (x, h, dy, and dg, du,
+ *               which carry a flip of g, u or h into the row's whole outer product), rounded to
+ *               bf16 by the library while the reference stays fp32 (up to 2^-8 of max |ref|
+ *               from that rounding alone). 3e-2 of max |ref|.
+ *
+ * atol only matters for a tensor that is zero or nearly so (an expert with no rows has zero
+ * gradients on both sides). */
+static const tools_tolerance tolerances[TOOLS_NUM_TENSORS] = {
+    [TOOLS_Y] = {"y", 2e-2, 1e-6},
+    [TOOLS_DX] = {"dx", 2e-2, 1e-6},
+    [TOOLS_D_ROUTER_W] = {"d_router_w", 3e-2, 1e-6},
+    [TOOLS_DW_GATE] = {"dw_gate", 3e-2, 1e-6},
+    [TOOLS_DW_UP] = {"dw_up", 3e-2, 1e-6},
+    [TOOLS_DW_DOWN] = {"dw_down", 3e-2, 1e-6},
+    [TOOLS_DS_GATE] = {"ds_gate", 3e-2, 1e-6},
+    [TOOLS_DS_UP] = {"ds_up", 3e-2, 1e-6},
+    [TOOLS_DS_DOWN] = {"ds_down", 3e-2, 1e-6},
+};
+
+const tools_tolerance *tools_tolerance_of(tools_tensor tensor) { return &tolerances[tensor]; }
+
+static double element(const void *data, tools_dtype type, int64_t index) {
+    if (type == TOOLS_BF16) return (double)mok_bf16_to_float(((const uint16_t *)data)[index]);
+    return (double)((const float *)data)[index];
+}
+
+tools_error tools_compare(tools_tensor tensor, const void *got, tools_dtype got_type,
+                          const void *ref, tools_dtype ref_type, int64_t count) {
+    tools_error error = {0.0, 0.0, 0.0, -1};
+    for (int64_t i = 0; i < count; ++i) {
+        double a = element(got, got_type, i), b = element(ref, ref_type, i);
+        double diff = fabs(a - b);
+        if (!isfinite(a) || !isfinite(b)) diff = INFINITY; /* also catches an unwritten (NaN) element */
+        if (isfinite(b) && fabs(b) > error.max_abs_ref) error.max_abs_ref = fabs(b);
+        if (diff > error.max_abs_error || error.worst_index < 0) {
+            error.max_abs_error = diff;
+            error.worst_index = i;
+        }
+    }
+    const tools_tolerance *tol = &tolerances[tensor];
+    error.normalized = error.max_abs_error / (tol->atol + tol->rtol * error.max_abs_ref);
+    return error;
+}

@@ -1,0 +1,42 @@
+/* check.h — how `mok run --check` judges the library against mok_ref_*: one tolerance per
+ * output tensor (the table in check.c says why each value), and the error of a tensor as
+ * max |got - ref| / (atol + rtol * max |ref|), which passes at <= 1. */
+#ifndef MOK_TOOLS_CHECK_H
+#define MOK_TOOLS_CHECK_H
+
+#include <stdint.h>
+
+typedef enum tools_tensor {
+    TOOLS_Y,
+    TOOLS_DX,
+    TOOLS_D_ROUTER_W,
+    TOOLS_DW_GATE,
+    TOOLS_DW_UP,
+    TOOLS_DW_DOWN,
+    TOOLS_DS_GATE,
+    TOOLS_DS_UP,
+    TOOLS_DS_DOWN,
+    TOOLS_NUM_TENSORS
+} tools_tensor;
+
+typedef enum tools_dtype { TOOLS_BF16, TOOLS_F32 } tools_dtype;
+
+typedef struct tools_tolerance {
+    const char *name;
+    double rtol; /* of the tensor's max |ref| */
+    double atol; /* floor, for a tensor that is zero or nearly so */
+} tools_tolerance;
+
+const tools_tolerance *tools_tolerance_of(tools_tensor tensor);
+
+typedef struct tools_error {
+    double max_abs_error; /* +inf when an element is NaN or infinite on either side */
+    double max_abs_ref;
+    double normalized;    /* max_abs_error / (atol + rtol * max_abs_ref) */
+    int64_t worst_index;  /* element of the largest error; -1 for an empty tensor */
+} tools_error;
+
+tools_error tools_compare(tools_tensor tensor, const void *got, tools_dtype got_type,
+                          const void *ref, tools_dtype ref_type, int64_t count);
+
+#endif
