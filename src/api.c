@@ -8,6 +8,7 @@
 
 #include "internal.h"
 
+
 mok_status mok__check_ptr(const void *ptr, const char *name, int required) {
     if (!ptr) return required ? mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: must not be NULL", name) : MOK_OK;
     if ((uintptr_t)ptr % MOK_ALIGN != 0)
@@ -253,6 +254,26 @@ static mok_status check_usable(mok_workspace *ws) {
     return MOK_OK;
 }
 
+/* A collective call this rank rejects. On cpu in one-rank-per-process mode its peers are (or
+ * soon will be) waiting in the call's first barrier: arrive there with "rejected", so they fail
+ * at once with a message naming this rank instead of timing out. */
+static mok_status reject(mok_workspace *ws, mok_status status) {
+    mok_group *g = ws->group;
+    if (g->backend == MOK_BACKEND_CPU && g->num_local_ranks == 1 && g->nranks > 1 && !g->failed) {
+        char message[1024];
+        snprintf(message, sizeof message, "%s", mok_last_error());
+        if (mok__cpu_barrier(g, 0, 0) == MOK_ERR_TIMEOUT) return MOK_ERR_TIMEOUT;
+        return mok__fail(status, "%s", message);
+    }
+    return status;
+}
+
+#define TRY_COLLECTIVE(ws, expr)                              \
+    do {                                                      \
+        mok_status try_status_ = (expr);                      \
+        if (try_status_ != MOK_OK) return reject((ws), try_status_); \
+    } while (0)
+
 static mok_status check_tokens(const mok_workspace *ws, int r, int64_t t) {
     if (t < 0 || t > ws->shape.max_tokens)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].num_tokens: %lld is not in [0, max_tokens = %lld]", r,
@@ -275,16 +296,21 @@ static mok_status check_tokens(const mok_workspace *ws, int r, int64_t t) {
                              r, #ptr);                                                                        \
     } while (0)
 
-mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) {
-    mok__clear_error();
-    TRY(check_usable(ws));
-    if (!args) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL");
+static mok_status check_schedule_args(mok_workspace *ws, const mok_schedule_args *args) {
     for (int r = 0; r < ws->group->num_local_ranks; ++r) {
         const mok_schedule_args *a = &args[r];
         TRY(check_tokens(ws, r, a->num_tokens));
         CHECK_ARG(topk_ids, a->num_tokens > 0);
         CHECK_ARG(schedule, 1);
     }
+    return MOK_OK;
+}
+
+mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) {
+    mok__clear_error();
+    TRY(check_usable(ws));
+    if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
+    TRY_COLLECTIVE(ws, check_schedule_args(ws, args));
 #ifdef MOK_HAVE_CUDA
     if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_schedule_build(ws, args);
 #endif
@@ -342,8 +368,8 @@ static mok_status check_forward_args(mok_workspace *ws, const mok_forward_args *
 
 static mok_status forward_common(mok_workspace *ws, const mok_forward_args *args, int recompute) {
     TRY(check_usable(ws));
-    if (!args) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL");
-    TRY(check_forward_args(ws, args, recompute));
+    if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
+    TRY_COLLECTIVE(ws, check_forward_args(ws, args, recompute));
 #ifdef MOK_HAVE_CUDA
     if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_forward(ws, args, recompute);
 #endif
@@ -360,10 +386,20 @@ mok_status mok_recompute_context(mok_workspace *ws, const mok_forward_args *args
     return forward_common(ws, args, 1);
 }
 
+static mok_status check_backward_args(mok_workspace *ws, const mok_backward_args *args);
+
 mok_status mok_backward(mok_workspace *ws, const mok_backward_args *args) {
     mok__clear_error();
     TRY(check_usable(ws));
-    if (!args) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL");
+    if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
+    TRY_COLLECTIVE(ws, check_backward_args(ws, args));
+#ifdef MOK_HAVE_CUDA
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_backward(ws, args);
+#endif
+    return mok__cpu_backward(ws, args);
+}
+
+static mok_status check_backward_args(mok_workspace *ws, const mok_backward_args *args) {
     int has_shared = ws->shape.shared_intermediate > 0;
     for (int r = 0; r < ws->group->num_local_ranks; ++r) {
         const mok_backward_args *a = &args[r];
@@ -390,10 +426,7 @@ mok_status mok_backward(mok_workspace *ws, const mok_backward_args *args) {
         CHECK_SHARED(ds_up);
         CHECK_SHARED(ds_down);
     }
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_backward(ws, args);
-#endif
-    return mok__cpu_backward(ws, args);
+    return MOK_OK;
 }
 
 mok_status mok_trace_write(mok_workspace *ws, const char *path) {

@@ -40,6 +40,9 @@ struct mok_workspace {
 /* Validation shared by every backend (api.c). */
 mok_status mok__check_ptr(const void *ptr, const char *name, int required);
 
+/* The cpu backend's cross-rank barrier (ok = 0: this rank rejected its arguments). */
+mok_status mok__cpu_barrier(mok_group *group, int local_rank, int ok);
+
 /* Backend entry points. The cpu backend is always built; the cuda one when MOK_HAVE_CUDA. */
 #define MOK_BACKEND_FUNCS(prefix)                                                                  \
     mok_status prefix##_group_create(mok_group *group, int rank, const mok_unique_id *id,          \

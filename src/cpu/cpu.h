@@ -101,7 +101,6 @@ typedef struct cpu_workspace {
 } cpu_workspace;
 
 /* domain.c */
-mok_status mok__cpu_barrier(mok_group *g, int local_rank, int ok);
 int64_t mok__cpu_now_ns(void);
 
 /* Everything one pass needs on one rank, shared by its workers. */
