@@ -1,0 +1,144 @@
+"""PyTorch baselines for mok's benchmark: the MoE layer as people run it today.
+
+One GPU: routing (softmax top-k of the router's logits), tokens sorted by expert,
+``torch._grouped_mm`` for gate/up and for down, SwiGLU in between, and a weighted
+``index_add_`` back into the tokens' rows, plus the shared expert. Several GPUs: the same with
+an NCCL all-to-all (``all_to_all_single``) to the experts' owners and back.
+
+Layouts follow mok's: gate/up ``[E_local, I, H]``, down ``[E_local, H, I]``, bf16.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def make_layer(hidden, inter, num_local_experts, shared_inter, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def w(*shape, fan_in):
+        t = (torch.rand(*shape, generator=g) * 2 - 1) * math.sqrt(3.0 / fan_in)
+        return t.to(device=device, dtype=torch.bfloat16)
+
+    layer = {
+        "w_gate": w(num_local_experts, inter, hidden, fan_in=hidden),
+        "w_up": w(num_local_experts, inter, hidden, fan_in=hidden),
+        "w_down": w(num_local_experts, hidden, inter, fan_in=inter),
+    }
+    if shared_inter:
+        layer["s_gate"] = w(shared_inter, hidden, fan_in=hidden)
+        layer["s_up"] = w(shared_inter, hidden, fan_in=hidden)
+        layer["s_down"] = w(hidden, shared_inter, fan_in=shared_inter)
+    return layer
+
+
+def route(num_tokens, num_experts, topk, skew, device, seed=0):
+    """Softmax top-k of random logits; skew > 0 makes low expert ids hot."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if skew:
+        logits += skew * (1 - torch.arange(num_experts) / max(num_experts - 1, 1))
+    probs = logits.softmax(-1)
+    w, ids = probs.topk(topk, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    return ids.to(torch.int32).to(device), w.to(torch.float32).to(device)
+
+
+def swiglu(gate, up, limit=0.0):
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def shared_expert(x, layer):
+    if "s_gate" not in layer:
+        return None
+    g = x @ layer["s_gate"].t()
+    u = x @ layer["s_up"].t()
+    return swiglu(g, u) @ layer["s_down"].t()
+
+
+def experts_grouped(rows, counts, layer):
+    """rows sorted by local expert, counts per expert: the routed FFN of every row (bf16)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    w_gu = torch.cat([layer["w_gate"], layer["w_up"]], dim=1)  # [E, 2I, H]
+    gu = torch._grouped_mm(rows, w_gu.transpose(1, 2), offs=offs)
+    inter = layer["w_gate"].shape[1]
+    h = swiglu(gu[:, :inter], gu[:, inter:])
+    return torch._grouped_mm(h, layer["w_down"].transpose(1, 2), offs=offs)
+
+
+def forward_single(x, ids, weights, layer):
+    """One GPU, every expert local."""
+    T, k = ids.shape
+    E = layer["w_gate"].shape[0]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    token_of = order // k
+    out = experts_grouped(x[token_of], counts, layer)
+    y = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    y.index_add_(0, token_of, out.float() * weights.reshape(-1)[order, None])
+    s = shared_expert(x, layer)
+    if s is not None:
+        y += s.float()
+    return y.to(torch.bfloat16)
+
+
+def forward_all_to_all(x, ids, weights, layer, group=None):
+    """Expert parallel over the process group: NCCL all-to-all to the owners and back."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size(group)
+    T, k = ids.shape
+    E_local = layer["w_gate"].shape[0]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # by owner, then local expert
+    owner = flat[order] // E_local
+    send_counts = torch.bincount(owner, minlength=P)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # expert id of each row travels with it
+    send_rows = x[order // k]
+    send_expert = (flat[order] % E_local).to(torch.int32)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()  # the host sync every such baseline has
+    recv_rows = torch.empty(sum(rc), x.shape[1], device=x.device, dtype=x.dtype)
+    recv_expert = torch.empty(sum(rc), device=x.device, dtype=torch.int32)
+    dist.all_to_all_single(recv_rows, send_rows, rc, sc, group=group)
+    dist.all_to_all_single(recv_expert, send_expert, rc, sc, group=group)
+    local_order = torch.argsort(recv_expert.long(), stable=True)
+    counts = torch.bincount(recv_expert.long(), minlength=E_local)
+    out_sorted = experts_grouped(recv_rows[local_order], counts, layer)
+    out = torch.empty_like(out_sorted)
+    out[local_order] = out_sorted
+    back = torch.empty(sum(sc), x.shape[1], device=x.device, dtype=x.dtype)
+    dist.all_to_all_single(back, out, sc, rc, group=group)
+    y = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    y.index_add_(0, order // k, back.float() * weights.reshape(-1)[order, None])
+    s = shared_expert(x, layer)
+    if s is not None:
+        y += s.float()
+    return y.to(torch.bfloat16)
+
+
+def time_cuda(fn, warmup=3, reps=20):
+    """Median milliseconds of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def flops_forward(tokens, topk, hidden, inter, shared_inter):
+    return 6.0 * tokens * hidden * (topk * inter + shared_inter)
