@@ -89,38 +89,46 @@ typedef struct mok_counters_layout {
 
 MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *layout);
 
+/* The list is built as groups: a group is one kind of task for one minibatch (or all token
+ * tiles of the shared expert, or one expert of a macrobatch's weight gradients), its tasks
+ * (tile, sub-tile) in tile-major order, all with the same waits (or wait[0] per tile) and the
+ * same counters to bump (or done[0] per tile). A GPU CTA walks its role's groups with a ticket;
+ * the cpu backend expands them into tasks. */
+typedef struct mok_task_group {
+    int16_t kind, role;
+    int32_t minibatch;             /* minibatch; WGRAD: macrobatch; else -1 */
+    int32_t first_tile, num_tiles; /* row or token tiles; WGRAD, WGRAD_ZERO: the expert, 1 */
+    int32_t n_tiles;               /* tasks per tile */
+    int32_t wait[2], target[2];    /* counters waited on (-1 none) */
+    int32_t done[2];               /* counters bumped per task (-1 none) */
+    int8_t wait_per_tile;          /* wait[0] + (tile - first_tile) */
+    int8_t done_per_tile;          /* done[0] + (tile - first_tile) */
+    int16_t pad_;
+} mok_task_group;
+
 /* Upper bounds, for sizing buffers at workspace creation. */
 MOK_CORE int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+MOK_CORE int64_t mok__groups_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 MOK_CORE int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 
-/* Writes the list into tasks (capacity cap); returns its length, or -1 if cap is too small. */
+/* The groups in the global order (capacity cap); returns the count, or -1 if cap is too small. */
+MOK_CORE int64_t mok__groups_build(const mok_plan *plan, mok_task_group *groups, int64_t cap);
+/* Task t of a group. */
+MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *group, int64_t t, mok_task *task);
+/* The tasks in the global order (the groups expanded); returns the count, or -1. */
 MOK_CORE int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap);
+
+/* Weight-gradient tiles of one expert: tile t -> matrix and output tile (row, col) indices;
+ * dims are rounded up to whole tiles (the last may be partial). */
+MOK_CORE int64_t mok__wgrad_tiles(const mok_plan *plan, int64_t inter);
+MOK_CORE void mok__wgrad_tile(const mok_plan *plan, int64_t inter, int64_t t, int *matrix, int64_t *row_tile,
+                              int64_t *col_tile);
 
 /* Returns 0 if every wait of every task is satisfied by tasks earlier in the list; else the
  * index + 1 of the first task that breaks it. scratch: num_counters int64 (host only). */
 #ifndef __CUDACC__
 int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch);
 #endif
-
-/* The forward's tasks of one role as a sequence of groups: a group is one kind for one
- * minibatch (or all token tiles of the shared expert), its tasks (row tile, n tile) in row-tile
- * major order, all waiting on one counter (or one per row tile) and bumping one. The sequence is
- * the role's subsequence of mok__tasks_build's list, so a GPU CTA can walk it with a ticket
- * instead of a materialized list. */
-typedef struct mok_task_group {
-    int kind;
-    int64_t minibatch;
-    int64_t first_tile, num_tiles; /* row tiles (or token tiles) */
-    int64_t n_tiles;               /* tasks per row tile (1 for transfers) */
-    int64_t wait, target;          /* counter (-1 none) and target */
-    int wait_per_tile;             /* 1: the counter is wait + (tile - first_tile) */
-    int64_t done;                  /* counter bumped per task (-1 none) */
-    int done_per_tile;             /* 1: the counter is done + (tile - first_tile) */
-} mok_task_group;
-
-/* Group g of `role` in a forward (or recompute) plan; returns 0 past the last group. */
-MOK_CORE int mok__forward_group(const mok_plan *plan, const mok_counters_layout *L, int role, int64_t g,
-                              mok_task_group *out);
 
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);

@@ -82,6 +82,9 @@ typedef struct cuda_rank {
     unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
     int64_t counters_cap;
     unsigned long long *epoch;          /* device: barriers passed by this rank */
+    mok_task_group *groups;             /* device [groups_cap]: the pass's groups */
+    long long groups_cap;
+    long long *num_groups;
     int *error_host;                    /* mapped pinned: the error word */
     int *error_dev;
     void *sched_tmp;                    /* device scratch of the schedule build */

@@ -2,7 +2,7 @@
  * CTAs [0, comm) pull-dispatch routed rows from the peers' x into the ring and push-combine
  * finished expert outputs into their owners' per-(token, slot) buffers; the others run the
  * shared expert, then per minibatch the gate/up GEMM with SwiGLU and the down GEMM. Each role
- * claims its tasks with a ticket, in the order of core/tasks.c (mok__forward_group), and waits
+ * claims its tasks with a ticket, in the order of core/tasks.c (mok__groups_build), and waits
  * only on counters of earlier tasks: deadlock-free as long as all CTAs run at once.
  *
  * Buffer ownership: ring rows of a row tile are written by that tile's DISPATCH (x), GATEUP
@@ -28,6 +28,9 @@ struct fwd_params {
     long long counters_cap;
     int *error;
     long long timeout_ns;
+    mok_task_group *groups; /* built by forward_groups_kernel */
+    long long groups_cap;
+    long long *num_groups;
 };
 
 struct tile_info {
@@ -227,39 +230,58 @@ static __device__ void make_plan(const fwd_params &p, const mok_sched_view &v, m
     plan->expert_rows = v.expert_rows;
 }
 
-__global__ void __launch_bounds__(CUDA_THREADS, 1) forward_kernel(fwd_params p) {
-    extern __shared__ __align__(1024) uint16_t smem[];
-    __shared__ long long s_ticket;
-    __shared__ int s_flag;
+static __device__ bool schedule_ok(const fwd_params &p, const mok_sched_view &v) {
+    return v.header->magic == MOK_SCHED_MAGIC && v.header->rank == p.rank && !v.header->error &&
+           v.header->num_tokens[p.rank] == p.num_tokens;
+}
+
+/* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel. */
+__global__ void forward_groups_kernel(fwd_params p) {
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (*(volatile int *)p.error) return;
-    if (v.header->magic != MOK_SCHED_MAGIC || v.header->rank != p.rank || v.header->error ||
-        v.header->num_tokens[p.rank] != p.num_tokens) {
-        if (threadIdx.x == 0) atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+    *p.num_groups = 0;
+    if (!schedule_ok(p, v)) {
+        atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
         return;
     }
     mok_plan plan;
     make_plan(p, v, &plan);
-    mok_counters_layout L;
-    mok__counters_layout(&plan, &L);
+    long long n = mok__groups_build(&plan, p.groups, p.groups_cap);
+    if (n < 0) {
+        atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+        n = 0;
+    }
+    *p.num_groups = n;
+}
+
+__global__ void __launch_bounds__(CUDA_THREADS, 1) forward_kernel(fwd_params p) {
+    extern __shared__ __align__(1024) uint16_t smem[];
+    __shared__ long long s_ticket;
+    __shared__ int s_flag;
+    if (*(volatile int *)p.error) return;
+    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
     unsigned long long *ticket = p.counters + p.counters_cap + role;
-    mok_task_group grp;
-    long long g = 0, g_first = 0;
-    int have = mok__forward_group(&plan, &L, role, 0, &grp);
+    const long long num_groups = *p.num_groups;
+    long long g = -1, g_first = 0, g_size = 0; /* current group of this role and its first ticket */
     for (;;) {
         if (threadIdx.x == 0) s_ticket = (long long)atomicAdd(ticket, 1ull);
         __syncthreads();
         const long long t = s_ticket;
         __syncthreads();
-        while (have && t >= g_first + grp.num_tiles * grp.n_tiles) {
-            g_first += grp.num_tiles * grp.n_tiles;
-            have = mok__forward_group(&plan, &L, role, ++g, &grp);
+        while (t >= g_first + g_size) {
+            g_first += g_size;
+            g_size = 0;
+            while (++g < num_groups && p.groups[g].role != role) {
+            }
+            if (g >= num_groups) break;
+            g_size = (long long)p.groups[g].num_tiles * p.groups[g].n_tiles;
         }
-        if (!have) break;
+        if (g >= num_groups) break;
+        const mok_task_group grp = p.groups[g];
         const long long local = t - g_first, rt = grp.first_tile + local / grp.n_tiles, nt = local % grp.n_tiles;
-        const long long wait = grp.wait < 0 ? -1 : grp.wait + (grp.wait_per_tile ? rt - grp.first_tile : 0);
-        if (!wait_counter(p, wait, grp.target, &s_flag)) break;
+        const long long wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? rt - grp.first_tile : 0);
+        if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
+        if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
         switch (grp.kind) {
         case MOK_TASK_DISPATCH: run_dispatch(p, v, rt); break;
         case MOK_TASK_COMBINE: run_combine(p, v, rt); break;
@@ -270,9 +292,11 @@ __global__ void __launch_bounds__(CUDA_THREADS, 1) forward_kernel(fwd_params p) 
         default: break;
         }
         __syncthreads();
-        if (threadIdx.x == 0 && grp.done >= 0) {
+        if (threadIdx.x == 0) {
             __threadfence();
-            red_release_gpu(p.counters + grp.done + (grp.done_per_tile ? rt - grp.first_tile : 0), 1ull);
+            if (grp.done[0] >= 0)
+                red_release_gpu(p.counters + grp.done[0] + (grp.done_per_tile ? rt - grp.first_tile : 0), 1ull);
+            if (grp.done[1] >= 0) red_release_gpu(p.counters + grp.done[1], 1ull);
         }
     }
 }
@@ -365,12 +389,16 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         p.counters_cap = R->counters_cap;
         p.error = R->error_dev;
         p.timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
+        p.groups = R->groups;
+        p.groups_cap = R->groups_cap;
+        p.num_groups = R->num_groups;
 
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
                                      cudaMemcpyDeviceToDevice, stream));
         if ((st = mok__cuda_barrier(ws, lr, stream, a->num_tokens)) != MOK_OK) return st;
         CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+        LAUNCH_TRY(forward_groups_kernel<<<1, 1, 0, stream>>>(p));
         void *kargs[] = {&p};
         CUDA_TRY(cudaLaunchCooperativeKernel((const void *)forward_kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs,
                                              smem, stream));

@@ -98,6 +98,10 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->sh_out);
     cudaFree(R->counters);
     cudaFree(R->epoch);
+    cudaFree(R->groups);
+    cudaFree(R->num_groups);
+    R->groups = NULL;
+    R->num_groups = NULL;
     if (R->error_host) cudaFreeHost(R->error_host);
     R->peers = NULL;
     R->ring_x = R->ring_h = R->ring_y = R->sh_h = R->sh_out = NULL;
@@ -136,6 +140,9 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->sh_out, T * H * 2);
     ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
     ALLOC(R->epoch, sizeof(unsigned long long));
+    R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
+    ALLOC(R->num_groups, sizeof(long long));
     CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
     CUDA_TRY(cudaHostAlloc((void **)&R->error_host, sizeof(int), cudaHostAllocMapped));
     *R->error_host = 0;
