@@ -46,6 +46,7 @@ extern "C" {
 /* GPU tile constants: gate/up tasks cover CUDA_N_TILE columns of gate and of up; down tasks
  * CUDA_N_TILE_H columns of H (64 when H is not a multiple of 128). */
 #define CUDA_N_TILE 64
+#define CUDA_WGRAD_TILE 128 /* weight-gradient tiles: 128 x 128 (the last row/column may be 64) */
 #define CUDA_THREADS 256
 
 /* Error word codes (the kernel never traps; the host reports these). */

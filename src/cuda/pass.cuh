@@ -1,0 +1,214 @@
+/* pass.cuh — what the forward and backward megakernels share: the parameters of a pass, the
+ * facts of a row tile, bounded counter waits, row copies, the plan, the one-thread kernel that
+ * builds the pass's task groups, and the loop by which every CTA claims its role's tasks.
+ *
+ * NOTE: a CTA takes tickets of its role (comm or compute) in increasing order and maps each to a
+ * task of its role's groups in the global order of core/tasks.c; a task waits only on counters
+ * bumped by earlier tasks. With every CTA resident (cooperative launch) the pass cannot deadlock. */
+#ifndef MOK_CUDA_PASS_CUH
+#define MOK_CUDA_PASS_CUH
+
+#include <string.h>
+
+#include "cuda_common.cuh"
+#include "mma_tile.cuh"
+
+struct pass_params {
+    mok_sched_layout layout;
+    const void *schedule;
+    int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h, comm_ctas;
+    long long hidden, inter, shared_inter, num_tokens, ring_rows, minibatch_rows, context_rows;
+    char *const *peers;
+    size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
+    const uint16_t *x, *dy, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down;
+    uint16_t *ring_x, *ring_h, *ring_y, *sh_h, *sh_out, *context, *context_shared;
+    /* backward */
+    uint16_t *ring_dy, *ring_dyw, *ring_gu, *ring_dgu, *sh_dgu;
+    float *ring_w, *ring_rdot, *carry;
+    void *dw[3], *ds[3];
+    float limit;
+    unsigned long long *counters;
+    long long counters_cap;
+    int *error;
+    long long timeout_ns;
+    mok_task_group *groups; /* built by groups_kernel */
+    long long groups_cap;
+    long long *num_groups;
+};
+
+struct tile_info {
+    long long row0, ring0;
+    int nreal, expert;
+};
+
+static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view &v, long long rt) {
+    tile_info t;
+    t.row0 = rt * MOK_ROW_TILE;
+    t.ring0 = t.row0 % p.ring_rows;
+    t.expert = mok__sched_row_expert(&v, p.num_local_experts, t.row0);
+    long long end = v.expert_start[t.expert] + v.expert_rows[t.expert] - t.row0;
+    t.nreal = (int)(end < 0 ? 0 : end > MOK_ROW_TILE ? MOK_ROW_TILE : end);
+    return t;
+}
+
+/* Waits until counters[c] >= target (thread 0 spins, the CTA then proceeds together). Returns
+ * false if the pass was aborted. */
+static __device__ bool wait_counter(const pass_params &p, long long c, long long target, volatile int *s_flag) {
+    if (threadIdx.x == 0) {
+        int ok = 1;
+        if (c >= 0) {
+            long long start = globaltimer_ns();
+            unsigned long long *abort = p.counters + p.counters_cap + 2;
+            while ((long long)ld_acquire_gpu(p.counters + c) < target) {
+                if (*(volatile unsigned long long *)abort) { ok = 0; break; }
+                if (globaltimer_ns() - start > p.timeout_ns) {
+                    atomicCAS(p.error, 0, MOK_KERR_STALL);
+                    atomicExch(abort, 1ull);
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        *s_flag = ok;
+    }
+    __syncthreads();
+    bool ok = *s_flag;
+    __syncthreads();
+    return ok;
+}
+
+/* Copies `rows` rows of H bf16 between two places, one warp per row, 16 bytes per lane. */
+static __device__ __forceinline__ void copy_row(uint16_t *dst, const uint16_t *src, long long h) {
+    const int4 *s = (const int4 *)src;
+    int4 *d = (int4 *)dst;
+    const int lane = threadIdx.x & 31, n = (int)(h / 8);
+    int c = lane;
+    for (; c + 96 < n; c += 128) {
+        int4 v0 = s[c], v1 = s[c + 32], v2 = s[c + 64], v3 = s[c + 96];
+        d[c] = v0; d[c + 32] = v1; d[c + 64] = v2; d[c + 96] = v3;
+    }
+    for (; c < n; c += 32) d[c] = s[c];
+}
+
+/* gate|up tile: C[:, 0:64] = g, C[:, 64:128] = u (bf16). Writes g, u into the context rows
+ * (padding rows as zeros) and h = bf16(silu(g) * u) into `h_out` for real rows. */
+static __device__ void swiglu_epilogue(const uint16_t *c, int nreal, long long ctx_row0, long long ctx_rows,
+                                       uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
+                                       long long h_ld, float limit) {
+    for (int idx = threadIdx.x; idx < TILE_BM * 8; idx += CUDA_THREADS) {
+        int r = idx >> 3, c8 = (idx & 7) * 8;
+        bool real = r < nreal;
+        uint16_t gv[8], uv[8], hv[8];
+        *(int4 *)gv = *(const int4 *)(c + r * TILE_C_LD + c8);
+        *(int4 *)uv = *(const int4 *)(c + r * TILE_C_LD + 64 + c8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (!real) gv[i] = uv[i] = 0;
+            hv[i] = mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(gv[i]), mok__bf16_to_f32(uv[i]), limit));
+        }
+        long long row = ctx_row0 + r;
+        if (ctx && row < ctx_rows) {
+            *(int4 *)(ctx + row * ctx_ld + n0 + c8) = *(int4 *)gv;
+            *(int4 *)(ctx + row * ctx_ld + inter + n0 + c8) = *(int4 *)uv;
+        }
+        if (real) *(int4 *)(h_out + r * h_ld + n0 + c8) = *(int4 *)hv;
+    }
+}
+
+static __device__ void store_tile(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld, long long n0) {
+    const int chunks = cols / 8;
+    for (int idx = threadIdx.x; idx < rows * chunks; idx += CUDA_THREADS) {
+        int r = idx / chunks, c8 = (idx % chunks) * 8;
+        *(int4 *)(out + r * ld + n0 + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
+    }
+}
+
+static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, mok_plan *plan) {
+    memset(plan, 0, sizeof *plan);
+    plan->recompute = p.recompute;
+    plan->backward = p.backward;
+    plan->accumulate = p.accumulate;
+    plan->padded_rows = v.header->padded_rows;
+    plan->context_rows = p.context_rows;
+    plan->num_tokens = p.num_tokens;
+    plan->hidden = p.hidden;
+    plan->intermediate = p.inter;
+    plan->shared_intermediate = p.shared_inter;
+    plan->num_local_experts = p.num_local_experts;
+    plan->minibatch_rows = (int)p.minibatch_rows;
+    plan->ring_rows = (int)p.ring_rows;
+    plan->n_tile = p.n_tile;
+    plan->n_tile_h = p.n_tile_h;
+    plan->wgrad_tile = CUDA_WGRAD_TILE;
+    plan->expert_start = v.expert_start;
+    plan->expert_rows = v.expert_rows;
+}
+
+static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v) {
+    return v.header->magic == MOK_SCHED_MAGIC && v.header->rank == p.rank && !v.header->error &&
+           v.header->num_tokens[p.rank] == p.num_tokens;
+}
+
+/* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel. */
+static __global__ void groups_kernel(pass_params p) {
+    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+    *p.num_groups = 0;
+    if (!schedule_ok(p, v)) {
+        atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+        return;
+    }
+    mok_plan plan;
+    make_plan(p, v, &plan);
+    long long n = mok__groups_build(&plan, p.groups, p.groups_cap);
+    if (n < 0) {
+        atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+        n = 0;
+    }
+    *p.num_groups = n;
+}
+
+/* The CTA loop: claim a ticket of this CTA's role, find its group and task, wait, run, bump. */
+template <typename Runner>
+static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
+    __shared__ long long s_ticket;
+    __shared__ int s_flag;
+    const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
+    unsigned long long *ticket = p.counters + p.counters_cap + role;
+    const long long num_groups = *p.num_groups;
+    long long g = -1, g_first = 0, g_size = 0; /* current group of this role and its first ticket */
+    for (;;) {
+        if (threadIdx.x == 0) s_ticket = (long long)atomicAdd(ticket, 1ull);
+        __syncthreads();
+        const long long t = s_ticket;
+        __syncthreads();
+        while (t >= g_first + g_size) {
+            g_first += g_size;
+            g_size = 0;
+            while (++g < num_groups && p.groups[g].role != role) {
+            }
+            if (g >= num_groups) break;
+            g_size = (long long)p.groups[g].num_tiles * p.groups[g].n_tiles;
+        }
+        if (g >= num_groups) break;
+        const mok_task_group grp = p.groups[g];
+        const long long local = t - g_first, rt = grp.first_tile + local / grp.n_tiles, nt = local % grp.n_tiles;
+        const long long wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? rt - grp.first_tile : 0);
+        if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
+        if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
+        Runner::run(p, v, grp, rt, nt, smem);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            if (grp.done[0] >= 0)
+                red_release_gpu(p.counters + grp.done[0] + (grp.done_per_tile ? rt - grp.first_tile : 0), 1ull);
+            if (grp.done[1] >= 0) red_release_gpu(p.counters + grp.done[1], 1ull);
+        }
+    }
+}
+
+static size_t pass_smem_bytes(void) {
+    size_t c_tile = (size_t)TILE_BM * TILE_C_LD * 2;
+    return TILE_SMEM_BYTES > c_tile ? TILE_SMEM_BYTES : c_tile;
+}
+
+#endif
