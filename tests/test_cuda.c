@@ -443,3 +443,189 @@ MOK_TEST(cuda_graph_capture_replay) {
     layer_free(&B);
 #endif
 }
+
+/* ---- backward ------------------------------------------------------------------------------ */
+
+/* Runs the backward on the device after gpu_forward (schedule and context in G) and downloads
+ * dx, d_router_w and every gradient into out. accumulate = 1: fp32 gradients starting from
+ * random values (kept in out->dw_init / ds_init for the comparison). */
+static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer_result *out) {
+    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
+    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
+    const size_t ge = accumulate ? 4 : 2;
+    const size_t wn[3] = {El * I * H, El * I * H, El * H * I}, sn = Is * H;
+    mok_backward_args ba[MOK_MAX_RANKS];
+    void *dev[MOK_MAX_RANKS][9];
+    mok_status st = MOK_OK;
+    out->nranks = L->nranks;
+    out->grads_f32 = accumulate;
+    uint64_t rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)accumulate;
+    for (int p = 0; p < L->nranks; ++p) {
+        const size_t T = (size_t)L->num_tokens[p];
+        memset(dev[p], 0, sizeof dev[p]);
+        dev[p][0] = upload(G, p, L->dy[p], T * H * 2 + 16, &st);          /* dy */
+        dev[p][1] = upload(G, p, NULL, T * H * 2 + 16, &st);              /* dx */
+        dev[p][2] = upload(G, p, NULL, T * k * 4 + 16, &st);              /* d_router_w */
+        for (int m = 0; m < 3; ++m) {
+            void *init = NULL;
+            if (accumulate) {
+                float *f = malloc(wn[m] * 4);
+                for (size_t i = 0; i < wn[m]; ++i) {
+                    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                    f[i] = (float)((double)(rng >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+                }
+                out->dw_init[m][p] = f;
+                init = f;
+            }
+            dev[p][3 + m] = upload(G, p, init, wn[m] * ge, &st);
+            if (Is) {
+                void *sinit = NULL;
+                if (accumulate) {
+                    float *f = malloc(sn * 4);
+                    for (size_t i = 0; i < sn; ++i) f[i] = 0.25f * (float)((i * 2654435761u) % 1000) / 1000.0f;
+                    out->ds_init[m][p] = f;
+                    sinit = f;
+                }
+                dev[p][6 + m] = upload(G, p, sinit, sn * ge, &st);
+            }
+        }
+        ba[p] = (mok_backward_args){(int64_t)T, G->schedule[p], G->context[p], dev[p][0], G->x[p], G->rw[p],
+                                    G->w[0][p], G->w[1][p], G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p],
+                                    dev[p][1], dev[p][2], accumulate, dev[p][3], dev[p][4], dev[p][5],
+                                    dev[p][6], dev[p][7], dev[p][8], NULL};
+    }
+    if (st == MOK_OK) st = mok_backward(G->ws, ba);
+    if (st == MOK_OK) st = mok_synchronize(G->ws);
+    if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
+    for (int p = 0; p < L->nranks; ++p) {
+        const size_t T = (size_t)L->num_tokens[p];
+        if (st == MOK_OK) {
+            out->dx[p] = malloc(T * H * 2 + 16);
+            out->d_router_w[p] = malloc(T * k * 4 + 16);
+            mok_memory_copy(G->group, p, out->dx[p], dev[p][1], T * H * 2, MOK_COPY_RANK_TO_HOST);
+            mok_memory_copy(G->group, p, out->d_router_w[p], dev[p][2], T * k * 4, MOK_COPY_RANK_TO_HOST);
+            for (int m = 0; m < 3; ++m) {
+                out->dw[m][p] = malloc(wn[m] * ge);
+                mok_memory_copy(G->group, p, out->dw[m][p], dev[p][3 + m], wn[m] * ge, MOK_COPY_RANK_TO_HOST);
+                if (Is) {
+                    out->ds[m][p] = malloc(sn * ge);
+                    mok_memory_copy(G->group, p, out->ds[m][p], dev[p][6 + m], sn * ge, MOK_COPY_RANK_TO_HOST);
+                }
+            }
+        }
+        for (int i = 0; i < 9; ++i) mok_memory_free(G->group, p, dev[p][i]);
+    }
+    return st;
+}
+
+/* Forward + backward on cuda against the reference (and the cpu backend for small layers). */
+static void check_backward(const char *tag, const mok_shape *shape, int P, const int64_t *tokens, int routing,
+                           float limit, const mok_config *config, int accumulate) {
+    layer L;
+    if (layer_make(&L, shape, P, tokens, mok_test_seed() ^ (uint64_t)(uintptr_t)tag ^ 0x55, routing) != 0) {
+        CHECK(0, "%s: layer_make failed", tag);
+        return;
+    }
+    L.swiglu_limit = limit;
+    gpu_run G;
+    mok_status st = gpu_open(&G, &L, config);
+    CHECK(st == MOK_OK, "%s: open: %s", tag, G.message);
+    layer_result got = {0}, ref = {0};
+    if (st == MOK_OK) {
+        st = gpu_forward(&G, &L, 0);
+        CHECK(st == MOK_OK, "%s: forward: %s", tag, G.message);
+    }
+    if (st == MOK_OK) {
+        download_y(&G, &L, &got);
+        st = gpu_backward(&G, &L, accumulate, &got);
+        CHECK(st == MOK_OK, "%s: backward: %s", tag, G.message);
+    }
+    if (st == MOK_OK) {
+        layer_run_reference(&L, &ref);
+        double err = layer_compare(&L, &got, &ref, tag);
+        CHECK(err <= 1.0, "%s: cuda backward vs reference error %.3f", tag, err);
+    }
+    layer_result_free(&got);
+    layer_result_free(&ref);
+    gpu_close(&G);
+    layer_free(&L);
+}
+
+MOK_TEST(cuda_backward_ep1) {
+    if (skip(1, "cuda_backward_ep1")) return;
+    int64_t t1[1] = {300};
+    mok_shape a = small_shape(256, 128, 8, 2, 128);
+    check_backward("bwd ep1 uniform", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0);
+    check_backward("bwd ep1 skewed accumulate", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1);
+    check_backward("bwd ep1 even (empty experts)", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 0);
+    check_backward("bwd ep1 holes, weights <= 0", &a, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, NULL, 0);
+    check_backward("bwd ep1 clamp", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 0);
+    mok_shape b = small_shape(192, 64, 4, 1, 0);
+    check_backward("bwd ep1 h192 k1 no shared", &b, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0);
+    mok_config ring = mok_config_default();
+    ring.minibatch_rows = 128;
+    ring.ring_rows = 256;
+    ring.context_rows = 128;
+    check_backward("bwd ep1 several macrobatches, replay", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, &ring, 0);
+    check_backward("bwd ep1 several macrobatches, accumulate", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, &ring, 1);
+}
+
+MOK_TEST(cuda_backward_ep2) {
+    if (skip(2, "cuda_backward_ep2")) return;
+    int64_t even[2] = {300, 300}, uneven[2] = {0, 417};
+    mok_shape a = small_shape(256, 128, 8, 4, 128);
+    check_backward("bwd ep2 uniform", &a, 2, even, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0);
+    check_backward("bwd ep2 skewed accumulate", &a, 2, even, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1);
+    mok_config ring = mok_config_default();
+    ring.minibatch_rows = 128;
+    ring.ring_rows = 256;
+    ring.context_rows = 256;
+    ring.bwd_comm_sms = 4;
+    check_backward("bwd ep2 uneven, macrobatches, replay", &a, 2, uneven, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS,
+                   0.0f, &ring, 0);
+}
+
+/* Every gradient bitwise equal across runs and across bwd_comm_sms, minibatch and ring sizes. */
+MOK_TEST(cuda_backward_deterministic) {
+    if (skip(1, "cuda_backward_deterministic")) return;
+    int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {700, 500};
+    mok_shape s = small_shape(512, 256, 8, 4, 256);
+    layer L;
+    layer_make(&L, &s, P, tokens, mok_test_seed() + 3, LAYER_ROUTE_SKEWED);
+    struct { int comm, mb, ring; } cfgs[] = {{32, 1024, 16384}, {8, 256, 16384}, {16, 128, 256}, {24, 128, 512}};
+    layer_result first = {0};
+    int have_first = 0;
+    for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; ++c) {
+        mok_config cfg = mok_config_default();
+        cfg.bwd_comm_sms = cfgs[c].comm;
+        cfg.minibatch_rows = cfgs[c].mb;
+        cfg.ring_rows = cfgs[c].ring;
+        gpu_run G;
+        if (gpu_open(&G, &L, &cfg) != MOK_OK) {
+            CHECK(0, "open: %s", G.message);
+            break;
+        }
+        int reps = c == 0 ? 5 : 2;
+        for (int r = 0; r < reps; ++r) {
+            layer_result got = {0};
+            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_backward(&G, &L, 0, &got) != MOK_OK) {
+                CHECK(0, "config %zu: %s", c, G.message);
+                layer_result_free(&got);
+                break;
+            }
+            download_y(&G, &L, &got);
+            if (!have_first) {
+                first = got;
+                have_first = 1;
+                continue;
+            }
+            char what[256] = "";
+            CHECK(layer_equal(&L, &first, &got, what, sizeof what), "config %zu run %d: %s", c, r, what);
+            layer_result_free(&got);
+        }
+        gpu_close(&G);
+    }
+    if (have_first) layer_result_free(&first);
+    layer_free(&L);
+}

@@ -69,7 +69,10 @@ typedef struct cuda_sym_layout {
     size_t x;        /* bf16 [T_max, H] */
     size_t router_w; /* f32 [T_max * k] */
     size_t ids;      /* i32 [T_max * k] */
-    size_t comb;     /* bf16 [T_max * k, H] */
+    size_t comb;     /* bf16 [T_max * k, H]: expert outputs pushed in by the experts' owners */
+    size_t dy;       /* bf16 [T_max, H] */
+    size_t dxbuf;    /* bf16 [T_max * k, H]: routed dx parts pushed in likewise */
+    size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
     size_t bytes;
 } cuda_sym_layout;
 
@@ -79,7 +82,15 @@ typedef struct cuda_rank {
     ncclWindow_t win;
     char **peers;          /* device [P]: every rank's symmetric region */
     uint16_t *ring_x, *ring_h, *ring_y; /* [ring, H], [ring, I], [ring, H] */
-    uint16_t *sh_h, *sh_out;            /* [T_max, I_s], [T_max, H] */
+    uint16_t *sh_h, *sh_out;            /* [T_max, I_s], [T_max, H] (output, or dx part) */
+    /* backward */
+    uint16_t *ring_dy, *ring_dyw;       /* [ring, H]: dy rows, bf16(w * dy) rows */
+    uint16_t *ring_gu, *ring_dgu;       /* [ring, 2I]: replayed g|u, dg|du */
+    float *ring_w, *ring_rdot;          /* [ring], [ring, I / 64] */
+    uint16_t *sh_dgu;                   /* [T_max, 2 I_s] */
+    float *carry;                       /* [carry_slots, 3 I H]: weight-gradient accumulators of experts
+                                           that span macrobatches (bf16 mode) */
+    long long carry_slots;
     unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
     int64_t counters_cap;
     unsigned long long *epoch;          /* device: barriers passed by this rank */

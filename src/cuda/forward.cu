@@ -174,27 +174,11 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         CUDA_TRY(cudaSetDevice(R->device));
         CUDA_TRY(cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         pass_params p;
-        memset(&p, 0, sizeof p);
-        p.layout = ws->sched_layout;
-        p.schedule = a->schedule;
-        p.num_local_experts = (int)ws->num_local_experts;
-        p.topk = (int)s->topk;
-        p.rank = R->rank;
+        pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
         p.n_tile = CUDA_N_TILE;
-        p.n_tile_h = s->hidden % 128 == 0 ? 128 : 64;
         int comm = ws->config.fwd_comm_sms;
         p.comm_ctas = comm < R->num_sms - 1 ? comm : R->num_sms - 1;
-        p.hidden = s->hidden;
-        p.inter = s->intermediate;
-        p.shared_inter = s->shared_intermediate;
-        p.num_tokens = a->num_tokens;
-        p.ring_rows = ws->config.ring_rows;
-        p.minibatch_rows = ws->config.minibatch_rows;
-        p.context_rows = ws->context_rows;
-        p.peers = R->peers;
-        p.off_x = cw->sym.x;
-        p.off_comb = cw->sym.comb;
         p.x = (const uint16_t *)a->x;
         p.w_gate = (const uint16_t *)a->w_gate;
         p.w_up = (const uint16_t *)a->w_up;
@@ -202,21 +186,8 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         p.s_gate = (const uint16_t *)a->s_gate;
         p.s_up = (const uint16_t *)a->s_up;
         p.s_down = (const uint16_t *)a->s_down;
-        p.ring_x = R->ring_x;
-        p.ring_h = R->ring_h;
-        p.ring_y = R->ring_y;
-        p.sh_h = R->sh_h;
-        p.sh_out = R->sh_out;
         p.context = (uint16_t *)a->context;
         p.context_shared = (uint16_t *)((char *)a->context + ws->context_shared_offset);
-        p.limit = ws->config.swiglu_limit;
-        p.counters = R->counters;
-        p.counters_cap = R->counters_cap;
-        p.error = R->error_dev;
-        p.timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
-        p.groups = R->groups;
-        p.groups_cap = R->groups_cap;
-        p.num_groups = R->num_groups;
 
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
@@ -234,11 +205,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
     }
     cudaSetDevice(previous);
     return MOK_OK;
-}
-
-extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_args *args) {
-    (void)args;
-    return mok__fail(MOK_ERR_UNSUPPORTED, "backward: the cuda backend runs the forward only so far");
 }
 
 extern "C" mok_status mok__cuda_trace_write(mok_workspace *ws, const char *path) {

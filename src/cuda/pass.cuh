@@ -206,6 +206,56 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
     }
 }
 
+/* The fields every pass shares: layer, schedule, buffers, counters. */
+static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int64_t num_tokens,
+                             const void *schedule, int backward) {
+    const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
+    const mok_shape *s = &ws->shape;
+    memset(p, 0, sizeof *p);
+    p->layout = ws->sched_layout;
+    p->schedule = schedule;
+    p->num_local_experts = (int)ws->num_local_experts;
+    p->topk = (int)s->topk;
+    p->rank = R->rank;
+    p->backward = backward;
+    p->n_tile_h = s->hidden % 128 == 0 ? 128 : 64;
+    p->hidden = s->hidden;
+    p->inter = s->intermediate;
+    p->shared_inter = s->shared_intermediate;
+    p->num_tokens = num_tokens;
+    p->ring_rows = ws->config.ring_rows;
+    p->minibatch_rows = ws->config.minibatch_rows;
+    p->context_rows = ws->context_rows;
+    p->peers = R->peers;
+    p->off_x = cw->sym.x;
+    p->off_comb = cw->sym.comb;
+    p->off_dy = cw->sym.dy;
+    p->off_router_w = cw->sym.router_w;
+    p->off_dxbuf = cw->sym.dxbuf;
+    p->off_drw = cw->sym.drw;
+    p->ring_x = R->ring_x;
+    p->ring_h = R->ring_h;
+    p->ring_y = R->ring_y;
+    p->sh_h = R->sh_h;
+    p->sh_out = R->sh_out;
+    p->ring_dy = R->ring_dy;
+    p->ring_dyw = R->ring_dyw;
+    p->ring_gu = R->ring_gu;
+    p->ring_dgu = R->ring_dgu;
+    p->sh_dgu = R->sh_dgu;
+    p->ring_w = R->ring_w;
+    p->ring_rdot = R->ring_rdot;
+    p->carry = R->carry;
+    p->limit = ws->config.swiglu_limit;
+    p->counters = R->counters;
+    p->counters_cap = R->counters_cap;
+    p->error = R->error_dev;
+    p->timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
+    p->groups = R->groups;
+    p->groups_cap = R->groups_cap;
+    p->num_groups = R->num_groups;
+}
+
 static size_t pass_smem_bytes(void) {
     size_t c_tile = (size_t)TILE_BM * TILE_C_LD * 2;
     return TILE_SMEM_BYTES > c_tile ? TILE_SMEM_BYTES : c_tile;

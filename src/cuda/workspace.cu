@@ -18,6 +18,9 @@ static void sym_layout(cuda_sym_layout *L, const mok_shape *s) {
     L->router_w = off; off = align256(off + T * k * 4);
     L->ids = off; off = align256(off + T * k * 4);
     L->comb = off; off = align256(off + T * k * H * 2);
+    L->dy = off; off = align256(off + T * H * 2);
+    L->dxbuf = off; off = align256(off + T * k * H * 2);
+    L->drw = off; off = align256(off + T * k * 4);
     L->bytes = off;
 }
 
@@ -97,6 +100,16 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->sh_h);
     cudaFree(R->sh_out);
     cudaFree(R->counters);
+    cudaFree(R->ring_dy);
+    cudaFree(R->ring_dyw);
+    cudaFree(R->ring_gu);
+    cudaFree(R->ring_dgu);
+    cudaFree(R->ring_w);
+    cudaFree(R->ring_rdot);
+    cudaFree(R->sh_dgu);
+    cudaFree(R->carry);
+    R->ring_dy = R->ring_dyw = R->ring_gu = R->ring_dgu = R->sh_dgu = NULL;
+    R->ring_w = R->ring_rdot = R->carry = NULL;
     cudaFree(R->epoch);
     cudaFree(R->groups);
     cudaFree(R->num_groups);
@@ -139,6 +152,16 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->sh_h, T * Is * 2);
     ALLOC(R->sh_out, T * H * 2);
     ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
+    ALLOC(R->ring_dy, ring * H * 2);
+    ALLOC(R->ring_dyw, ring * H * 2);
+    ALLOC(R->ring_gu, ring * 2 * I * 2);
+    ALLOC(R->ring_dgu, ring * 2 * I * 2);
+    ALLOC(R->ring_w, ring * 4);
+    ALLOC(R->ring_rdot, ring * (I / 64) * 4);
+    ALLOC(R->sh_dgu, T * 2 * Is * 2);
+    long long max_macro = (ws->sched_layout.max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
+    R->carry_slots = max_macro > 1 ? max_macro - 1 : 0;
+    ALLOC(R->carry, (size_t)R->carry_slots * 3 * I * H * 4);
     ALLOC(R->epoch, sizeof(unsigned long long));
     R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);

@@ -1,0 +1,438 @@
+/* backward.cu — the backward megakernel, the same design as the forward (pass.cuh): comm CTAs
+ * pull dy rows, their router weights and the x rows from the tokens' owners into the ring and
+ * push each routed row's dx part and router-weight gradient back into its owner's per-(token,
+ * slot) buffers; compute CTAs run the shared expert's backward, then per minibatch dy·W_down
+ * with the SwiGLU backward and the router-weight dot (replaying g, u where the context does not
+ * keep them), the dx GEMM, and after each macrobatch the weight-gradient tiles.
+ *
+ * Rounding points (as src/cpu/tasks_bwd.c): dh = w · (dy·W_down) in fp32; d_router_w =
+ * <dy·W_down, h> summed in a fixed order; dg, du and dx parts rounded to bf16; the down
+ * projection's weight gradient uses bf16(w · dy) (made once, by the pull).
+ *
+ * Buffer ownership: ring rows of a row tile are written by its PULL (dy, w·dy, x, w), DH (h,
+ * dg|du, router partials, replayed g|u) and DX (dx part, in ring_y) and read by later tasks of the
+ * same tile and by its macrobatch's weight gradients; a PULL refills a slot only after the PUSH
+ * and the weight gradients of its previous occupant. One CTA owns a weight-gradient tile for a
+ * macrobatch and carries the fp32 accumulator to the next one through the caller's fp32 buffer
+ * (accumulate) or a carry slot, so sums run over an expert's rows in schedule order. */
+#include "pass.cuh"
+
+static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt) {
+    tile_info t = row_tile(p, v, rt);
+    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += CUDA_THREADS / 32) {
+        const int peer = v.row_peer[t.row0 + r];
+        const long long slot = v.row_slot[t.row0 + r], token = slot / p.topk, ring = t.ring0 + r;
+        const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
+        const int4 *dy = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden);
+        const int4 *x = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden);
+        int4 *dy_out = (int4 *)(p.ring_dy + ring * p.hidden), *dyw_out = (int4 *)(p.ring_dyw + ring * p.hidden);
+        int4 *x_out = (int4 *)(p.ring_x + ring * p.hidden);
+        for (int c = lane; c < n; c += 32) {
+            int4 a = dy[c], b = x[c];
+            dy_out[c] = a;
+            x_out[c] = b;
+            uint16_t e[8], f[8];
+            *(int4 *)e = a;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = mok__bf16_from_f32(w * mok__bf16_to_f32(e[i]));
+            dyw_out[c] = *(int4 *)f;
+        }
+        if (lane == 0) p.ring_w[ring] = w;
+    }
+}
+
+static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt) {
+    tile_info t = row_tile(p, v, rt);
+    const long long nI = p.inter / p.n_tile;
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += CUDA_THREADS / 32) {
+        const int peer = v.row_peer[t.row0 + r];
+        const long long slot = v.row_slot[t.row0 + r], ring = t.ring0 + r;
+        copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
+        if ((threadIdx.x & 31) == 0) {
+            float sum = 0.0f;
+            for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
+            ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
+        }
+    }
+}
+
+/* g|u of a row tile for columns [n0, n0 + 64) of I, exactly as the forward's GATEUP computes
+ * them, into `out` ([rows][2I] bf16). */
+static __device__ void replay_gateup(const pass_params &p, const tile_info &t, long long n0, uint16_t *out,
+                                     uint16_t *smem) {
+    const long long H = p.hidden, I = p.inter;
+    tile_operands op = {};
+    op.a = p.ring_x + t.ring0 * H;
+    op.lda = H;
+    op.a_rows = t.nreal;
+    op.b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
+    op.b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
+    op.ldb = H;
+    op.k = H;
+    float acc[4][4][4];
+    tile_mma(smem, op, acc);
+    tile_stage_bf16(smem, acc);
+    for (int idx = threadIdx.x; idx < t.nreal * 16; idx += CUDA_THREADS) {
+        int r = idx >> 4, c8 = (idx & 15) * 8;
+        uint16_t *dst = out + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
+        *(int4 *)dst = *(const int4 *)(smem + r * TILE_C_LD + c8);
+    }
+    __syncthreads();
+}
+
+/* The SwiGLU backward epilogue of a dh tile (fp32 in acc, columns [n0, n0 + n_valid) of the
+ * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns
+ * (rdot, may be NULL), dh = w · dh0 (w NULL: 1), dg|du. */
+static __device__ void swiglu_backward_epilogue(const float (&acc)[4][4][4], int rows, int n_valid, const uint16_t *gu,
+                                                long long gu_ld, long long inter, long long n0, const float *w,
+                                                float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
+                                                long long dgu_ld, float *rdot, long long rdot_ld, float *red) {
+    float row_dot[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) row_dot[mi][0] = row_dot[mi][1] = 0.0f;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int row, col;
+                acc_position(mi, ni, 2 * half, &row, &col);
+                if (row >= rows || col >= n_valid) continue;
+                const uint16_t *gp = gu + row * gu_ld + n0 + col;
+                uint32_t gpair = *(const uint32_t *)gp, upair = *(const uint32_t *)(gp + inter);
+                const float wr = w ? w[row] : 1.0f;
+                uint16_t hb[2], dgb[2], dub[2];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * c)));
+                    float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * c)));
+                    float dh0 = acc[mi][ni][2 * half + c];
+                    hb[c] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
+                    row_dot[mi][half] += dh0 * mok__bf16_to_f32(hb[c]);
+                    float dg, du;
+                    mok__swiglu_backward(wr * dh0, g, u, limit, &dg, &du);
+                    dgb[c] = mok__bf16_from_f32(dg);
+                    dub[c] = mok__bf16_from_f32(du);
+                }
+                *(uint32_t *)(h_out + row * h_ld + n0 + col) = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
+                *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
+                *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+            }
+    if (!rdot) return;
+    /* Fixed-order reduction: the 4 lanes of a row (xor 1 then 2), then the 4 warps across the
+       tile's columns in order. */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float v = row_dot[mi][half];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if ((lane & 3) == 0) {
+                int row = (warp >> 2) * 64 + mi * 16 + (lane >> 2) + 8 * half;
+                red[(warp & 3) * TILE_BM + row] = v;
+            }
+        }
+    __syncthreads();
+    for (int row = threadIdx.x; row < rows; row += CUDA_THREADS)
+        rdot[row * rdot_ld] = ((red[row] + red[TILE_BM + row]) + red[2 * TILE_BM + row]) + red[3 * TILE_BM + row];
+    __syncthreads();
+}
+
+static __device__ void run_dh(const pass_params &p, const mok_sched_view &v, long long rt, long long nt,
+                              uint16_t *smem, float *red) {
+    tile_info t = row_tile(p, v, rt);
+    if (t.nreal == 0) return;
+    const long long H = p.hidden, I = p.inter, n0 = nt * p.n_tile;
+    const uint16_t *gu;
+    if (t.row0 < p.context_rows) {
+        gu = p.context + t.row0 * 2 * I;
+    } else {
+        for (int half = 0; half < p.n_tile / 64; ++half) replay_gateup(p, t, n0 + half * 64, p.ring_gu + t.ring0 * 2 * I, smem);
+        gu = p.ring_gu + t.ring0 * 2 * I;
+    }
+    tile_operands op = {};
+    op.a = p.ring_dy + t.ring0 * H;
+    op.lda = H;
+    op.a_rows = t.nreal;
+    op.b_lo = p.w_down + (long long)t.expert * H * I + n0;
+    op.ldb = I;
+    op.n_valid = p.n_tile;
+    op.k_split = 1ll << 62;
+    op.k = H;
+    op.k_valid = H;
+    float acc[4][4][4];
+    tile_mma<false, true>(smem, op, acc);
+    swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, n0, p.ring_w + t.ring0, p.limit,
+                             p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
+                             p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, red);
+}
+
+/* dx part = dg · W_gate + du · W_up for columns [n0, n0 + n_tile_h) of H. */
+static __device__ void dx_tile(const pass_params &p, const uint16_t *dgu, int rows, long long inter,
+                               const uint16_t *w_gate, const uint16_t *w_up, long long n0, uint16_t *out, uint16_t *smem) {
+    const long long H = p.hidden;
+    tile_operands op = {};
+    op.a = dgu;
+    op.lda = 2 * inter;
+    op.a_rows = rows;
+    op.b_lo = w_gate + n0;
+    op.b_hi = w_up + n0;
+    op.ldb = H;
+    op.n_valid = p.n_tile_h;
+    op.k_split = inter;
+    op.k = 2 * inter;
+    op.k_valid = 2 * inter;
+    float acc[4][4][4];
+    tile_mma<false, true>(smem, op, acc);
+    tile_stage_bf16(smem, acc);
+    store_tile(smem, rows, p.n_tile_h, out, H, n0);
+}
+
+static __device__ void run_dx(const pass_params &p, const mok_sched_view &v, long long rt, long long nt, uint16_t *smem) {
+    tile_info t = row_tile(p, v, rt);
+    if (t.nreal == 0) return;
+    const long long H = p.hidden, I = p.inter;
+    dx_tile(p, p.ring_dgu + t.ring0 * 2 * I, t.nreal, I, p.w_gate + (long long)t.expert * I * H,
+            p.w_up + (long long)t.expert * I * H, nt * p.n_tile_h, p.ring_y + t.ring0 * H, smem);
+}
+
+static __device__ void run_shared_dh(const pass_params &p, long long mt, long long nt, uint16_t *smem, float *red) {
+    const long long H = p.hidden, Is = p.shared_inter, t0 = mt * MOK_ROW_TILE, n0 = nt * p.n_tile;
+    const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+    tile_operands op = {};
+    op.a = p.dy + t0 * H;
+    op.lda = H;
+    op.a_rows = rows;
+    op.b_lo = p.s_down + n0;
+    op.ldb = Is;
+    op.n_valid = p.n_tile;
+    op.k_split = 1ll << 62;
+    op.k = H;
+    op.k_valid = H;
+    float acc[4][4][4];
+    tile_mma<false, true>(smem, op, acc);
+    swiglu_backward_epilogue(acc, rows, p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is, n0, nullptr, p.limit,
+                             p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is, nullptr, 0, red);
+}
+
+static __device__ void run_shared_dx(const pass_params &p, long long mt, long long nt, uint16_t *smem) {
+    const long long H = p.hidden, Is = p.shared_inter, t0 = mt * MOK_ROW_TILE;
+    const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+    dx_tile(p, p.sh_dgu + t0 * 2 * Is, rows, Is, p.s_gate, p.s_up, nt * p.n_tile_h, p.sh_out + t0 * H, smem);
+}
+
+/* One weight-gradient tile over `rows` rows: out = init + A^T B (A M-major, B N-major). */
+static __device__ void wgrad_tile(const pass_params &p, int matrix, long long inter, long long i, long long j,
+                                  const uint16_t *dgu, const uint16_t *x, const uint16_t *dyw, const uint16_t *h,
+                                  long long rows, const float *init, float *carry_out, void *dest_tile, int dest_f32,
+                                  long long ld, uint16_t *smem) {
+    const long long H = p.hidden, m0 = i * CUDA_WGRAD_TILE, c0 = j * CUDA_WGRAD_TILE;
+    const long long mdim = matrix == MOK_WGRAD_DOWN ? H : inter, ndim = matrix == MOK_WGRAD_DOWN ? inter : H;
+    const int m_valid = (int)(mdim - m0 < 128 ? mdim - m0 : 128), n_valid = (int)(ndim - c0 < 128 ? ndim - c0 : 128);
+    tile_operands op = {};
+    if (matrix == MOK_WGRAD_DOWN) {
+        op.a = dyw + m0;
+        op.lda = H;
+        op.b_lo = h + c0;
+        op.ldb = inter;
+    } else {
+        op.a = dgu + (matrix == MOK_WGRAD_UP ? inter : 0) + m0;
+        op.lda = 2 * inter;
+        op.b_lo = x + c0;
+        op.ldb = H;
+    }
+    op.a_rows = m_valid;
+    op.n_valid = n_valid;
+    op.k_split = 1ll << 62;
+    op.k = rows;
+    op.k_valid = rows;
+    float acc[4][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int row, col;
+                acc_position(mi, ni, r, &row, &col);
+                acc[mi][ni][r] = (init && row < m_valid && col < n_valid) ? init[row * ld + col] : 0.0f;
+            }
+    if (rows > 0) tile_mma_acc<true, true>(smem, op, acc);
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int row, col;
+                acc_position(mi, ni, r, &row, &col);
+                if (row >= m_valid || col >= n_valid) continue;
+                if (carry_out) carry_out[row * ld + col] = acc[mi][ni][r];
+                else if (dest_f32) ((float *)dest_tile)[row * ld + col] = acc[mi][ni][r];
+                else ((uint16_t *)dest_tile)[row * ld + col] = mok__bf16_from_f32(acc[mi][ni][r]);
+            }
+}
+
+static __device__ void run_wgrad(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long t,
+                                 uint16_t *smem) {
+    mok_plan plan;
+    make_plan(p, v, &plan);
+    const int e = grp.first_tile;
+    const long long H = p.hidden, I = p.inter, mat_elems = I * H;
+    int64_t first, end, i, j;
+    int matrix;
+    mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
+    mok__wgrad_tile(&plan, I, t, &matrix, &i, &j);
+    const long long ld = matrix == MOK_WGRAD_DOWN ? I : H, ring0 = first % p.ring_rows;
+    const long long offset = i * CUDA_WGRAD_TILE * ld + j * CUDA_WGRAD_TILE;
+    const long long start = v.expert_start[e];
+    const bool began_before = first > start, continues = start + v.expert_rows[e] > end;
+    float *carry = p.carry + (start / p.ring_rows) * 3 * mat_elems + matrix * mat_elems + offset;
+    char *dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
+    const float *init = p.accumulate ? (const float *)dest : began_before ? carry : nullptr;
+    float *carry_out = (!p.accumulate && continues) ? carry : nullptr;
+    wgrad_tile(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
+               p.ring_h + ring0 * I, end - first, init, carry_out, dest, p.accumulate, ld, smem);
+}
+
+static __device__ void run_shared_wgrad(const pass_params &p, long long t, uint16_t *smem) {
+    mok_plan plan = {};
+    plan.hidden = p.hidden;
+    plan.wgrad_tile = CUDA_WGRAD_TILE;
+    const long long H = p.hidden, Is = p.shared_inter;
+    int64_t i, j;
+    int matrix;
+    mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
+    const long long ld = matrix == MOK_WGRAD_DOWN ? Is : H;
+    const long long offset = i * CUDA_WGRAD_TILE * ld + j * CUDA_WGRAD_TILE;
+    char *dest = (char *)p.ds[matrix] + offset * (p.accumulate ? 4 : 2);
+    wgrad_tile(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens,
+               p.accumulate ? (const float *)dest : nullptr, nullptr, dest, p.accumulate, ld, smem);
+}
+
+static __device__ void run_wgrad_zero(const pass_params &p, int e) {
+    const long long n = p.inter * p.hidden;
+    for (int m = 0; m < 3; ++m) {
+        uint16_t *d = (uint16_t *)p.dw[m] + e * n;
+        for (long long i = threadIdx.x; i < n / 8; i += CUDA_THREADS) ((int4 *)d)[i] = make_int4(0, 0, 0, 0);
+    }
+}
+
+struct backward_runner {
+    static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                               long long nt, uint16_t *smem) {
+        __shared__ float red[4 * TILE_BM];
+        switch (grp.kind) {
+        case MOK_TASK_PULL: run_pull(p, v, rt); break;
+        case MOK_TASK_PUSH: run_push(p, v, rt); break;
+        case MOK_TASK_DH: run_dh(p, v, rt, nt, smem, red); break;
+        case MOK_TASK_DX: run_dx(p, v, rt, nt, smem); break;
+        case MOK_TASK_SHARED_DH: run_shared_dh(p, rt, nt, smem, red); break;
+        case MOK_TASK_SHARED_DX: run_shared_dx(p, rt, nt, smem); break;
+        case MOK_TASK_WGRAD: run_wgrad(p, v, grp, nt, smem); break;
+        case MOK_TASK_SHARED_WGRAD: run_shared_wgrad(p, nt, smem); break;
+        case MOK_TASK_WGRAD_ZERO: run_wgrad_zero(p, grp.first_tile); break;
+        default: break;
+        }
+    }
+};
+
+__global__ void __launch_bounds__(CUDA_THREADS, 1) backward_kernel(pass_params p) {
+    extern __shared__ __align__(1024) uint16_t smem[];
+    if (*(volatile int *)p.error) return;
+    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+    walk_tasks<backward_runner>(p, v, smem);
+}
+
+/* dx[t] = bf16(shared part + sum_j routed parts) in fp32, in that order; d_router_w from the
+ * experts' owners (0 for empty slots). One thread per 8 columns of a token. */
+__global__ void backward_epilogue_kernel(const pass_params p, uint16_t *dx, float *d_router_w, const char *sym,
+                                         size_t off_dxbuf, size_t off_drw) {
+    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+    const long long chunks = p.hidden / 8;
+    const uint16_t *dxbuf = (const uint16_t *)(sym + off_dxbuf);
+    const float *drw = (const float *)(sym + off_drw);
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < p.num_tokens * chunks;
+         idx += (long long)gridDim.x * blockDim.x) {
+        long long t = idx / chunks, c8 = (idx % chunks) * 8;
+        float acc[8];
+        uint16_t in[8];
+        if (p.shared_inter > 0) {
+            *(int4 *)in = *(const int4 *)(p.sh_out + t * p.hidden + c8);
+            for (int i = 0; i < 8; ++i) acc[i] = mok__bf16_to_f32(in[i]);
+        } else {
+            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        }
+        for (int j = 0; j < p.topk; ++j) {
+            const bool valid = v.own_ids[t * p.topk + j] >= 0;
+            if (c8 == 0) d_router_w[t * p.topk + j] = valid ? drw[t * p.topk + j] : 0.0f;
+            if (!valid) continue;
+            *(int4 *)in = *(const int4 *)(dxbuf + (t * p.topk + j) * p.hidden + c8);
+            for (int i = 0; i < 8; ++i) acc[i] += mok__bf16_to_f32(in[i]);
+        }
+        uint16_t out[8];
+        for (int i = 0; i < 8; ++i) out[i] = mok__bf16_from_f32(acc[i]);
+        *(int4 *)(dx + t * p.hidden + c8) = *(int4 *)out;
+    }
+}
+
+extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_args *args) {
+    mok_status st = mok__cuda_check_error_word(ws);
+    if (st != MOK_OK) return st;
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    const mok_shape *s = &ws->shape;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    const size_t smem = pass_smem_bytes();
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        cuda_rank *R = &cw->ranks[lr];
+        const mok_backward_args *a = &args[lr];
+        cudaStream_t stream = (cudaStream_t)a->stream;
+        CUDA_TRY(cudaSetDevice(R->device));
+        CUDA_TRY(cudaFuncSetAttribute(backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        pass_params p;
+        pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 1);
+        p.accumulate = a->accumulate;
+        p.n_tile = s->intermediate % 128 == 0 && (s->shared_intermediate % 128 == 0) ? 128 : 64;
+        int comm = ws->config.bwd_comm_sms;
+        p.comm_ctas = comm < R->num_sms - 1 ? comm : R->num_sms - 1;
+        p.x = (const uint16_t *)a->x;
+        p.dy = (const uint16_t *)a->dy;
+        p.w_gate = (const uint16_t *)a->w_gate;
+        p.w_up = (const uint16_t *)a->w_up;
+        p.w_down = (const uint16_t *)a->w_down;
+        p.s_gate = (const uint16_t *)a->s_gate;
+        p.s_up = (const uint16_t *)a->s_up;
+        p.s_down = (const uint16_t *)a->s_down;
+        p.context = (uint16_t *)a->context;
+        p.context_shared = (uint16_t *)((char *)a->context + ws->context_shared_offset);
+        p.dw[0] = a->dw_gate;
+        p.dw[1] = a->dw_up;
+        p.dw[2] = a->dw_down;
+        p.ds[0] = a->ds_gate;
+        p.ds[1] = a->ds_up;
+        p.ds[2] = a->ds_down;
+        const size_t H = (size_t)s->hidden, k = (size_t)s->topk, T = (size_t)a->num_tokens;
+        if (T > 0) {
+            CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, T * H * 2, cudaMemcpyDeviceToDevice, stream));
+            CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
+            CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
+        }
+        if ((st = mok__cuda_barrier(ws, lr, stream, a->num_tokens)) != MOK_OK) return st;
+        CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+        LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(p));
+        void *kargs[] = {&p};
+        CUDA_TRY(cudaLaunchCooperativeKernel((const void *)backward_kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs,
+                                             smem, stream));
+        if ((st = mok__cuda_barrier(ws, lr, stream, -1)) != MOK_OK) return st;
+        if (T > 0)
+            LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(
+                p, (uint16_t *)a->dx, a->d_router_w, R->sym, cw->sym.dxbuf, cw->sym.drw));
+    }
+    cudaSetDevice(previous);
+    return MOK_OK;
+}
