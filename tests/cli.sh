@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # cli.sh — checks of the `mok` command: usage, the preset list, every preset scaled down on four
-# cpu ranks against the reference, a few configurations that stress the protocol, and bad input
-# (each must exit 2 with a message: the command's own, or the library's "mok: <function>: ...").
+# cpu ranks against the reference, a few configurations that stress the protocol, the report's
+# options (--no-backward, --check-tokens, link bandwidth), the cuda backend (checked against the
+# reference where nvidia-smi lists GPUs, else it must be refused cleanly), and bad input (each
+# must exit 2 with a message: the command's own, or the library's "mok: <function>: ...").
 # Usage: tests/cli.sh BUILD_DIR. Prints PASS/FAIL per check and closes with `N passed, N failed`.
 set -u
 
@@ -86,6 +88,44 @@ check_run no-tokens --preset deepseek-v3 --scale 16 --ranks 2 --tokens 0 --repea
 check_run experts-rounded-up-to-ranks --preset mixtral-8x7b --scale 32 --ranks 8 --tokens 16 --repeat 1 \
     --check --backend cpu
 
+# ---- what the report holds -----------------------------------------------------------------------
+# --no-backward: the forward alone, checked; the backward row says why it is missing.
+expect no-backward 0 "backward  n/a (skipped: --no-backward)" run --preset glm-4.5 --scale 16 --ranks 2 \
+    --tokens 64 --no-backward --check --backend cpu
+# --check-tokens below T: y, dx and d_router_w of the first N tokens; the weight gradients n/a.
+expect check-tokens-sampled 0 "ds_down     n/a (sampled tokens)" run --preset glm-4.5 --scale 16 --ranks 2 \
+    --tokens 64 --uneven --check-tokens 20 --check --backend cpu
+# A layer with H*I > 512*512 samples 32 tokens per rank by default.
+expect check-tokens-default 0 "the first 32 tokens of each rank" run --preset mixtral-8x7b --scale 8 --ranks 2 \
+    --tokens 64 --repeat 1 --check --backend cpu
+expect check-tokens-all 0 "(fp64, all tokens," run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 48 \
+    --check-tokens 48 --repeat 1 --check --backend cpu
+expect memory-symmetric 0 "of it symmetric" run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 1 --backend cpu
+expect link-bandwidth 0 "fwd link GB/s" run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 1 --backend cpu
+
+# ---- the cuda backend --------------------------------------------------------------------------
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); fi
+if [ "${gpus:-0}" -eq 0 ]; then
+    # No GPU: the library refuses cuda and the command passes its message on; auto means cpu.
+    unavailable="mok: mok_group_create_local: not supported by this build or backend: backend: cuda is not available"
+    expect cuda-unavailable 2 "$unavailable" run --preset olmoe-1b-7b --scale 16 --backend cuda
+    expect cuda-unavailable-ranks 2 "$unavailable" run --preset qwen3-30b-a3b --scale 16 --ranks 4 --check \
+        --backend cuda
+    expect auto-is-cpu 0 "backend cpu  ranks 2" run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 32 \
+        --repeat 1 --check --backend auto
+else
+    # Rank r on GPU r. A backend without a backward yet reports it n/a and checks the forward.
+    check_run cuda-one-rank --preset qwen3-30b-a3b --scale 16 --ranks 1 --repeat 2 --check --backend cuda
+    check_run cuda-one-rank-shared --preset glm-4.5 --scale 16 --ranks 1 --tokens 96 --check --backend cuda
+    if [ "$gpus" -ge 2 ]; then
+        check_run cuda-two-ranks --preset deepseek-v3 --scale 16 --ranks 2 --uneven --skew 2 --repeat 2 --check \
+            --backend cuda
+    fi
+    expect cuda-too-few-gpus 2 "ranks on the cuda backend need $((gpus + 1)) GPUs" \
+        run --preset olmoe-1b-7b --scale 16 --ranks $((gpus + 1)) --backend cuda
+fi
+
 # ---- bad input: the command's own rules --------------------------------------------------------
 expect bad-unknown-preset 2 "unknown preset 'gpt-5'" run --preset gpt-5
 expect bad-no-preset 2 "--preset NAME is required" run --scale 16
@@ -97,6 +137,8 @@ expect bad-tokens-negative 2 "--tokens must be at least 0, not '-5'" run --prese
 expect bad-ranks-text 2 "--ranks expects an integer, not '4.5'" run --preset olmoe-1b-7b --ranks 4.5
 expect bad-ranks-overflow 2 "--ranks expects an integer that fits in an int" run --preset olmoe-1b-7b \
     --ranks 99999999999
+expect bad-check-tokens-zero 2 "--check-tokens must be at least 1, not '0'" run --preset olmoe-1b-7b \
+    --check-tokens 0
 expect bad-repeat-zero 2 "--repeat must be between 1" run --preset olmoe-1b-7b --repeat 0
 expect bad-seed-negative 2 "--seed expects a non-negative integer" run --preset olmoe-1b-7b --seed -3
 expect bad-backend 2 "--backend expects cpu, cuda or auto, not 'tpu'" run --preset olmoe-1b-7b --backend tpu

@@ -1,0 +1,220 @@
+"""mok's forward and backward on GPUs beside the PyTorch baseline, measured in the same run.
+
+    python3 bench/bench.py --ranks 1 --out build/bench        # one H200: both layers, sweeps
+    python3 bench/bench.py --ranks 2 --out build/bench        # two H200s, one process drives both
+
+For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
+on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
+all-to-all baseline runs under torchrun (bench/torch_baseline.py, see bench/run.sh). Times are
+CUDA-event medians; every configuration gets a fresh workspace; inputs are random, never zeros.
+Prints a table, writes JSON and a PNG of the sweeps.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+sys.path.insert(0, os.path.join(here, "..", "python"))
+import baselines as B  # noqa: E402
+import mok  # noqa: E402
+from mok import functional as F  # noqa: E402
+
+LAYERS = {
+    "deepseek-v3": dict(hidden=7168, inter=2048, topk=8, shared=2048),
+    "qwen3-30b-a3b": dict(hidden=2048, inter=768, topk=8, shared=0),
+}
+# MOK_BENCH_SMOKE=1: the whole harness on the cpu backend with tiny layers (no GPU), to check it.
+SMOKE = os.environ.get("MOK_BENCH_SMOKE") == "1"
+if SMOKE:
+    LAYERS = {"deepseek-v3": dict(hidden=128, inter=64, topk=4, shared=64),
+              "qwen3-30b-a3b": dict(hidden=128, inter=64, topk=4, shared=0)}
+
+
+def device_of(r):
+    return torch.device("cpu") if SMOKE else torch.device("cuda", r)
+
+
+def make_inputs(layer, experts, tokens, ranks, skew, seed):
+    per_rank = []
+    for r in range(ranks):
+        dev = device_of(r)
+        w = B.make_layer(layer["hidden"], layer["inter"], experts // ranks, layer["shared"], dev, seed=seed + r)
+        if layer["shared"]:  # the same shared expert on every rank
+            w0 = B.make_layer(layer["hidden"], layer["inter"], 1, layer["shared"], dev, seed=seed)
+            for k in ("s_gate", "s_up", "s_down"):
+                w[k] = w0[k]
+        ids, rw = B.route(tokens, experts, layer["topk"], skew, dev, seed=seed + 100 + r)
+        g = torch.Generator(device=dev).manual_seed(seed + 200 + r)
+        x = (torch.rand(tokens, layer["hidden"], device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
+        dy = (torch.rand(tokens, layer["hidden"], device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
+        per_rank.append(dict(w=w, ids=ids, rw=rw, x=x, dy=dy))
+    return per_rank
+
+
+def time_ranks(fn, ranks, reps):
+    """Median over reps of the slowest rank's CUDA-event time of fn()."""
+    if SMOKE:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
+    for _ in range(2):
+        fn()
+    for r in range(ranks):
+        torch.cuda.synchronize(r)  # noqa
+    times = []
+    for _ in range(reps):
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
+        for r in range(ranks):
+            ev[r][0].record(torch.cuda.current_stream(r))
+        fn()
+        for r in range(ranks):
+            ev[r][1].record(torch.cuda.current_stream(r))
+        for r in range(ranks):
+            ev[r][1].synchronize()
+        times.append(max(a.elapsed_time(b) for a, b in ev))
+    times.sort()
+    return times[len(times) // 2]
+
+
+class MokRun:
+    def __init__(self, group, layer, experts, tokens, inputs, config):
+        self.inputs = inputs
+        self.ws = F.Workspace(group, layer["hidden"], layer["inter"], experts, layer["topk"], layer["shared"],
+                              max_tokens=tokens, config=config)
+        self.ids = [i["ids"] for i in inputs]
+        self.args = lambda k: [i[k] for i in inputs]
+        self.wts = lambda k: [i["w"].get(k) for i in inputs]
+
+    def forward(self):
+        self.schedules = F.build_schedule(self.ws, self.ids)
+        self.y, self.contexts = F.forward(self.ws, self.schedules, self.args("x"), self.args("rw"), self.wts("w_gate"),
+                                          self.wts("w_up"), self.wts("w_down"), *self._shared())
+        return self.y
+
+    def backward(self):
+        return F.backward(self.ws, self.schedules, self.contexts, self.args("dy"), self.args("x"), self.args("rw"),
+                          self.wts("w_gate"), self.wts("w_up"), self.wts("w_down"), *self._shared())
+
+    def _shared(self):
+        if self.inputs[0]["w"].get("s_gate") is None:
+            return (None, None, None)
+        return (self.wts("s_gate"), self.wts("s_up"), self.wts("s_down"))
+
+    def close(self):
+        self.ws.close()
+
+
+def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
+    layer = LAYERS[name]
+    inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
+    row = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew,
+               comm_sms=config.fwd_comm_sms, minibatch=config.minibatch_rows)
+    run = MokRun(group, layer, experts, tokens, inputs, config)
+    try:
+        y = run.forward()
+        if check and ranks == 1:
+            i = inputs[0]
+            y_ref = B.forward_single(i["x"], i["ids"], i["rw"], i["w"])
+            y0 = y[0] if isinstance(y, list) else y
+            err = ((y0.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
+            row["max_rel_err_vs_torch"] = err
+            row["baseline_forward_ms"] = time_ranks(lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1,
+                                                    reps)
+        row["forward_ms"] = time_ranks(run.forward, ranks, reps)
+        try:
+            row["backward_ms"] = time_ranks(run.backward, ranks, max(3, reps // 2))
+        except mok.MokError as e:
+            row["backward_ms"] = None
+            row["backward_error"] = str(e)
+    finally:
+        run.close()
+    flops = B.flops_forward(tokens, layer["topk"], layer["hidden"], layer["inter"], layer["shared"])
+    row["forward_tflops"] = flops / row["forward_ms"] / 1e9
+    if row.get("backward_ms"):
+        row["backward_tflops"] = 2 * flops / row["backward_ms"] / 1e9
+    if row.get("baseline_forward_ms"):
+        row["speedup"] = row["baseline_forward_ms"] / row["forward_ms"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="build/bench")
+    ap.add_argument("--no-sweep", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
+    rows = []
+    if a.ranks == 1:
+        cases = [("deepseek-v3", 32, 8192, 0.0), ("qwen3-30b-a3b", 128, 16384, 0.0)]
+        if SMOKE:
+            cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 0.0)]
+    else:
+        cases = [("deepseek-v3", 256, 8192, 0.0), ("deepseek-v3", 256, 8192, 1.5), ("qwen3-30b-a3b", 128, 16384, 0.0),
+                 ("qwen3-30b-a3b", 128, 16384, 1.5)]
+        if SMOKE:
+            cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5)]
+    base = F.Config()
+    for name, experts, tokens, skew in cases:
+        t0 = time.time()
+        row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True)
+        row["wall_s"] = time.time() - t0
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    sweeps = []
+    if not a.no_sweep:
+        for name, experts, tokens, skew in cases[:1] + cases[-1:]:
+            for comm in (4, 8, 16, 32):
+                for mb in (512, 1024, 2048):
+                    cfg = base.replace(fwd_comm_sms=comm, bwd_comm_sms=comm, minibatch_rows=mb)
+                    row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, max(3, a.reps // 2), check=False)
+                    sweeps.append(row)
+                    print(json.dumps(row), flush=True)
+    with open(os.path.join(a.out, f"bench_ep{a.ranks}.json"), "w") as f:
+        json.dump(dict(cases=rows, sweeps=sweeps), f, indent=1)
+    print()
+    print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} {'skew':>4} | {'mok fwd ms':>10} {'TFLOP/s':>7} | {'torch ms':>8} "
+          f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | err")
+    for r in rows:
+        print(f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} {r['skew']:>4} | {r['forward_ms']:>10.3f} "
+              f"{r['forward_tflops']:>7.1f} | {r.get('baseline_forward_ms', float('nan')):>8.3f} "
+              f"{r.get('speedup', float('nan')):>7.2f} | {r.get('backward_ms') or float('nan'):>10.3f} "
+              f"{r.get('backward_tflops', float('nan')):>7.1f} | {r.get('max_rel_err_vs_torch', float('nan')):.2e}")
+    if sweeps:
+        print("\nsweep (forward ms): layer, comm SMs x minibatch rows")
+        for r in sweeps:
+            print(f"  {r['layer']:<14} comm {r['comm_sms']:>3} mb {r['minibatch']:>5}: fwd {r['forward_ms']:8.3f} ms"
+                  f"  bwd {r.get('backward_ms') or float('nan'):8.3f} ms")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            for ax, name in zip(axes, sorted({r["layer"] for r in sweeps})):
+                for mb in (512, 1024, 2048):
+                    pts = [(r["comm_sms"], r["forward_ms"]) for r in sweeps if r["layer"] == name and r["minibatch"] == mb]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"minibatch {mb}")
+                ax.set_title(f"{name}, EP{a.ranks}: forward")
+                ax.set_xlabel("comm SMs")
+                ax.set_ylabel("ms")
+                ax.legend()
+            fig.tight_layout()
+            fig.savefig(os.path.join(a.out, f"sweep_ep{a.ranks}.png"), dpi=110)
+        except Exception as e:  # the plot is a convenience; the JSON and the table are the record
+            print("plot skipped:", e)
+
+
+if __name__ == "__main__":
+    main()
