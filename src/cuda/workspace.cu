@@ -3,6 +3,7 @@
  * shared expert's buffers, counters, the barrier epoch and the mapped error word; and the
  * cross-GPU barrier kernel. */
 #include <string.h>
+#include <time.h>
 
 #include <nccl_device.h>
 
@@ -90,6 +91,28 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
         }
     }
     return MOK_OK;
+}
+
+/* Communicators made one process per rank are non-blocking (so a missing peer is a timeout):
+ * their collective calls may answer "in progress". Waits until every local communicator is done,
+ * bounded by the peer timeout. */
+static ncclResult_t nccl_finish(mok_workspace *ws, ncclResult_t r) {
+    if (r != ncclInProgress && r != ncclSuccess) return r;
+    cuda_group *cg = (cuda_group *)ws->group->impl;
+    double waited_ms = 0;
+    for (int lr = 0; lr < ws->group->num_local_ranks; ++lr) {
+        for (;;) {
+            ncclResult_t async = ncclSuccess;
+            ncclCommGetAsyncError(cg->comm[lr], &async);
+            if (async == ncclSuccess) break;
+            if (async != ncclInProgress) return async;
+            if (waited_ms > ws->config.peer_timeout_ms) return ncclInProgress;
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+            waited_ms += 0.2;
+        }
+    }
+    return ncclSuccess;
 }
 
 static void rank_release(cuda_rank *R) {
@@ -219,8 +242,12 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
                                        NCCL_WIN_COLL_SYMMETRIC);
         }
         ncclResult_t r2 = ncclGroupEnd();
-        if (r == ncclSuccess) r = r2;
-        if (r != ncclSuccess) st = mok__fail(MOK_ERR_BACKEND, "workspace: ncclCommWindowRegister: %s", ncclGetErrorString(r));
+        if (r == ncclSuccess || r == ncclInProgress) r = r2;
+        r = nccl_finish(ws, r);
+        if (r == ncclInProgress)
+            st = mok__fail(MOK_ERR_TIMEOUT, "workspace: window registration did not finish within peer_timeout_ms");
+        else if (r != ncclSuccess)
+            st = mok__fail(MOK_ERR_BACKEND, "workspace: ncclCommWindowRegister: %s", ncclGetErrorString(r));
     }
     for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
@@ -257,7 +284,7 @@ extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
                 cudaSetDevice(cw->ranks[lr].device);
                 ncclCommWindowDeregister(cg->comm[lr], cw->ranks[lr].win);
             }
-        ncclGroupEnd();
+        nccl_finish(ws, ncclGroupEnd());
     }
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];

@@ -1,0 +1,249 @@
+"""torch.py — the PyTorch layer: mok.torch.MoE, an nn.Module whose routed and shared experts run
+through mok inside one autograd Function (schedule + forward in its forward, mok's backward in its
+backward), with a plain PyTorch router (fp32 softmax, top-k, renormalised) in front.
+
+The one idea: the router stays ordinary autograd. The Function takes the router weights as an input
+and returns mok's d_router_w as their gradient, so the gradient reaches the router's Linear (and x)
+through softmax and top-k without mok knowing about the router.
+
+PyTorch is imported on first use of MoE / MoEFunction / moe_function, so `import mok.torch`
+works without it. Expert parallelism: pass a torch.distributed process group as `group`; each rank
+then holds num_experts / P experts (experts rank * E_local .. (rank + 1) * E_local - 1), and the
+gradients of those experts already include every rank's tokens (do not all-reduce them across the
+EP group); the router and the shared expert are replicated and their gradients are this rank's own
+(all-reduce them as data-parallel parameters).
+"""
+import threading
+
+import mok
+
+__all__ = ["MoE", "MoEFunction", "moe_function", "mok_group_from_process_group"]
+
+_lock = threading.Lock()
+_built = {}
+_groups = {}      # (process group key, backend, device) -> mok.Group
+_workspaces = {}  # (group key, shape..., config) -> mok.Workspace
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _backend_for(device, backend):
+    want = "cuda" if device.type == "cuda" else "cpu"
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"mok.torch: tensors on {device} are not supported (cpu or cuda)")
+    if backend not in ("auto", want):
+        raise ValueError(f"mok.torch: backend={backend!r} but the tensors are on {device}; "
+                         f"{'cuda tensors need the cuda backend' if want == 'cuda' else 'the cuda backend needs cuda tensors'}")
+    return want
+
+
+def mok_group_from_process_group(process_group, backend, device, config=None):
+    """The mok group of a torch.distributed process group (collective over it): its rank 0 makes the
+    unique id, broadcast_object_list sends it to the others, every rank joins with its own rank.
+    Cached per (process group, backend, device)."""
+    torch = _torch()
+    dist = torch.distributed
+    nranks = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    if backend == "cpu" and nranks > 1:
+        raise ValueError("mok.torch: the cpu backend emulates ranks as threads of one process; a torch.distributed "
+                         f"group of {nranks} processes needs the cuda backend")
+    key = (id(process_group), backend, str(device))
+    with _lock:
+        if key in _groups:
+            return _groups[key]
+    uid = [mok.Group.unique_id(backend) if rank == 0 else None]
+    bcast_device = device if device.type == "cuda" else None
+    try:
+        dist.broadcast_object_list(uid, group_src=0, group=process_group, device=bcast_device)
+    except TypeError:  # PyTorch before group_src
+        dist.broadcast_object_list(uid, src=dist.get_global_rank(process_group, 0), group=process_group,
+                                   device=bcast_device)
+    ordinal = 0
+    if device.type == "cuda":
+        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    group = mok.Group.create(nranks, rank, uid[0], device=ordinal, backend=backend, config=config)
+    with _lock:
+        _groups[key] = group
+    return group
+
+
+def _local_group(backend, device, config):
+    key = ("local", backend, str(device), config)
+    with _lock:
+        group = _groups.get(key)
+    if group is None:
+        devices = [device.index if device.index is not None else _torch().cuda.current_device()] \
+            if backend == "cuda" else None
+        group = mok.Group.create_local(1, backend=backend, devices=devices, config=config)
+        with _lock:
+            group = _groups.setdefault(key, group)
+    return group
+
+
+def _workspace(group, hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config):
+    """One workspace per (group, shape, config), shared by every layer of that shape: a workspace
+    serves one pass at a time, and each call keeps its own schedule and context."""
+    key = (id(group), hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config)
+    with _lock:  # NOTE: not held across the (collective) creation, which waits for the peers
+        ws = _workspaces.get(key)
+    if ws is None or ws._handle is None:
+        ws = mok.Workspace(group, hidden, intermediate, num_experts, topk, shared_intermediate,
+                           max_tokens=max_tokens, config=config)
+        with _lock:
+            _workspaces[key] = ws
+    return ws
+
+
+def _build():
+    torch = _torch()
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class MoEFunction(torch.autograd.Function):
+        """y = mok(x, router_w, experts) for this rank's tokens; backward through mok's backward.
+        Inputs: the workspace, topk_ids [T, k] int32, x [T, H] bf16, router_w [T, k] fp32, w_gate,
+        w_up [E_local, I, H], w_down [E_local, H, I], s_gate, s_up [I_s, H], s_down [H, I_s] (or None).
+        Gradients: x, router_w, and every weight (bf16, overwritten: accumulate = 0)."""
+
+        @staticmethod
+        def forward(ctx, ws, topk_ids, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down):
+            schedule = mok.build_schedule(ws, topk_ids)
+            y, context = mok.forward(ws, schedule, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
+            ctx.ws, ctx.schedule, ctx.context = ws, schedule, context
+            ctx.save_for_backward(x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down = ctx.saved_tensors
+            dy = dy.to(torch.bfloat16).contiguous()
+            g = mok.backward(ctx.ws, ctx.schedule, ctx.context, dy, x, router_w, w_gate, w_up, w_down,
+                             s_gate, s_up, s_down, accumulate=False)
+            ctx.schedule = ctx.context = None  # one backward per forward: free the buffers now
+            return (None, None, g["dx"], g["d_router_w"], g["dw_gate"], g["dw_up"], g["dw_down"],
+                    g["ds_gate"], g["ds_up"], g["ds_down"])
+
+    def moe_function(ws, topk_ids, x, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None):
+        """The autograd form of mok's schedule + forward (one local rank)."""
+        return MoEFunction.apply(ws, topk_ids, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
+
+    class MoE(nn.Module):
+        """A Mixture-of-Experts layer (SwiGLU experts, optional shared expert) computed by mok.
+
+        hidden, intermediate (of a routed expert), num_experts (global), topk, shared_intermediate
+        (0 = no shared expert). group: None (one rank), a torch.distributed process group (one rank
+        per process, expert parallel across it) or a mok.Group of one local rank. backend: "auto"
+        (follow the tensors: cpu tensors -> cpu backend, cuda tensors -> cuda), "cpu" or "cuda".
+        max_tokens: the most tokens one forward may take on this rank (the workspace is sized by it).
+
+        Parameters: router.weight [E, H] (fp32 by default), w_gate, w_up [E_local, I, H], w_down
+        [E_local, H, I], and with a shared expert s_gate, s_up [I_s, H], s_down [H, I_s] (bf16).
+        forward(x [..., H]) -> y [..., H] in x's dtype (computed in bf16)."""
+
+        def __init__(self, hidden, intermediate, num_experts, topk, shared_intermediate=0, group=None, config=None,
+                     backend="auto", max_tokens=4096, device=None, router_dtype=torch.float32):
+            super().__init__()
+            if backend not in ("auto", "cpu", "cuda"):
+                raise ValueError(f"MoE: backend={backend!r} is not 'auto', 'cpu' or 'cuda'")
+            if isinstance(group, mok.Group):
+                if group.num_local_ranks != 1:
+                    raise ValueError("MoE: a mok.Group given to MoE must drive one local rank (Group.create)")
+                nranks, rank = group.nranks, group.first_rank
+            elif group is not None:
+                dist = torch.distributed
+                nranks, rank = dist.get_world_size(group), dist.get_rank(group)
+            else:
+                nranks, rank = 1, 0
+            if num_experts % nranks != 0:
+                raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the group size {nranks}")
+            if not 1 <= topk <= num_experts:
+                raise ValueError(f"MoE: topk={topk} is not in [1, num_experts={num_experts}]")
+            self.hidden, self.intermediate = int(hidden), int(intermediate)
+            self.num_experts, self.topk = int(num_experts), int(topk)
+            self.shared_intermediate, self.max_tokens = int(shared_intermediate), int(max_tokens)
+            self.config = config
+            self.backend = backend
+            self.group = group
+            self.nranks, self.rank = nranks, rank
+            self.num_local_experts = num_experts // nranks
+            self.first_expert = rank * self.num_local_experts
+            E, H, I, Is = self.num_local_experts, self.hidden, self.intermediate, self.shared_intermediate
+            bf = dict(dtype=torch.bfloat16, device=device)
+            self.router = nn.Linear(H, num_experts, bias=False, device=device, dtype=router_dtype)
+            self.w_gate = nn.Parameter(torch.empty(E, I, H, **bf))
+            self.w_up = nn.Parameter(torch.empty(E, I, H, **bf))
+            self.w_down = nn.Parameter(torch.empty(E, H, I, **bf))
+            if Is > 0:
+                self.s_gate = nn.Parameter(torch.empty(Is, H, **bf))
+                self.s_up = nn.Parameter(torch.empty(Is, H, **bf))
+                self.s_down = nn.Parameter(torch.empty(H, Is, **bf))
+            else:
+                self.register_parameter("s_gate", None)
+                self.register_parameter("s_up", None)
+                self.register_parameter("s_down", None)
+            self.reset_parameters()
+
+        @torch.no_grad()
+        def reset_parameters(self):
+            """nn.Linear's default: uniform in +-1/sqrt(fan_in)."""
+            self.router.reset_parameters()
+            for w, fan_in in ((self.w_gate, self.hidden), (self.w_up, self.hidden), (self.w_down, self.intermediate),
+                              (self.s_gate, self.hidden), (self.s_up, self.hidden),
+                              (self.s_down, self.shared_intermediate)):
+                if w is not None:
+                    bound = fan_in ** -0.5
+                    w.copy_(torch.empty(w.shape, dtype=torch.float32, device=w.device).uniform_(-bound, bound))
+
+        def mok_workspace(self, device):
+            """The mok workspace for tensors on `device` (made on first use; collective then)."""
+            backend = _backend_for(device, self.backend)
+            if isinstance(self.group, mok.Group):
+                group = self.group
+                if group.backend != backend:
+                    raise ValueError(f"MoE: the mok group is {group.backend} but the tensors are on {device}")
+            elif self.group is not None:
+                group = mok_group_from_process_group(self.group, backend, device, self.config)
+            else:
+                group = _local_group(backend, device, self.config)
+            return _workspace(group, self.hidden, self.intermediate, self.num_experts, self.topk,
+                              self.shared_intermediate, self.max_tokens, self.config)
+
+        def route(self, x):
+            """The router on x [T, H]: (topk_ids [T, k] int32, router_w [T, k] fp32, probs [T, E] fp32).
+            Softmax in fp32 over all experts, the top k, renormalised to sum to 1."""
+            logits = F.linear(x.to(self.router.weight.dtype), self.router.weight)
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, ids = torch.topk(probs, self.topk, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            return ids.to(torch.int32).contiguous(), weights.contiguous(), probs
+
+        def forward(self, x):
+            if x.shape[-1] != self.hidden:
+                raise ValueError(f"MoE: x has {x.shape[-1]} features, the layer's hidden size is {self.hidden}")
+            lead = x.shape[:-1]
+            flat = x.reshape(-1, self.hidden)
+            ids, router_w, _ = self.route(flat)
+            ws = self.mok_workspace(flat.device)
+            y = MoEFunction.apply(ws, ids, flat.to(torch.bfloat16).contiguous(), router_w, self.w_gate, self.w_up,
+                                  self.w_down, self.s_gate, self.s_up, self.s_down)
+            return y.to(x.dtype).reshape(*lead, self.hidden)
+
+        def extra_repr(self):
+            return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+                    f"topk={self.topk}, shared_intermediate={self.shared_intermediate}, nranks={self.nranks}, "
+                    f"rank={self.rank}, max_tokens={self.max_tokens}")
+
+    return {"MoE": MoE, "MoEFunction": MoEFunction, "moe_function": moe_function}
+
+
+def __getattr__(name):
+    if name in ("MoE", "MoEFunction", "moe_function"):
+        with _lock:
+            if not _built:
+                _built.update(_build())
+        return _built[name]
+    raise AttributeError(f"module 'mok.torch' has no attribute {name!r}")
