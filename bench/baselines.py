@@ -14,11 +14,15 @@ import torch.nn.functional as F
 
 
 def make_layer(hidden, inter, num_local_experts, shared_inter, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the device itself: a layer of 128 DeepSeek-V3 experts is 5.6 G values.
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def w(*shape, fan_in):
-        t = (torch.rand(*shape, generator=g) * 2 - 1) * math.sqrt(3.0 / fan_in)
-        return t.to(device=device, dtype=torch.bfloat16)
+        t = torch.empty(*shape, device=device, dtype=torch.bfloat16)
+        for i in range(shape[0]):  # one expert at a time keeps the fp32 temporary small
+            t[i] = ((torch.rand(*shape[1:], generator=g, device=device) * 2 - 1) * math.sqrt(3.0 / fan_in)).to(
+                torch.bfloat16)
+        return t
 
     layer = {
         "w_gate": w(num_local_experts, inter, hidden, fan_in=hidden),

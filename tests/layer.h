@@ -71,6 +71,14 @@ int layer_make(layer *L, const mok_shape *shape, int nranks, const int64_t *toke
                uint64_t seed, int routing);
 void layer_free(layer *L);
 
+/* With a SwiGLU limit, the clamp's gradient mask jumps where a g or u value rounds to the bf16
+ * just above the limit instead of the one at or below it; an fp32 and an fp64 sum that straddle
+ * that one rounding midpoint disagree by a whole gradient element, which no tolerance covers.
+ * This redraws (uniform in [-1, 1], from a fresh stream) the x rows of tokens with a g or u value,
+ * of the shared expert or any expert they are routed to, within 2^-16 of such a midpoint. Call it
+ * after setting L->swiglu_limit. Returns the number of rows redrawn. */
+int layer_avoid_clamp_flips(layer *L);
+
 /* Everything one run produced, backend or reference. A result starts zeroed ({0}) and is given
  * back with layer_result_free. */
 typedef struct layer_result {
@@ -136,8 +144,8 @@ mok_status layer_run_reference(const layer *L, layer_result *ref);
 
 /* Compares got (backend) with ref (reference), tensor by tensor, with the tolerance table of
  * layer.c: error = max |got - ref| / (atol + rtol * max |ref|), the max taken per block (one rank
- * of y, dx, d_router_w and the shared gradients; one expert of the routed gradients), so a small
- * expert is judged at its own scale. An element that is non-finite on one side only is an
+ * of y, dx and the shared gradients; one expert of the routed gradients; all of d_router_w), so a
+ * small expert is judged at its own scale. An element that is non-finite on one side only is an
  * infinite error (a poison value left in place is counted as unwritten); non-finite on both sides
  * is fine. A -1 slot must have d_router_w exactly 0. Skips the backward tensors when got has none.
  * Prints one line per failing tensor to stderr, beginning with tag, and returns the worst error
