@@ -11,8 +11,9 @@
  * above at L and u to [-L, L] before silu(g)·u (NaN passes through the clamp as NaN).
  *
  * Backward, given dy: dx (fp32 sum of the shared part and the k routed parts, in that order, each
- * part rounded to bf16, the sum rounded once), d_router_w[t,j] = <dy[t], FFN_e(x[t])> computed
- * without dividing by the weight (exact for zero and negative weights), and every weight gradient,
+ * part rounded to bf16, the sum rounded once), d_router_w[t,j] = <dy[t], FFN_e(x[t])> with the
+ * expert output taken before its bf16 rounding (= <dy[t] · W_down[e], h>), computed without
+ * dividing by the weight (exact for zero and negative weights), and every weight gradient,
  * accumulated in fp32 over rows in schedule order and written as bf16 or added in place into the
  * caller's fp32 buffers. Empty slots (-1) get d_router_w = 0.
  *

@@ -652,8 +652,13 @@ static void line_case(uint64_t seed, const int64_t *num_tokens, float limit, con
                 const uint16_t *wd = L.w_down[owner] + offset;
                 double w = L.router_w[p][t * k + j];
                 line_expert(&L, wg, wu, wd, I, x, g, u, h, out);
+                /* <dy, W_down h>: the expert output before its rounding */
                 double dot = 0.0;
-                for (int64_t c = 0; c < H; ++c) dot += from_bf16(dy[c]) * out[c];
+                for (int64_t c = 0; c < H; ++c) {
+                    double o = 0.0;
+                    for (int64_t i = 0; i < I; ++i) o += from_bf16(wd[c * I + i]) * h[i];
+                    dot += from_bf16(dy[c]) * o;
+                }
                 want_drw[p][t * k + j] = dot;
                 line_expert_backward(&L, wg, wu, wd, I, x, dy, w, g, u, h, part, want_dwg[owner] + offset,
                                      want_dwu[owner] + offset, want_dwd[owner] + offset);

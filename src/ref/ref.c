@@ -429,7 +429,9 @@ mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *con
                     const double *x = layer->x[p] + t * hidden, *dyt = dy[p] + t * hidden;
                     double w = layer->router_w[p][t * topk + j];
                     ref_ffn(ex, hidden, x, limit, round, s.g, s.u, s.h, s.out);
-                    /* The expert output as y saw it; no division by w, so exact for w <= 0. */
+                    /* <dy, W_down h>: the expert output before its bf16 rounding (the contract in
+                       mok.h); no division by w, so exact for w <= 0. */
+                    ref_matvec(ex.down, s.h, hidden, ex.inter, s.out);
                     d_router_w[p][t * topk + j] = ref_dot(dyt, s.out, hidden);
                     ref_ffn_backward(ex, hidden, x, dyt, w, s.g, s.u, s.h, limit, round, s.dg, s.du,
                                      s.routed[p] + (t * topk + j) * hidden, dw_gate[owner] + offset,
