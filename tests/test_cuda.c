@@ -365,6 +365,7 @@ MOK_TEST(cuda_create_destroy_cycles) {
     mok_shape s = small_shape(256, 128, 8, 2, 128);
     s.max_tokens = 512;
     int devices[1] = {0};
+    size_t free_first = 0, free_last = 0;
     for (int i = 0; i < 100; ++i) {
         mok_group *g = NULL;
         mok_workspace *ws = NULL;
@@ -374,7 +375,19 @@ MOK_TEST(cuda_create_destroy_cycles) {
         mok_workspace_destroy(ws);
         mok_group_destroy(g);
         if (st != MOK_OK) break;
+#ifdef MOK_HAVE_CUDA
+        /* after the first cycle: the CUDA context and NCCL's one-time state exist */
+        size_t free_now = 0, total = 0;
+        cudaSetDevice(0);
+        cudaDeviceSynchronize();
+        cudaMemGetInfo(&free_now, &total);
+        if (i == 0) free_first = free_now;
+        free_last = free_now;
+#endif
     }
+    /* One workspace of this shape holds tens of MiB: a leak per cycle would show as GiBs. */
+    CHECK(free_last + (64u << 20) >= free_first, "device memory fell by %.1f MiB over 99 cycles",
+          ((double)free_first - (double)free_last) / (1 << 20));
 }
 
 /* Schedule + forward captured once in a CUDA graph, replayed with new x, router weights and
