@@ -37,6 +37,18 @@ struct mok_workspace {
     void *impl;
 };
 
+/* One recorded task (config.trace): which worker (cpu thread or GPU CTA) ran what, when. */
+typedef struct mok_trace_event {
+    int16_t kind, worker;
+    int32_t minibatch;
+    int32_t rank, comm; /* comm: 1 for a data-moving worker */
+    int64_t start_ns, end_ns;
+} mok_trace_event;
+
+/* trace.c: writes events of every local rank as Chrome trace JSON (opens in Perfetto). */
+mok_status mok__trace_write_json(const char *path, const mok_trace_event *const *events, const int64_t *counts,
+                                 int num_ranks);
+
 /* Validation shared by every backend (api.c). */
 mok_status mok__check_ptr(const void *ptr, const char *name, int required);
 

@@ -646,3 +646,46 @@ MOK_TEST(cuda_backward_deterministic) {
     if (have_first) layer_result_free(&first);
     layer_free(&L);
 }
+
+/* With config.trace, the kernels record every task; the trace file lists them. */
+MOK_TEST(cuda_trace) {
+    if (skip(1, "cuda_trace")) return;
+    int64_t tokens[1] = {600};
+    mok_shape s = small_shape(256, 128, 8, 4, 128);
+    layer L;
+    layer_make(&L, &s, 1, tokens, mok_test_seed() + 21, LAYER_ROUTE_UNIFORM);
+    mok_config cfg = mok_config_default();
+    cfg.trace = 1;
+    gpu_run G;
+    if (gpu_open(&G, &L, &cfg) != MOK_OK) {
+        CHECK(0, "open: %s", G.message);
+        layer_free(&L);
+        return;
+    }
+    CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "forward: %s", G.message);
+    const char *path = "build/cuda_trace_test.json";
+    CHECK(mok_trace_write(G.ws, path) == MOK_OK, "trace: %s", mok_last_error());
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL, "no trace file");
+    if (f) {
+        char line[512];
+        int dispatch = 0, gateup = 0, down = 0, combine = 0, shared = 0;
+        while (fgets(line, sizeof line, f)) {
+            dispatch += strstr(line, "\"dispatch\"") != NULL;
+            gateup += strstr(line, "\"gateup\"") != NULL;
+            down += strstr(line, "\"down\"") != NULL;
+            combine += strstr(line, "\"combine\"") != NULL;
+            shared += strstr(line, "\"shared_up\"") != NULL;
+        }
+        fclose(f);
+        mok_schedule_info info;
+        mok_schedule_read(G.ws, G.schedule[0], 0, &info);
+        int64_t tiles = info.padded_rows / MOK_ROW_TILE;
+        CHECK(dispatch == tiles && combine == tiles, "dispatch %d, combine %d events for %lld row tiles", dispatch,
+              combine, (long long)tiles);
+        CHECK(gateup == tiles * (128 / 64) && down == tiles * (256 / 128), "gateup %d, down %d events", gateup, down);
+        CHECK(shared == 5 * 2, "shared_up %d events for 5 token tiles x 2", shared);
+    }
+    gpu_close(&G);
+    layer_free(&L);
+}

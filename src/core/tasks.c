@@ -41,6 +41,27 @@ MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_
     *end = t;
 }
 
+MOK_CORE const char *mok__task_kind_name(int kind) {
+    switch (kind) {
+    case MOK_TASK_SHARED_UP: return "shared_up";
+    case MOK_TASK_SHARED_DOWN: return "shared_down";
+    case MOK_TASK_DISPATCH: return "dispatch";
+    case MOK_TASK_GATEUP: return "gateup";
+    case MOK_TASK_DOWN: return "down";
+    case MOK_TASK_COMBINE: return "combine";
+    case MOK_TASK_SHARED_DH: return "shared_dh";
+    case MOK_TASK_SHARED_DX: return "shared_dx";
+    case MOK_TASK_PULL: return "pull";
+    case MOK_TASK_DH: return "dh";
+    case MOK_TASK_DX: return "dx";
+    case MOK_TASK_PUSH: return "push";
+    case MOK_TASK_WGRAD: return "wgrad";
+    case MOK_TASK_SHARED_WGRAD: return "shared_wgrad";
+    case MOK_TASK_WGRAD_ZERO: return "wgrad_zero";
+    }
+    return "?";
+}
+
 static MOK_HD void wgrad_dims(const mok_plan *p, int matrix, int64_t inter, int64_t *rows, int64_t *cols) {
     int64_t w = p->wgrad_tile;
     if (matrix == MOK_WGRAD_DOWN) {

@@ -130,6 +130,9 @@ MOK_CORE void mok__wgrad_tile(const mok_plan *plan, int64_t inter, int64_t t, in
 int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch);
 #endif
 
+/* The task kind's name, for traces. */
+MOK_CORE const char *mok__task_kind_name(int kind);
+
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

@@ -52,12 +52,6 @@ typedef struct cpu_sym_layout {
     size_t bytes;
 } cpu_sym_layout;
 
-typedef struct cpu_trace_event {
-    int16_t kind, worker;
-    int32_t minibatch;
-    int64_t start_ns, end_ns;
-} cpu_trace_event;
-
 /* One local rank's workspace state. */
 typedef struct cpu_rank {
     int rank;                     /* global rank */
@@ -88,7 +82,7 @@ typedef struct cpu_rank {
     _Atomic int abort;            /* a worker failed: the others stop waiting */
     float *scratch;               /* [workers, scratch_floats] */
     size_t scratch_floats;
-    cpu_trace_event *trace;       /* [trace_cap] */
+    mok_trace_event *trace;       /* [trace_cap] */
     _Atomic int64_t trace_count;
     int64_t trace_cap;
 } cpu_rank;

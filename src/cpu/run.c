@@ -53,7 +53,8 @@ static void *worker_main(void *arg) {
         if (R->trace) {
             int64_t n = atomic_fetch_add(&R->trace_count, 1);
             if (n < R->trace_cap)
-                R->trace[n] = (cpu_trace_event){t->kind, (int16_t)job->worker, t->minibatch, start, mok__cpu_now_ns()};
+                R->trace[n] = (mok_trace_event){t->kind, (int16_t)job->worker, t->minibatch, R->rank,
+                                                job->role == MOK_ROLE_COMM, start, mok__cpu_now_ns()};
         }
         /* NOTE: release: the tile's writes are visible to whoever acquires this counter. */
         for (int d = 0; d < 2; ++d)
@@ -289,41 +290,14 @@ mok_status mok__cpu_backward(mok_workspace *ws, const mok_backward_args *args) {
     return run_ranks(ws, CPU_PASS_BACKWARD, args, sizeof *args);
 }
 
-static const char *kind_name(int kind) {
-    static const char *names[MOK_TASK_NUM_KINDS] = {
-        "shared_up", "shared_down", "dispatch", "gateup", "down", "combine", "shared_dh", "shared_dx",
-        "pull", "dh", "dx", "push", "wgrad", "shared_wgrad", "wgrad_zero"};
-    return kind >= 0 && kind < MOK_TASK_NUM_KINDS ? names[kind] : "?";
-}
-
 mok_status mok__cpu_trace_write(mok_workspace *ws, const char *path) {
     cpu_workspace *cw = ws->impl;
-    FILE *f = fopen(path, "w");
-    if (!f) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "path: cannot open '%s' for writing", path);
-    int64_t origin = INT64_MAX;
+    const mok_trace_event *events[MOK_MAX_RANKS];
+    int64_t counts[MOK_MAX_RANKS];
     for (int lr = 0; lr < cw->num_local; ++lr) {
-        cpu_rank *R = &cw->ranks[lr];
-        int64_t n = atomic_load(&R->trace_count);
-        for (int64_t i = 0; i < n && i < R->trace_cap; ++i)
-            if (R->trace[i].start_ns < origin) origin = R->trace[i].start_ns;
+        int64_t n = atomic_load(&cw->ranks[lr].trace_count);
+        events[lr] = cw->ranks[lr].trace;
+        counts[lr] = n < cw->ranks[lr].trace_cap ? n : cw->ranks[lr].trace_cap;
     }
-    fprintf(f, "{\"traceEvents\":[\n");
-    int first = 1;
-    for (int lr = 0; lr < cw->num_local; ++lr) {
-        cpu_rank *R = &cw->ranks[lr];
-        int64_t n = atomic_load(&R->trace_count);
-        for (int64_t i = 0; i < n && i < R->trace_cap; ++i) {
-            const cpu_trace_event *e = &R->trace[i];
-            fprintf(f, "%s{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-                       "\"args\":{\"minibatch\":%d}}",
-                    first ? "" : ",\n", kind_name(e->kind), e->worker < cw->comm_workers ? "comm" : "compute", R->rank,
-                    e->worker, (double)(e->start_ns - origin) / 1e3, (double)(e->end_ns - e->start_ns) / 1e3,
-                    e->minibatch);
-            first = 0;
-        }
-    }
-    fprintf(f, "\n]}\n");
-    int bad = ferror(f);
-    if (fclose(f) != 0 || bad) return mok__fail(MOK_ERR_BACKEND, "path: error writing '%s'", path);
-    return MOK_OK;
+    return mok__trace_write_json(path, events, counts, cw->num_local);
 }

@@ -424,6 +424,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         }
         if ((st = mok__cuda_barrier(ws, lr, stream, a->num_tokens)) != MOK_OK) return st;
         CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+        if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
         LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(p));
         void *kargs[] = {&p};
         CUDA_TRY(cudaLaunchCooperativeKernel((const void *)backward_kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs,

@@ -91,6 +91,9 @@ typedef struct cuda_rank {
     float *carry;                       /* [carry_slots, 3 I H]: weight-gradient accumulators of experts
                                            that span macrobatches (bf16 mode) */
     long long carry_slots;
+    mok_trace_event *trace;             /* config.trace: [trace_cap] events of the last pass */
+    long long trace_cap;
+    unsigned long long *trace_count;
     unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
     int64_t counters_cap;
     unsigned long long *epoch;          /* device: barriers passed by this rank */

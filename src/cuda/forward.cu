@@ -194,6 +194,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                      cudaMemcpyDeviceToDevice, stream));
         if ((st = mok__cuda_barrier(ws, lr, stream, a->num_tokens)) != MOK_OK) return st;
         CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+        if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
         LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(p));
         void *kargs[] = {&p};
         CUDA_TRY(cudaLaunchCooperativeKernel((const void *)forward_kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs,
@@ -205,9 +206,4 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
     }
     cudaSetDevice(previous);
     return MOK_OK;
-}
-
-extern "C" mok_status mok__cuda_trace_write(mok_workspace *ws, const char *path) {
-    (void)path;
-    return mok__fail(MOK_ERR_UNSUPPORTED, "trace: the cuda backend does not record traces yet");
 }

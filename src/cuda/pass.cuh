@@ -34,6 +34,9 @@ struct pass_params {
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
+    mok_trace_event *trace; /* config.trace: one event per task; NULL when off */
+    long long trace_cap;
+    unsigned long long *trace_count;
 };
 
 struct tile_info {
@@ -195,8 +198,23 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         const long long wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? rt - grp.first_tile : 0);
         if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
         if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
+        const long long start = p.trace ? globaltimer_ns() : 0;
         Runner::run(p, v, grp, rt, nt, smem);
         __syncthreads();
+        if (threadIdx.x == 0 && p.trace) {
+            unsigned long long n = atomicAdd(p.trace_count, 1ull);
+            if ((long long)n < p.trace_cap) {
+                mok_trace_event e;
+                e.kind = (int16_t)grp.kind;
+                e.worker = (int16_t)blockIdx.x;
+                e.minibatch = grp.minibatch;
+                e.rank = p.rank;
+                e.comm = role == MOK_ROLE_COMM;
+                e.start_ns = start;
+                e.end_ns = globaltimer_ns();
+                p.trace[n] = e;
+            }
+        }
         if (threadIdx.x == 0) {
             __threadfence();
             if (grp.done[0] >= 0)
@@ -254,6 +272,9 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->groups = R->groups;
     p->groups_cap = R->groups_cap;
     p->num_groups = R->num_groups;
+    p->trace = R->trace;
+    p->trace_cap = R->trace_cap;
+    p->trace_count = R->trace_count;
 }
 
 static size_t pass_smem_bytes(void) {

@@ -131,6 +131,10 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->ring_rdot);
     cudaFree(R->sh_dgu);
     cudaFree(R->carry);
+    cudaFree(R->trace);
+    cudaFree(R->trace_count);
+    R->trace = NULL;
+    R->trace_count = NULL;
     R->ring_dy = R->ring_dyw = R->ring_gu = R->ring_dgu = R->sh_dgu = NULL;
     R->ring_w = R->ring_rdot = R->carry = NULL;
     cudaFree(R->epoch);
@@ -185,6 +189,12 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     long long max_macro = (ws->sched_layout.max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
     R->carry_slots = max_macro > 1 ? max_macro - 1 : 0;
     ALLOC(R->carry, (size_t)R->carry_slots * 3 * I * H * 4);
+    if (ws->config.trace) {
+        R->trace_cap = mok__tasks_max(&worst, ws->sched_layout.max_rows, s->max_tokens) + 16;
+        ALLOC(R->trace, sizeof(mok_trace_event) * (size_t)R->trace_cap);
+        ALLOC(R->trace_count, sizeof(unsigned long long));
+        CUDA_TRY(cudaMemset(R->trace_count, 0, sizeof(unsigned long long)));
+    }
     ALLOC(R->epoch, sizeof(unsigned long long));
     R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
@@ -350,4 +360,38 @@ extern "C" mok_status mok__cuda_synchronize(mok_workspace *ws) {
     }
     cudaSetDevice(previous);
     return mok__cuda_check_error_word(ws);
+}
+
+/* Writes the tasks the last pass recorded (config.trace) as Chrome trace JSON. */
+extern "C" mok_status mok__cuda_trace_write(mok_workspace *ws, const char *path) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    const mok_trace_event *events[MOK_MAX_RANKS];
+    int64_t counts[MOK_MAX_RANKS];
+    mok_trace_event *host[MOK_MAX_RANKS] = {0};
+    int previous = 0;
+    cudaGetDevice(&previous);
+    mok_status st = MOK_OK;
+    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
+        cuda_rank *R = &cw->ranks[lr];
+        unsigned long long n = 0;
+        if (cudaSetDevice(R->device) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+            cudaMemcpy(&n, R->trace_count, sizeof n, cudaMemcpyDeviceToHost) != cudaSuccess) {
+            st = mok__fail(MOK_ERR_BACKEND, "trace: reading rank %d's trace failed", R->rank);
+            break;
+        }
+        counts[lr] = (int64_t)n < R->trace_cap ? (int64_t)n : R->trace_cap;
+        host[lr] = (mok_trace_event *)malloc(sizeof(mok_trace_event) * (size_t)(counts[lr] + 1));
+        if (!host[lr]) {
+            st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "trace: out of host memory");
+            break;
+        }
+        if (cudaMemcpy(host[lr], R->trace, sizeof(mok_trace_event) * (size_t)counts[lr], cudaMemcpyDeviceToHost) !=
+            cudaSuccess)
+            st = mok__fail(MOK_ERR_BACKEND, "trace: copying rank %d's trace failed", R->rank);
+        events[lr] = host[lr];
+    }
+    cudaSetDevice(previous);
+    if (st == MOK_OK) st = mok__trace_write_json(path, events, counts, cw->num_local);
+    for (int lr = 0; lr < cw->num_local; ++lr) free(host[lr]);
+    return st;
 }
