@@ -51,6 +51,7 @@ row "GPUs" "$ngpu"
 step "build" make -j16 "${make_args[@]}" all build/mok_tests || { printf '%s\n' "${rows[@]}"; exit 1; }
 step "GPU tests (cuda_*)" timeout 900 ./build/mok_tests cuda_
 grep -E '^(PASS|FAIL|SKIP) cuda_|passed, ' "$log" | tail -n 20 >>"$out/gpu-tests.txt"
+step "mok command (tests/cli.sh, cuda cases)" timeout 600 bash tests/cli.sh build
 step "Python binding on GPUs" env MOK_LIBRARY="$PWD/build/libmok.so" PYTHONPATH="$PWD/python" timeout 600 \
     python3 -m pytest -q -x python/tests
 grep -E '(passed|failed).* in ' "$log" | tail -n 1 >>"$out/gpu-tests.txt"
