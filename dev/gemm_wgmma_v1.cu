@@ -1,0 +1,816 @@
+/* gemm_wgmma_v1.cu — experiment: a persistent bf16 GEMM tile on Hopper built from TMA + wgmma,
+ * C[M, N] = A[M, K] · B[N, K]^T (both operands K-major, fp32 accumulate, bf16 out), the
+ * candidate to replace the mma.sync tile of src/cuda/mma_tile.cuh.
+ *
+ * The one idea: warp specialisation over a shared-memory ring. One producer warpgroup (one
+ * thread) streams 64-wide K slices of A and B into a STAGES-deep ring with TMA; two consumer
+ * warpgroups each own 64 rows of the 128 x BN output tile and run wgmma straight from the
+ * 128-byte-swizzled shared tiles. `full[s]` says slice s has landed (TMA byte count), `empty[s]`
+ * says every consumer warp is done reading it. One CTA per SM walks many output tiles, so the
+ * producer is already loading tile t+1 while the consumers run the epilogue of tile t.
+ *
+ * Build and run from the repository root (H100/H200, CUDA 12+; -DWITH_CUBLAS -lcublas adds the
+ * cuBLAS baseline; mkdir -p build first):
+ *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -DWITH_CUBLAS \
+ *        dev/gemm_wgmma_v1.cu -lcublas -o build/gemm_wgmma_v1 && ./build/gemm_wgmma_v1 [seed]
+ * Without cuBLAS:
+ *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a dev/gemm_wgmma_v1.cu \
+ *        -o build/gemm_wgmma_v1 && ./build/gemm_wgmma_v1
+ * It prints one line per self-test (shape, tile, max abs/rel error), then the timings, and
+ * ends with `N passed, N failed`. Exit code 0 only if every self-test passed.
+ *
+ * Limits of v1: N % 8 == 0 and K % 8 == 0 (TMA row strides are multiples of 16 bytes, and C is
+ * stored two columns at a time); any M >= 1. The epilogue stores straight from registers. */
+#include <cuda.h>  // CUtensorMap and its enums only: the driver entry point comes through cudart
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <vector>
+
+#ifdef WITH_CUBLAS
+#include <cublas_v2.h>
+#endif
+
+typedef __nv_bfloat16 bf16;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Error checking: every runtime, driver and cuBLAS call goes through one of these.           */
+
+#define CUDA_CHECK(call)                                                                              \
+    do {                                                                                              \
+        cudaError_t err_ = (call);                                                                    \
+        if (err_ != cudaSuccess) {                                                                    \
+            fprintf(stderr, "%s:%d: %s failed: %s (%s)\n", __FILE__, __LINE__, #call,                \
+                    cudaGetErrorName(err_), cudaGetErrorString(err_));                                \
+            exit(2);                                                                                  \
+        }                                                                                             \
+    } while (0)
+
+#define CHECK(cond, ...)                                                                              \
+    do {                                                                                              \
+        if (!(cond)) {                                                                                \
+            fprintf(stderr, "%s:%d: ", __FILE__, __LINE__);                                           \
+            fprintf(stderr, __VA_ARGS__);                                                             \
+            fprintf(stderr, "\n");                                                                    \
+            exit(2);                                                                                  \
+        }                                                                                             \
+    } while (0)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tile configuration.                                                                        */
+
+constexpr int BM = 128;              // rows of C per tile: two consumer warpgroups of 64 rows
+constexpr int BK = 64;               // K per stage: 64 bf16 = 128 bytes, one 128B swizzle row
+constexpr int WG_THREADS = 128;
+constexpr int NUM_CONSUMERS = 2;
+constexpr int THREADS = WG_THREADS * (1 + NUM_CONSUMERS);  // producer warpgroup + consumers
+constexpr int PRODUCER_REGS = 40;    // setmaxnreg budget: 128·40 + 256·232 = 64,512 <= 65,536
+constexpr int CONSUMER_REGS = 232;
+constexpr int SWIZZLE_ATOM_BYTES = 1024;  // 8 rows x 128 bytes: the repeat of the 128B swizzle
+constexpr long long WAIT_TIMEOUT_NS = 4000000000ll;  // a barrier wait longer than this is a bug
+
+// Error codes the kernel leaves in *err (host prints them).
+enum { KERNEL_OK = 0, KERNEL_FULL_TIMEOUT = 1, KERNEL_EMPTY_TIMEOUT = 2 };
+
+template <int BN_>
+struct TileConfig {
+    static constexpr int BN = BN_;                            // columns of C per tile (wgmma N)
+    static constexpr int STAGES = BN_ == 256 ? 4 : 6;         // both rings are 192 KB
+    static constexpr int A_BYTES = BM * BK * 2;               // 16 KB
+    static constexpr int B_BYTES = BN_ * BK * 2;              // 32 KB (BN 256) or 16 KB
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;     // what one full[] phase carries
+    static constexpr int ACC = BN_ / 2;                       // fp32 accumulators per thread
+    static constexpr int GROUP_N = 2048 / BN_;                // tile order: 2048-column bands
+    // Ring, then the barriers; +1024 because the ring is aligned up to a swizzle atom by hand.
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + SWIZZLE_ATOM_BYTES;
+    static_assert(BN_ == 128 || BN_ == 256, "wgmma N is 128 or 256 here");
+    static_assert(A_BYTES % SWIZZLE_ATOM_BYTES == 0 && B_BYTES % SWIZZLE_ATOM_BYTES == 0,
+                  "every operand tile must start on a swizzle atom (descriptor base offset 0)");
+    static_assert(SMEM_BYTES <= 227 * 1024, "ring does not fit in shared memory");
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX wrappers.                                                                              */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the barrier initialisation visible to the async proxy (TMA completes tx on it).
+static __device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+static __device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Waits for the phase of `bar` with the given parity. NOTE: a deadlocked pipeline must not hang
+ * a lent GPU: after WAIT_TIMEOUT_NS the first waiter records `code` in *err and every later or
+ * concurrent waiter sees the flag and gives up too, so the kernel ends and the host reports it.
+ * The fast path (barrier already complete) costs one try_wait. */
+static __device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, int *err, int code) {
+    if (mbar_try_wait(bar, parity)) return true;
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t spins = 1;; ++spins) {
+        if (mbar_try_wait(bar, parity)) return true;
+        if ((spins & 1023) == 0) {
+            if (*(volatile int *)err != KERNEL_OK) return false;
+            if (globaltimer_ns() - start > (uint64_t)WAIT_TIMEOUT_NS) {
+                atomicCAS(err, KERNEL_OK, code);
+                return false;
+            }
+        }
+    }
+}
+
+static __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)map) : "memory");
+}
+
+/* One 2-D TMA box (c0 along K, c1 along rows) into shared memory; completes `bytes` on bar.
+ * Out-of-bounds rows/columns arrive as zeros and still count in the byte total. */
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                                   uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving reads or writes of the accumulators across the asynchronous
+ * region (the wgmma asm names them, but the wait does not). */
+template <int R>
+static __device__ __forceinline__ void pin_accumulators(float (&acc)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+/* Shared-memory matrix descriptor for a K-major operand in 128B-swizzled 128-byte rows:
+ * start address, leading offset unused for swizzled K-major (set to 16 bytes), stride offset
+ * 1024 bytes between 8-row groups, base offset 0 (atoms are 1024-byte aligned), swizzle 1 = 128B.
+ * Moving 16 elements along K adds 32 bytes, i.e. +2 in the start-address field. */
+static __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr) {
+    uint64_t desc = 0;
+    desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+    desc |= (uint64_t)(16 >> 4) << 16;
+    desc |= (uint64_t)(SWIZZLE_ATOM_BYTES >> 4) << 32;
+    desc |= (uint64_t)1 << 62;
+    return desc;
+}
+
+/* D[64 x N] (+)= A[64 x 16] · B[16 x N]; A and B from shared memory, both K-major (no transpose).
+ * scale_d == 0 overwrites D, which saves zeroing the accumulators at the start of a tile. */
+static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                        int scale_d) {
+#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                "+f"(d[i + 6]), "+f"(d[i + 7])
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
+          ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "memory");
+}
+
+static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                        int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "memory");
+#undef ACC8
+}
+
+template <int ACC>
+static __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    if constexpr (ACC == 128)
+        wgmma_m64n256k16(d, desc_a, desc_b, scale_d);
+    else
+        wgmma_m64n128k16(d, desc_a, desc_b, scale_d);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The kernel.                                                                                */
+
+struct TilePos {
+    int m0, n0;
+};
+
+/* Linear tile id -> (m0, n0). Tiles go in bands of GROUP_N column blocks (2048 columns of C), and
+ * within a band the column block runs fastest: the ~132 tiles in flight at once cover ~16 row
+ * blocks x 8 column blocks (BN 256), the band's B panel (2048 x K) stays in L2 while the band
+ * walks down M, and each A row panel is read from HBM once per band. Producer and consumers call
+ * this with the same arguments, so they agree on the order. */
+template <class Cfg>
+static __device__ __forceinline__ TilePos tile_at(int tile, int num_m, int num_n) {
+    const int band_tiles = Cfg::GROUP_N * num_m;
+    const int band = tile / band_tiles;
+    const int first_n = band * Cfg::GROUP_N;
+    const int width = min(Cfg::GROUP_N, num_n - first_n);
+    const int local = tile - band * band_tiles;
+    TilePos p;
+    p.m0 = (local / width) * BM;
+    p.n0 = (first_n + local % width) * Cfg::BN;
+    return p;
+}
+
+/* C[M, N] = A[M, K] · B[N, K]^T. grid = min(#SMs, #tiles), block = 384 threads, one CTA per SM.
+ * NOTE (ring protocol): full[s] has count 1 (the producer's arrive.expect_tx) plus the TMA byte
+ * count; empty[s] has count 8 (lane 0 of each of the 8 consumer warps, after its
+ * wgmma.wait_group shows the wgmma that read slot s as complete). Both sides walk the slots in
+ * the same order; the phase bit flips at each wrap, and the producer waits on empty with the
+ * opposite parity, which a fresh barrier satisfies at once. */
+template <int BN_>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                      bf16 *__restrict__ C, int M, int N, int K, int *err) {
+    using Cfg = TileConfig<BN_>;
+    constexpr int STAGES = Cfg::STAGES;
+    constexpr int EMPTY_ARRIVALS = NUM_CONSUMERS * WG_THREADS / 32;
+
+    extern __shared__ uint8_t smem_raw[];
+    // The ring must start on a swizzle atom: TMA writes the 128B pattern by address bits and the
+    // descriptors say base offset 0.
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
+    const uint32_t full_bar = ring + STAGES * Cfg::STAGE_BYTES;  // STAGES x 8 bytes
+    const uint32_t empty_bar = full_bar + STAGES * 8;            // STAGES x 8 bytes
+
+    const int num_m = (M + BM - 1) / BM;
+    const int num_n = (N + Cfg::BN - 1) / Cfg::BN;
+    const int num_tiles = num_m * num_n;
+    const int num_k = (K + BK - 1) / BK;
+    const int warpgroup = threadIdx.x / WG_THREADS;
+
+    if (threadIdx.x == 0) {
+        prefetch_tensormap(&map_a);
+        prefetch_tensormap(&map_b);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 1);
+            mbar_init(empty_bar + 8 * s, EMPTY_ARRIVALS);
+        }
+        fence_barrier_init();
+    }
+    // The last block-wide barrier: after the role split, warps leave at different times.
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        /* Producer: one thread issues every TMA; the other 127 only give their registers back. */
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x != 0) return;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+            const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
+            for (int kb = 0; kb < num_k; ++kb) {
+                if (!mbar_wait(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
+                const uint32_t a_dst = ring + stage * Cfg::STAGE_BYTES;
+                mbar_arrive_expect_tx(full_bar + 8 * stage, Cfg::STAGE_BYTES);
+                tma_load_2d(a_dst, &map_a, kb * BK, pos.m0, full_bar + 8 * stage);
+                tma_load_2d(a_dst + Cfg::A_BYTES, &map_b, kb * BK, pos.n0, full_bar + 8 * stage);
+                if (++stage == STAGES) {
+                    stage = 0;
+                    phase ^= 1;
+                }
+            }
+        }
+        return;
+    }
+
+    /* Consumers: warpgroup 1 owns rows 0..63 of the tile, warpgroup 2 rows 64..127. */
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int consumer = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4;  // warp within the warpgroup: rows 16·warp..+15
+    const int lane = threadIdx.x % 32;
+    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128);
+    const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+
+    float acc[Cfg::ACC];
+    int stage = 0, prev_stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
+        for (int kb = 0; kb < num_k; ++kb) {
+            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
+                wgmma_wait<0>();
+                return;
+            }
+            // Threads leave the spin loop one by one; the wgmma instructions are .sync.aligned and
+            // need the whole warp converged.
+            __syncwarp();
+            const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
+            const uint64_t desc_a = desc_a0 + stage_offset, desc_b = desc_b0 + stage_offset;
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < BK / 16; ++k)
+                wgmma_tile<Cfg::ACC>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+            wgmma_commit();
+            // Keep one wgmma group in flight: when this returns, the group that read the previous
+            // slot is complete and that slot can be refilled.
+            wgmma_wait<1>();
+            if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+            prev_stage = stage;
+            if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait<0>();
+        pin_accumulators(acc);
+        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+
+        /* Epilogue. Accumulator layout (m64nN f32): registers 4i+{0,1} hold row 16·warp + lane/4,
+         * columns 8i + 2·(lane%4) + {0,1}; registers 4i+{2,3} the same columns 8 rows down. */
+        const int row0 = pos.m0 + consumer * 64 + warp * 16 + lane / 4;
+        const int col0 = pos.n0 + 2 * (lane % 4);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 8 * half;
+            if (row >= M) continue;
+            bf16 *c_row = C + (size_t)row * N;
+#pragma unroll
+            for (int i = 0; i < Cfg::ACC / 4; ++i) {
+                const int col = col0 + 8 * i;
+                if (col < N)  // N is even and col is even, so col + 1 < N too
+                    *reinterpret_cast<__nv_bfloat162 *>(c_row + col) =
+                        __floats2bfloat162_rn(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Reference and input kernels.                                                               */
+
+/* One thread per output, fp32 accumulate, 8 elements of K per 16-byte load (K % 8 == 0).
+ * Blocks of 32 (n) x 8 (m) threads: a warp shares one row of A (broadcast) and the block's 8
+ * warps share the same 32 rows of B through L1, which keeps the largest shape at seconds, not
+ * minutes, without making the reference any less obvious. */
+constexpr int REF_BLOCK_N = 32, REF_BLOCK_M = 8;
+__global__ void reference_gemm(const bf16 *__restrict__ A, const bf16 *__restrict__ B, float *__restrict__ C,
+                               int M, int N, int K) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int m = blockIdx.y * blockDim.y + threadIdx.y;
+    if (n >= N || m >= M) return;
+    const uint4 *a = reinterpret_cast<const uint4 *>(A + (size_t)m * K);
+    const uint4 *b = reinterpret_cast<const uint4 *>(B + (size_t)n * K);
+    float sum = 0.0f;
+    for (int k8 = 0; k8 < K / 8; ++k8) {
+        const uint4 va = a[k8], vb = b[k8];
+        const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sum += __uint_as_float(wa[j] << 16) * __uint_as_float(wb[j] << 16);
+            sum += __uint_as_float(wa[j] & 0xFFFF0000u) * __uint_as_float(wb[j] & 0xFFFF0000u);
+        }
+    }
+    C[(size_t)m * N + n] = sum;
+}
+
+/* Random bf16 with magnitude in [1/16, 1): never zero, signs mixed, a pure function of
+ * (seed, index) so a failing run can be replayed from the printed seed. */
+__global__ void fill_random(bf16 *x, size_t count, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        const float mag = 0.0625f + 0.9375f * u;
+        x[i] = __float2bfloat16_rn((z & 1) ? -mag : mag);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Host side.                                                                                 */
+
+static PFN_cuTensorMapEncodeTiled_v12000 g_encode_tiled = nullptr;
+static int g_num_sms = 0;
+
+static void load_driver_entry_points() {
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    void *fn = nullptr;
+#if CUDART_VERSION >= 12050
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &query));
+#else
+    CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &query));
+#endif
+    CHECK(query == cudaDriverEntryPointSuccess && fn != nullptr,
+          "cuTensorMapEncodeTiled not found in the driver (query result %d)", (int)query);
+    g_encode_tiled = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+}
+
+/* A K-major bf16 matrix [rows, K] as a 2-D tensor map with box [box_rows, 64], 128B swizzle.
+ * Rows past `rows` and columns past K come back as zeros. */
+static CUtensorMap make_kmajor_map(const bf16 *ptr, int rows, int K, int box_rows, const char *what) {
+    CHECK(((uintptr_t)ptr & 15) == 0, "%s: base address must be 16-byte aligned", what);
+    CHECK(((size_t)K * sizeof(bf16)) % 16 == 0, "%s: row stride (K = %d) must be a multiple of 16 bytes", what, K);
+    CUtensorMap map;
+    memset(&map, 0, sizeof(map));
+    const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)K * sizeof(bf16)};
+    const cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = g_encode_tiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(ptr), dims, strides,
+                                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled(%s: rows %d, K %d, box %d x %d) failed with CUresult %d", what,
+          rows, K, box_rows, BK, (int)r);
+    return map;
+}
+
+/* Everything one GEMM launch needs, built once outside any timing loop. */
+template <int BN>
+struct GemmPlan {
+    CUtensorMap map_a, map_b;
+    bf16 *C;
+    int M, N, K, grid;
+};
+
+template <int BN>
+static GemmPlan<BN> make_plan(const bf16 *A, const bf16 *B, bf16 *C, int M, int N, int K) {
+    using Cfg = TileConfig<BN>;
+    CHECK(M >= 1 && N >= 8 && K >= 8, "shape M %d N %d K %d: need M >= 1, N >= 8, K >= 8", M, N, K);
+    CHECK(N % 8 == 0 && K % 8 == 0, "shape M %d N %d K %d: N and K must be multiples of 8", M, N, K);
+    const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
+    CHECK(tiles < (1ll << 31), "too many tiles (%lld)", tiles);
+    GemmPlan<BN> p;
+    p.map_a = make_kmajor_map(A, M, K, BM, "A");
+    p.map_b = make_kmajor_map(B, N, K, BN, "B");
+    p.C = C;
+    p.M = M;
+    p.N = N;
+    p.K = K;
+    p.grid = (int)std::min<long long>(tiles, g_num_sms);
+    static bool attribute_set = false;  // once per template instance
+    if (!attribute_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Cfg::SMEM_BYTES));
+        attribute_set = true;
+    }
+    return p;
+}
+
+template <int BN>
+static void launch(const GemmPlan<BN> &p, int *d_err) {
+    gemm_wgmma_kernel<BN><<<p.grid, THREADS, TileConfig<BN>::SMEM_BYTES>>>(p.map_a, p.map_b, p.C, p.M, p.N, p.K,
+                                                                           d_err);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+/* Synchronises and turns a kernel-side error code into a message; returns false on error. */
+static bool check_kernel_error(int *d_err, const char *what) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    int h_err = 0;
+    CUDA_CHECK(cudaMemcpy(&h_err, d_err, sizeof(int), cudaMemcpyDeviceToHost));
+    if (h_err == KERNEL_OK) return true;
+    fprintf(stderr, "%s: kernel gave up: %s\n", what,
+            h_err == KERNEL_FULL_TIMEOUT    ? "a consumer waited > 4 s on a full barrier (TMA never landed?)"
+            : h_err == KERNEL_EMPTY_TIMEOUT ? "the producer waited > 4 s on an empty barrier (consumers stuck?)"
+                                            : "unknown error code");
+    CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
+    return false;
+}
+
+#ifdef WITH_CUBLAS
+static const char *cublas_status_name(cublasStatus_t s) {
+    switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "unknown cublasStatus_t";
+    }
+}
+#define CUBLAS_CHECK(call)                                                                            \
+    do {                                                                                              \
+        cublasStatus_t st_ = (call);                                                                  \
+        CHECK(st_ == CUBLAS_STATUS_SUCCESS, "%s failed: %s", #call, cublas_status_name(st_));         \
+    } while (0)
+
+/* C[M, N] row-major = A[M, K] · B[N, K]^T, said column-major: C^T[N, M] = op_T(B) · A^T. */
+static void cublas_gemm(cublasHandle_t h, const bf16 *A, const bf16 *B, bf16 *C, int M, int N, int K) {
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, B, CUDA_R_16BF, K, A, CUDA_R_16BF, K,
+                              &beta, C, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+#endif
+
+/* Tolerances, and why:
+ *   REL_TOL  2^-7: the output is bf16, whose round-to-nearest error is at most 2^-8 relative;
+ *            twice that leaves room for the reference's different fp32 summation order.
+ *   ABS_TOL  1e-3: outputs that are nearly zero by cancellation, where a relative bound means
+ *            nothing; fp32 reordering over K <= 7168 terms of size < 1 stays far below this.
+ * A layout or pipeline bug gives errors of order 1 or more (|C| ~ sqrt(K) / 2 here). */
+constexpr double REL_TOL = 1.0 / 128.0;
+constexpr double ABS_TOL = 1e-3;
+
+struct CompareResult {
+    double max_abs, max_rel;
+    size_t bad, unwritten, guard_broken;
+};
+
+/* Compares C (bf16, poisoned with 0xFFFF = NaN before the run) against the fp32 reference;
+ * also checks that `guard` elements after C are still poison (nothing written past the end). */
+static CompareResult compare(const bf16 *d_C, const float *d_ref, int M, int N, size_t guard) {
+    const size_t count = (size_t)M * N;
+    std::vector<uint16_t> got(count + guard);
+    std::vector<float> ref(count);
+    CUDA_CHECK(cudaMemcpy(got.data(), d_C, (count + guard) * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(ref.data(), d_ref, count * sizeof(float), cudaMemcpyDeviceToHost));
+    CompareResult r = {0.0, 0.0, 0, 0, 0};
+    for (size_t i = 0; i < count; ++i) {
+        uint32_t bits = (uint32_t)got[i] << 16;
+        float g;
+        memcpy(&g, &bits, 4);
+        if (std::isnan(g)) {
+            ++r.unwritten;
+            continue;
+        }
+        const double e = std::fabs((double)g - (double)ref[i]), mag = std::fabs((double)ref[i]);
+        r.max_abs = std::max(r.max_abs, e);
+        if (mag > 1e-2) r.max_rel = std::max(r.max_rel, e / mag);
+        if (!(e <= ABS_TOL + REL_TOL * mag)) ++r.bad;
+    }
+    for (size_t i = count; i < count + guard; ++i)
+        if (got[i] != 0xFFFF) ++r.guard_broken;
+    return r;
+}
+
+struct Shape {
+    int M, N, K;
+};
+
+template <int BN>
+static bool self_test_one(const bf16 *d_A, const bf16 *d_B, bf16 *d_C, size_t c_capacity, const float *d_ref,
+                          const Shape &s, int *d_err) {
+    const size_t count = (size_t)s.M * s.N;
+    const size_t guard = std::min<size_t>(c_capacity - count, 1 << 16);
+    CUDA_CHECK(cudaMemset(d_C, 0xFF, (count + guard) * sizeof(bf16)));
+    GemmPlan<BN> plan = make_plan<BN>(d_A, d_B, d_C, s.M, s.N, s.K);
+    launch(plan, d_err);
+    char what[96];
+    snprintf(what, sizeof(what), "M %d N %d K %d tile 128x%d", s.M, s.N, s.K, BN);
+    if (!check_kernel_error(d_err, what)) {
+        printf("FAIL  %-36s kernel error (see stderr)\n", what);
+        return false;
+    }
+    const CompareResult r = compare(d_C, d_ref, s.M, s.N, guard);
+    const bool ok = r.bad == 0 && r.unwritten == 0 && r.guard_broken == 0;
+    printf("%s  %-36s max abs %.3e  max rel %.3e  bad %zu  unwritten %zu  past-end %zu\n", ok ? "ok  " : "FAIL", what,
+           r.max_abs, r.max_rel, r.bad, r.unwritten, r.guard_broken);
+    return ok;
+}
+
+static double median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+constexpr int WARMUP_RUNS = 3;
+constexpr int TIMED_RUNS = 20;
+
+/* Median milliseconds of TIMED_RUNS launches of `run`, each bracketed by its own events. */
+template <class F>
+static double time_median_ms(F run) {
+    cudaEvent_t start, stop;
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    for (int i = 0; i < WARMUP_RUNS; ++i) run();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ms(TIMED_RUNS);
+    for (int i = 0; i < TIMED_RUNS; ++i) {
+        CUDA_CHECK(cudaEventRecord(start));
+        run();
+        CUDA_CHECK(cudaEventRecord(stop));
+        CUDA_CHECK(cudaEventSynchronize(stop));
+        CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
+    return median(ms);
+}
+
+#ifdef WITH_CUBLAS
+/* Largest |x - y| between two bf16 device buffers, and how many differ by more than the bf16
+ * tolerance (used to check our result against cuBLAS on the timed shapes). */
+static void compare_bf16(const bf16 *d_x, const bf16 *d_y, size_t count, double *max_abs, size_t *bad) {
+    std::vector<uint16_t> x(count), y(count);
+    CUDA_CHECK(cudaMemcpy(x.data(), d_x, count * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(y.data(), d_y, count * 2, cudaMemcpyDeviceToHost));
+    *max_abs = 0.0;
+    *bad = 0;
+    for (size_t i = 0; i < count; ++i) {
+        uint32_t bx = (uint32_t)x[i] << 16, by = (uint32_t)y[i] << 16;
+        float fx, fy;
+        memcpy(&fx, &bx, 4);
+        memcpy(&fy, &by, 4);
+        const double e = std::fabs((double)fx - (double)fy);
+        if (std::isnan(e))
+            *max_abs = INFINITY;
+        else
+            *max_abs = std::max(*max_abs, e);
+        if (!(e <= ABS_TOL + 2 * REL_TOL * std::fabs((double)fy))) ++*bad;  // both sides rounded
+    }
+}
+#endif
+
+int main(int argc, char **argv) {
+    int device = 0;
+    CUDA_CHECK(cudaSetDevice(device));
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    CHECK(prop.major == 9 && prop.minor == 0,
+          "%s is sm_%d%d; this program is built for sm_90a (H100/H200) only", prop.name, prop.major, prop.minor);
+    g_num_sms = prop.multiProcessorCount;
+    CHECK((size_t)TileConfig<256>::SMEM_BYTES <= prop.sharedMemPerBlockOptin &&
+              (size_t)TileConfig<128>::SMEM_BYTES <= prop.sharedMemPerBlockOptin,
+          "need %d / %d bytes of shared memory per block, the device allows %zu", TileConfig<256>::SMEM_BYTES,
+          TileConfig<128>::SMEM_BYTES, prop.sharedMemPerBlockOptin);
+    load_driver_entry_points();
+
+    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
+    printf("device %s, %d SMs; tile 128x256: %d stages, %d B smem; tile 128x128: %d stages, %d B smem; seed %llu\n",
+           prop.name, g_num_sms, TileConfig<256>::STAGES, TileConfig<256>::SMEM_BYTES, TileConfig<128>::STAGES,
+           TileConfig<128>::SMEM_BYTES, (unsigned long long)seed);
+
+    // Self-test shapes: the requested grid, edges (M not a multiple of 128, N not a multiple of
+    // the tile, K not a multiple of 64, a single row), and the second timed shape.
+    std::vector<Shape> tests;
+    for (int M : {128, 1000, 8192})
+        for (int N : {256, 2048, 4096})
+            for (int K : {768, 2048, 7168}) tests.push_back({M, N, K});
+    tests.push_back({1, 256, 64});
+    tests.push_back({77, 136, 72});
+    tests.push_back({300, 520, 1000});
+    tests.push_back({16384, 1536, 2048});
+    const Shape timed[] = {{8192, 4096, 7168}, {16384, 1536, 2048}};
+
+    size_t a_elems = 0, b_elems = 0, c_elems = 0;
+    for (const Shape &s : tests) {
+        a_elems = std::max(a_elems, (size_t)s.M * s.K);
+        b_elems = std::max(b_elems, (size_t)s.N * s.K);
+        c_elems = std::max(c_elems, (size_t)s.M * s.N);
+    }
+    const size_t c_capacity = c_elems + (1 << 16);  // room for the past-the-end guard
+    bf16 *d_A, *d_B, *d_C, *d_C2;
+    float *d_ref;
+    int *d_err;
+    CUDA_CHECK(cudaMalloc(&d_A, a_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_B, b_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_C2, c_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&d_err, sizeof(int)));
+    CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
+    fill_random<<<1024, 256>>>(d_A, a_elems, seed);
+    CUDA_CHECK(cudaGetLastError());
+    fill_random<<<1024, 256>>>(d_B, b_elems, seed ^ 0x5DEECE66Dull);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+
+    int passed = 0, failed = 0;
+    printf("\nself-test against reference_gemm (fp32, one thread per output); pass: |err| <= %.0e + %.4f |ref|\n",
+           ABS_TOL, REL_TOL);
+    for (const Shape &s : tests) {
+        const dim3 block(REF_BLOCK_N, REF_BLOCK_M);
+        const dim3 grid((s.N + REF_BLOCK_N - 1) / REF_BLOCK_N, (s.M + REF_BLOCK_M - 1) / REF_BLOCK_M);
+        reference_gemm<<<grid, block>>>(d_A, d_B, d_ref, s.M, s.N, s.K);
+        CUDA_CHECK(cudaGetLastError());
+        CUDA_CHECK(cudaDeviceSynchronize());
+        (self_test_one<256>(d_A, d_B, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        (self_test_one<128>(d_A, d_B, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+    }
+
+    printf("\ntiming: median of %d runs after %d warm-up runs, CUDA events, same inputs each run\n", TIMED_RUNS,
+           WARMUP_RUNS);
+#ifdef WITH_CUBLAS
+    cublasHandle_t handle;
+    CUBLAS_CHECK(cublasCreate(&handle));
+#endif
+    for (const Shape &s : timed) {
+        const double flops = 2.0 * s.M * s.N * s.K;
+        GemmPlan<256> p256 = make_plan<256>(d_A, d_B, d_C, s.M, s.N, s.K);
+        GemmPlan<128> p128 = make_plan<128>(d_A, d_B, d_C, s.M, s.N, s.K);
+        const double ms256 = time_median_ms([&] { launch(p256, d_err); });
+        bool ok = check_kernel_error(d_err, "timing 128x256");
+        const double ms128 = time_median_ms([&] { launch(p128, d_err); });
+        ok = check_kernel_error(d_err, "timing 128x128") && ok;
+        if (!ok) ++failed;
+        printf("M %5d N %5d K %5d  wgmma 128x256: %8.3f ms %7.1f TFLOP/s   wgmma 128x128: %8.3f ms %7.1f TFLOP/s\n",
+               s.M, s.N, s.K, ms256, flops / ms256 * 1e-9, ms128, flops / ms128 * 1e-9);
+#ifdef WITH_CUBLAS
+        const double ms_cublas = time_median_ms([&] { cublas_gemm(handle, d_A, d_B, d_C2, s.M, s.N, s.K); });
+        CUDA_CHECK(cudaDeviceSynchronize());
+        printf("                         cuBLAS:        %8.3f ms %7.1f TFLOP/s   (128x256 runs at %.0f%% of cuBLAS)\n",
+               ms_cublas, flops / ms_cublas * 1e-9, 100.0 * ms_cublas / ms256);
+        // d_C holds the result of the last 128x128 run: a cross-check of the cuBLAS call itself
+        // (our tiles were checked against the reference above).
+        double max_abs;
+        size_t bad;
+        compare_bf16(d_C, d_C2, (size_t)s.M * s.N, &max_abs, &bad);
+        printf("                         vs cuBLAS: max abs diff %.3e, %zu elements beyond tolerance%s\n", max_abs, bad,
+               bad ? "  (informational)" : "");
+#endif
+    }
+#ifdef WITH_CUBLAS
+    CUBLAS_CHECK(cublasDestroy(handle));
+#else
+    printf("(cuBLAS baseline not built: add -DWITH_CUBLAS ... -lcublas)\n");
+#endif
+
+    CUDA_CHECK(cudaFree(d_A));
+    CUDA_CHECK(cudaFree(d_B));
+    CUDA_CHECK(cudaFree(d_C));
+    CUDA_CHECK(cudaFree(d_C2));
+    CUDA_CHECK(cudaFree(d_ref));
+    CUDA_CHECK(cudaFree(d_err));
+    printf("\n%d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
+}
