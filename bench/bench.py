@@ -173,13 +173,25 @@ def main():
         print(json.dumps(row), flush=True)
     sweeps = []
     if not a.no_sweep:
-        for name, experts, tokens, skew in cases[:1] + cases[-1:]:
-            for comm in (4, 8, 16, 32):
-                for mb in (512, 1024, 2048):
-                    cfg = base.replace(fwd_comm_sms=comm, bwd_comm_sms=comm, minibatch_rows=mb)
-                    row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, max(3, a.reps // 2), check=False)
-                    sweeps.append(row)
-                    print(json.dumps(row), flush=True)
+        grid = [(case, comm, mb) for case in cases[:1] + cases[-1:] for comm in (4, 8, 16, 32) for mb in (512, 1024, 2048)]
+        try:  # a progress bar on stderr: tqdm when importable, else a counter line per configuration
+            from tqdm import tqdm
+            bar = tqdm(total=len(grid), desc="sweep", unit="config", file=sys.stderr)
+        except ImportError:
+            bar = None
+        for i, ((name, experts, tokens, skew), comm, mb) in enumerate(grid):
+            if bar is None:
+                print(f"[sweep {i + 1}/{len(grid)}] {name} comm {comm} minibatch {mb}", file=sys.stderr, flush=True)
+            cfg = base.replace(fwd_comm_sms=comm, bwd_comm_sms=comm, minibatch_rows=mb)
+            row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, max(3, a.reps // 2), check=False)
+            sweeps.append(row)
+            if bar is None:
+                print(json.dumps(row), flush=True)
+            else:
+                bar.write(json.dumps(row), file=sys.stdout)
+                bar.update(1)
+        if bar is not None:
+            bar.close()
     with open(os.path.join(a.out, f"bench_ep{a.ranks}.json"), "w") as f:
         json.dump(dict(cases=rows, sweeps=sweeps), f, indent=1)
     print()
