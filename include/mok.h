@@ -107,8 +107,8 @@ typedef struct mok_config {
                                0 = all rows the worst case can route to a rank */
     float swiglu_limit;     /* > 0: clamp limit; 0: no clamp */
     double peer_timeout_ms; /* longest wait on a peer before MOK_ERR_TIMEOUT; > 0 */
-    int cpu_threads;        /* cpu backend: worker threads per rank (0 = the machine's cores,
-                               at least 2); one of them moves data, as set below */
+    int cpu_threads;        /* cpu backend: worker threads per rank, movers included (0 = one
+                               compute thread per core plus cpu_comm_threads movers; else >= 2) */
     int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; >= 1 */
     int fwd_dispatch;       /* mok_direction; MOK_PULL */
     int fwd_combine;        /* MOK_PUSH */

@@ -105,7 +105,9 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     sym_layout(&cw->sym, &ws->shape);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    cw->workers = ws->config.cpu_threads ? ws->config.cpu_threads : (int)(cores < 2 ? 2 : cores);
+    /* Auto: every core computes; the movers come on top (they sleep in memcpy-sized bursts). */
+    cw->workers = ws->config.cpu_threads ? ws->config.cpu_threads
+                                         : (int)(cores < 1 ? 1 : cores) + ws->config.cpu_comm_threads;
     cw->comm_workers = ws->config.cpu_comm_threads < cw->workers ? ws->config.cpu_comm_threads : cw->workers - 1;
     cw->num_local = g->num_local_ranks;
     cw->ranks = calloc((size_t)cw->num_local, sizeof(cpu_rank));
