@@ -338,6 +338,11 @@ MOK_TEST(cuda_bad_expert_id) {
         mok_status st = gpu_forward(&G, &L, 0);
         CHECK(st == MOK_ERR_INVALID_ARGUMENT, "bad id: got %s (%s)", mok_status_string(st), G.message);
         CHECK(strstr(G.message, "topk_ids") != NULL, "message should name topk_ids: %s", G.message);
+        /* the error is the caller's: with the id fixed, the same workspace works again */
+        L.topk_ids[0][17] = 1;
+        mok_memory_copy(G.group, 0, G.ids[0], L.topk_ids[0], 64 * 2 * 4, MOK_COPY_HOST_TO_RANK);
+        st = gpu_forward(&G, &L, 0);
+        CHECK(st == MOK_OK, "after fixing the id: %s", G.message);
     }
     gpu_close(&G);
     layer_free(&L);
@@ -686,6 +691,47 @@ MOK_TEST(cuda_trace) {
         CHECK(gateup == tiles * (128 / 64) && down == tiles * (256 / 128), "gateup %d, down %d events", gateup, down);
         CHECK(shared == 5 * 2, "shared_up %d events for 5 token tiles x 2", shared);
     }
+    gpu_close(&G);
+    layer_free(&L);
+}
+
+/* The API's argument rules on a cuda workspace: the same messages as on cpu, and the workspace
+ * keeps working after each refusal. */
+MOK_TEST(cuda_bad_inputs) {
+    if (skip(1, "cuda_bad_inputs")) return;
+    int64_t tokens[1] = {100};
+    mok_shape s = small_shape(128, 64, 4, 2, 64);
+    layer L;
+    layer_make(&L, &s, 1, tokens, 9, LAYER_ROUTE_UNIFORM);
+    gpu_run G;
+    if (gpu_open(&G, &L, NULL) != MOK_OK) {
+        CHECK(0, "open: %s", G.message);
+        layer_free(&L);
+        return;
+    }
+    mok_schedule_args sa = {101, G.ids[0], G.schedule[0], NULL};
+    CHECK(mok_schedule_build(G.ws, &sa) == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "num_tokens"),
+          "T > T_max: %s", mok_last_error());
+    sa = (mok_schedule_args){100, (const int32_t *)((const char *)G.ids[0] + 4), G.schedule[0], NULL};
+    CHECK(mok_schedule_build(G.ws, &sa) == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "aligned"),
+          "misaligned ids: %s", mok_last_error());
+    CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "good run: %s", G.message);
+    mok_forward_args fa = {100, G.schedule[0], NULL, G.rw[0], G.w[0][0], G.w[1][0], G.w[2][0], G.s[0][0],
+                           G.s[1][0], G.s[2][0], G.y[0], G.context[0], NULL};
+    CHECK(mok_forward(G.ws, &fa) == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "x"), "NULL x: %s",
+          mok_last_error());
+    fa.x = G.x[0];
+    fa.s_gate = NULL;
+    CHECK(mok_forward(G.ws, &fa) == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "s_gate"),
+          "missing shared weight: %s", mok_last_error());
+    fa.s_gate = G.s[0][0];
+    fa.num_tokens = 99; /* differs from the schedule's: found on the device, reported, then recoverable */
+    mok_status st = mok_forward(G.ws, &fa);
+    if (st == MOK_OK) st = mok_synchronize(G.ws);
+    CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "schedule"), "T differs: %s %s",
+          mok_status_string(st), mok_last_error());
+    CHECK(mok_trace_write(G.ws, "build/x.json") == MOK_ERR_INVALID_ARGUMENT, "trace off: %s", mok_last_error());
+    CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "good run after the refusals: %s", G.message);
     gpu_close(&G);
     layer_free(&L);
 }

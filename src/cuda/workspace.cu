@@ -71,24 +71,37 @@ mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int
     return MOK_OK;
 }
 
+/* Reports the first error word set on a local rank. Argument errors found on the device (a bad
+ * expert id, a schedule that does not fit the pass) are cleared once reported: the next pass with
+ * good arguments works. A timeout or a stall leaves the group unusable. */
 mok_status mok__cuda_check_error_word(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         int code = *(volatile int *)cw->ranks[lr].error_host;
         if (!code) continue;
+        const int rank = cw->ranks[lr].rank;
+        if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE) {
+            for (int other = 0; other < cw->num_local; ++other) *(volatile int *)cw->ranks[other].error_host = 0;
+            if (code == MOK_KERR_EXPERT_ID)
+                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                                 "topk_ids: rank %d's kernel found an expert id outside [-1, E = %lld)", rank,
+                                 (long long)ws->shape.num_experts);
+            if (code == MOK_KERR_TOKENS)
+                return mok__fail(MOK_ERR_INVALID_ARGUMENT, "num_tokens: a peer of rank %d published T outside [0, T_max]",
+                                 rank);
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                             "schedule: rank %d's pass got a schedule that was not built (successfully) for this "
+                             "rank and num_tokens",
+                             rank);
+        }
         ws->failed = 1;
-        switch (code) {
-        case MOK_KERR_TIMEOUT:
+        if (code == MOK_KERR_TIMEOUT) {
             ws->group->failed = 1;
             return mok__fail(MOK_ERR_TIMEOUT, "rank %d: a peer did not reach a barrier within peer_timeout_ms = %.0f",
-                             cw->ranks[lr].rank, ws->config.peer_timeout_ms);
-        case MOK_KERR_EXPERT_ID:
-            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                             "topk_ids: rank %d's kernel found an expert id outside [-1, E = %lld)", cw->ranks[lr].rank,
-                             (long long)ws->shape.num_experts);
-        default:
-            return mok__fail(MOK_ERR_DEVICE_FAULT, "rank %d: the kernel reported error %d", cw->ranks[lr].rank, code);
+                             rank, ws->config.peer_timeout_ms);
         }
+        return mok__fail(MOK_ERR_DEVICE_FAULT, "rank %d: the kernel reported error %d (a counter wait timed out)", rank,
+                         code);
     }
     return MOK_OK;
 }
