@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu-check.sh [--quick] [--sanitize] [--bench] — on a GPU machine: build against the NCCL that
+# gpu-check.sh [--quick] [--sanitize] [--bench] [--dev] — on a GPU machine: build against the NCCL that
 # runs (PyTorch's, when python3 has it), run every GPU test, optionally compute-sanitizer and the
 # benchmark, write the full log to $OUT/gpu-check.log (or build/gpu-check.log) and end with a
 # short table. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
@@ -12,11 +12,13 @@ log=$out/gpu-check.log
 : >"$log"
 sanitize=0
 bench=0
+dev=0
 for a in "$@"; do
     case $a in
     --sanitize) sanitize=1 ;;
     --bench) bench=1 ;;
     --quick) export MOK_TEST_NO_FULL=1 ;;
+    --dev) dev=1 ;;
     esac
 done
 declare -a rows
@@ -64,6 +66,12 @@ if [ $sanitize -eq 1 ]; then
                 --error-exitcode 9 ./build/mok_tests $t
         done
     done
+fi
+if [ $dev -eq 1 ]; then
+    # kernel experiments of dev/: each validates itself before it times anything
+    step "dev: wgmma tile (self-test + timing)" bash -c 'nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
+        -DWITH_CUBLAS dev/gemm_wgmma_v1.cu -lcublas -o build/gemm_wgmma_v1 && timeout 300 ./build/gemm_wgmma_v1'
+    grep -E 'TFLOP|passed, ' "$log" | tail -n 12 >>"$out/gpu-tests.txt"
 fi
 if [ $bench -eq 1 ] && [ -x bench/run.sh ]; then
     step "benchmark" timeout 900 bash bench/run.sh "$out"
