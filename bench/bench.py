@@ -118,6 +118,12 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
     row = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew,
                comm_sms=config.fwd_comm_sms, minibatch=config.minibatch_rows)
     run = MokRun(group, layer, experts, tokens, inputs, config)
+    row["workspace_bytes"] = run.ws.sizes.workspace_bytes
+    row["context_bytes"] = run.ws.sizes.context_bytes
+    # rows that cross a link: (rank p, token, slot) whose expert lives on another rank
+    E_local = experts // ranks
+    remote = [int(((i["ids"].long() // E_local) != r).sum().item()) for r, i in enumerate(inputs)]
+    row["remote_rows"] = remote
     try:
         y = run.forward()
         if check and ranks == 1:
@@ -140,6 +146,10 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
     row["forward_tflops"] = flops / row["forward_ms"] / 1e9
     if row.get("backward_ms"):
         row["backward_tflops"] = 2 * flops / row["backward_ms"] / 1e9
+    if ranks > 1:
+        # dispatch and combine each move a remote row once; per rank, both directions of its links
+        moved = max(remote) * layer["hidden"] * 2 * 2
+        row["forward_link_GBps"] = moved / (row["forward_ms"] * 1e-3) / 1e9
     if row.get("baseline_forward_ms"):
         row["speedup"] = row["baseline_forward_ms"] / row["forward_ms"]
     return row
@@ -201,7 +211,8 @@ def main():
         print(f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} {r['skew']:>4} | {r['forward_ms']:>10.3f} "
               f"{r['forward_tflops']:>7.1f} | {r.get('baseline_forward_ms', float('nan')):>8.3f} "
               f"{r.get('speedup', float('nan')):>7.2f} | {r.get('backward_ms') or float('nan'):>10.3f} "
-              f"{r.get('backward_tflops', float('nan')):>7.1f} | {r.get('max_rel_err_vs_torch', float('nan')):.2e}")
+              f"{r.get('backward_tflops', float('nan')):>7.1f} | {r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
+              f"{r['workspace_bytes'] / 2**30:6.2f} | {r.get('forward_link_GBps', float('nan')):9.1f}")
     if sweeps:
         print("\nsweep (forward ms): layer, comm SMs x minibatch rows")
         for r in sweeps:
