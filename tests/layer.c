@@ -523,7 +523,7 @@ mok_status layer_run_backend(const layer *L, const mok_config *config, int accum
 
 /* ---- the reference ------------------------------------------------------------------------ */
 
-mok_status layer_run_reference(const layer *L, layer_result *ref) {
+static mok_status run_reference(const layer *L, layer_result *ref, int backward) {
     const int P = L->nranks;
     const int64_t H = L->shape.hidden, k = L->shape.topk;
     const int has_shared = L->shape.shared_intermediate > 0;
@@ -533,11 +533,13 @@ mok_status layer_run_reference(const layer *L, layer_result *ref) {
         const int64_t T = L->num_tokens[p];
         if (T > 0) {
             ref->y[p] = alloc_aligned((size_t)(T * H) * 2);
+            if (!ref->y[p]) goto oom;
+            if (!backward) continue;
             ref->dx[p] = alloc_aligned((size_t)(T * H) * 2);
             ref->d_router_w[p] = alloc_aligned((size_t)(T * k) * 4);
-            if (!ref->y[p] || !ref->dx[p] || !ref->d_router_w[p]) goto oom;
+            if (!ref->dx[p] || !ref->d_router_w[p]) goto oom;
         }
-        for (int m = 0; m < 3; ++m) {
+        for (int m = 0; m < 3 && backward; ++m) {
             ref->dw[m][p] = alloc_aligned((size_t)expert_elems(L) * 4);
             if (!ref->dw[m][p]) goto oom;
             if (has_shared && !(ref->ds[m][p] = alloc_aligned((size_t)shared_elems(L) * 4))) goto oom;
@@ -558,7 +560,7 @@ mok_status layer_run_reference(const layer *L, layer_result *ref) {
     rl.s_up = L->s[LAYER_UP];
     rl.s_down = L->s[LAYER_DOWN];
     mok_status st = mok_ref_forward(&rl, (void *const *)ref->y);
-    if (note(ref->message, sizeof ref->message, st, "mok_ref_forward") != MOK_OK) return st;
+    if (note(ref->message, sizeof ref->message, st, "mok_ref_forward") != MOK_OK || !backward) return st;
     st = mok_ref_backward(&rl, (const void *const *)L->dy, (void *const *)ref->dx, ref->d_router_w,
                           (float *const *)ref->dw[LAYER_GATE], (float *const *)ref->dw[LAYER_UP],
                           (float *const *)ref->dw[LAYER_DOWN], has_shared ? (float *const *)ref->ds[LAYER_GATE] : NULL,
@@ -569,6 +571,10 @@ oom:
     snprintf(ref->message, sizeof ref->message, "layer_run_reference: out of memory");
     return MOK_ERR_OUT_OF_MEMORY;
 }
+
+mok_status layer_run_reference(const layer *L, layer_result *ref) { return run_reference(L, ref, 1); }
+
+mok_status layer_run_reference_forward(const layer *L, layer_result *ref) { return run_reference(L, ref, 0); }
 
 /* ---- comparison --------------------------------------------------------------------------- */
 

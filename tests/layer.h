@@ -141,6 +141,8 @@ void layer_backward_args(const layer *L, const layer_result *r, int accumulate, 
 
 /* The reference: y, dx (bf16), d_router_w and every gradient (fp32, unrounded). */
 mok_status layer_run_reference(const layer *L, layer_result *ref);
+/* Only y (the weight gradients of a full-size layer cost minutes on the host). */
+mok_status layer_run_reference_forward(const layer *L, layer_result *ref);
 
 /* Compares got (backend) with ref (reference), tensor by tensor, with the tolerance table of
  * layer.c: error = max |got - ref| / (atol + rtol * max |ref|), the max taken per block (one rank

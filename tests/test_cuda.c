@@ -130,7 +130,7 @@ static void reference_prefix(const layer *L, int64_t keep, layer_result *ref) {
     layer sub = *L;
     for (int p = 0; p < L->nranks; ++p)
         if (sub.num_tokens[p] > keep) sub.num_tokens[p] = keep;
-    layer_run_reference(&sub, ref);
+    layer_run_reference_forward(&sub, ref);
 }
 
 static double compare_prefix(const layer *L, const layer_result *got, const layer_result *ref, int64_t keep,

@@ -282,9 +282,32 @@ static void ref_ffn_backward(ref_expert ex, int64_t hidden, const double *x, con
  * in the forward, dx parts in the backward) wait in the scratch. Each weight gradient adds its
  * rows in (rank, token, slot) order. */
 
+/* Rows an expert's forward takes at once: each weight row is read once per block of rows, not
+ * once per row (a full-size expert does not fit in any cache). Every sum is the same dot product
+ * in the same order as row by row. */
+#define REF_BLOCK 16
+
+/* FFN of one expert on n <= REF_BLOCK tokens: xs[n] -> outs[n], as ref_ffn does for one. */
+static void ref_ffn_rows(ref_expert ex, int64_t hidden, const double *const *xs, int n, double limit, int round,
+                         double *g, double *u, double *h, double *const *outs) {
+    const int64_t inter = ex.inter;
+    for (int64_t i = 0; i < inter; ++i)
+        for (int r = 0; r < n; ++r) {
+            g[r * inter + i] = ref_maybe_round(ref_dot(ex.gate + i * hidden, xs[r], hidden), round);
+            u[r * inter + i] = ref_maybe_round(ref_dot(ex.up + i * hidden, xs[r], hidden), round);
+        }
+    for (int r = 0; r < n; ++r)
+        for (int64_t i = 0; i < inter; ++i) {
+            double gc = ref_clamp_gate(g[r * inter + i], limit), uc = ref_clamp_up(u[r * inter + i], limit);
+            h[r * inter + i] = ref_maybe_round(gc * ref_sigmoid(gc) * uc, round);
+        }
+    for (int64_t o = 0; o < hidden; ++o)
+        for (int r = 0; r < n; ++r) outs[r][o] = ref_maybe_round(ref_dot(ex.down + o * inter, h + r * inter, inter), round);
+}
+
 /* Scratch of one pass. */
 typedef struct ref_scratch {
-    double *g, *u, *h, *dg, *du; /* [max(I, I_s)] */
+    double *g, *u, *h, *dg, *du; /* g, u, h: [REF_BLOCK, max(I, I_s)]; dg, du: [max(I, I_s)] */
     double *out;                 /* [H] */
     /* Per rank p: the routed experts' outputs or dx parts [T_p, k, H], the shared expert's
      * [T_p, H]. */
@@ -311,9 +334,9 @@ static mok_status ref_scratch_alloc(const char *fn, const mok__ref_layer64 *laye
     size_t wide_bytes = (size_t)wide * sizeof(double), hidden_bytes = (size_t)shape->hidden * sizeof(double);
     int ok = 1;
     memset(s, 0, sizeof *s);
-    s->g = malloc(wide_bytes);
-    s->u = malloc(wide_bytes);
-    s->h = malloc(wide_bytes);
+    s->g = malloc(wide_bytes * REF_BLOCK);
+    s->u = malloc(wide_bytes * REF_BLOCK);
+    s->h = malloc(wide_bytes * REF_BLOCK);
     s->dg = malloc(wide_bytes);
     s->du = malloc(wide_bytes);
     s->out = malloc(hidden_bytes);
@@ -344,18 +367,34 @@ mok_status mok__ref_forward_ex(const mok__ref_layer64 *layer, double *const *y, 
     if ((status = ref_scratch_alloc(fn, layer, &s)) != MOK_OK) return status;
 
     for (int p = 0; has_shared && p < layer->nranks; ++p)
-        for (int64_t t = 0; t < layer->num_tokens[p]; ++t)
-            ref_ffn(ref_shared_expert(layer), hidden, layer->x[p] + t * hidden, limit, round, s.g, s.u, s.h,
-                    s.shared[p] + t * hidden);
+        for (int64_t t0 = 0; t0 < layer->num_tokens[p]; t0 += REF_BLOCK) {
+            const double *xs[REF_BLOCK];
+            double *outs[REF_BLOCK];
+            int n = 0;
+            for (int64_t t = t0; t < layer->num_tokens[p] && n < REF_BLOCK; ++t, ++n) {
+                xs[n] = layer->x[p] + t * hidden;
+                outs[n] = s.shared[p] + t * hidden;
+            }
+            ref_ffn_rows(ref_shared_expert(layer), hidden, xs, n, limit, round, s.g, s.u, s.h, outs);
+        }
 
     for (int32_t e = 0; e < shape->num_experts; ++e) {
         ref_expert ex = ref_routed_expert(layer, e);
+        const double *xs[REF_BLOCK];
+        double *outs[REF_BLOCK];
+        int n = 0;
         for (int p = 0; p < layer->nranks; ++p)
             for (int64_t t = 0; t < layer->num_tokens[p]; ++t)
                 for (int64_t j = 0; j < topk; ++j)
-                    if (layer->topk_ids[p][t * topk + j] == e)
-                        ref_ffn(ex, hidden, layer->x[p] + t * hidden, limit, round, s.g, s.u, s.h,
-                                s.routed[p] + (t * topk + j) * hidden);
+                    if (layer->topk_ids[p][t * topk + j] == e) {
+                        xs[n] = layer->x[p] + t * hidden;
+                        outs[n] = s.routed[p] + (t * topk + j) * hidden;
+                        if (++n == REF_BLOCK) {
+                            ref_ffn_rows(ex, hidden, xs, n, limit, round, s.g, s.u, s.h, outs);
+                            n = 0;
+                        }
+                    }
+        if (n) ref_ffn_rows(ex, hidden, xs, n, limit, round, s.g, s.u, s.h, outs);
     }
 
     for (int p = 0; p < layer->nranks; ++p)
