@@ -422,14 +422,8 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
         }
-        if ((st = mok__cuda_barrier(ws, lr, stream, a->num_tokens)) != MOK_OK) return st;
-        CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
-        if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
-        LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(p));
-        void *kargs[] = {&p};
-        CUDA_TRY(cudaLaunchCooperativeKernel((const void *)backward_kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs,
-                                             smem, stream));
-        if ((st = mok__cuda_barrier(ws, lr, stream, -1)) != MOK_OK) return st;
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, smem, stream, a->num_tokens)) != MOK_OK)
+            return st;
         if (T > 0)
             LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(
                 p, (uint16_t *)a->dx, a->d_router_w, R->sym, cw->sym.dxbuf, cw->sym.drw));

@@ -192,14 +192,8 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
                                      cudaMemcpyDeviceToDevice, stream));
-        if ((st = mok__cuda_barrier(ws, lr, stream, a->num_tokens)) != MOK_OK) return st;
-        CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
-        if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
-        LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(p));
-        void *kargs[] = {&p};
-        CUDA_TRY(cudaLaunchCooperativeKernel((const void *)forward_kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs,
-                                             smem, stream));
-        if ((st = mok__cuda_barrier(ws, lr, stream, -1)) != MOK_OK) return st;
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, smem, stream, a->num_tokens)) != MOK_OK)
+            return st;
         if (!recompute && a->num_tokens > 0)
             LAUNCH_TRY(forward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(p, a->router_w, (uint16_t *)a->y,
                                                                                     R->sym + cw->sym.comb));

@@ -277,6 +277,21 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace_count = R->trace_count;
 }
 
+/* The launch sequence every pass shares, on one rank's stream, after its inputs are staged:
+ * barrier (every rank's inputs are in place; publishes T), fresh counters, the group list, the
+ * megakernel on every SM at once, barrier (every push into this rank has landed). */
+static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
+                              size_t smem, cudaStream_t stream, int64_t num_tokens) {
+    mok_status st = mok__cuda_barrier(ws, lr, stream, num_tokens);
+    if (st != MOK_OK) return st;
+    CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+    if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
+    LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(*p));
+    void *kargs[] = {p};
+    CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs, smem, stream));
+    return mok__cuda_barrier(ws, lr, stream, -1);
+}
+
 static size_t pass_smem_bytes(void) {
     size_t c_tile = (size_t)TILE_BM * TILE_C_LD * 2;
     return TILE_SMEM_BYTES > c_tile ? TILE_SMEM_BYTES : c_tile;
