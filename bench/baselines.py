@@ -93,7 +93,9 @@ def forward_single(x, ids, weights, layer):
 def forward_all_to_all(x, ids, weights, layer, group=None):
     """Expert parallel over the process group: NCCL all-to-all to the owners and back."""
     import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all_single as a2a  # differentiable
 
+    group = group or dist.group.WORLD
     P = dist.get_world_size(group)
     T, k = ids.shape
     E_local = layer["w_gate"].shape[0]
@@ -107,17 +109,15 @@ def forward_all_to_all(x, ids, weights, layer, group=None):
     send_rows = x[order // k]
     send_expert = (flat[order] % E_local).to(torch.int32)
     sc, rc = send_counts.tolist(), recv_counts.tolist()  # the host sync every such baseline has
-    recv_rows = torch.empty(sum(rc), x.shape[1], device=x.device, dtype=x.dtype)
+    recv_rows = a2a(torch.empty(sum(rc), x.shape[1], device=x.device, dtype=x.dtype), send_rows, rc, sc,
+                    group=group)
     recv_expert = torch.empty(sum(rc), device=x.device, dtype=torch.int32)
-    dist.all_to_all_single(recv_rows, send_rows, rc, sc, group=group)
     dist.all_to_all_single(recv_expert, send_expert, rc, sc, group=group)
     local_order = torch.argsort(recv_expert.long(), stable=True)
     counts = torch.bincount(recv_expert.long(), minlength=E_local)
     out_sorted = experts_grouped(recv_rows[local_order], counts, layer)
-    out = torch.empty_like(out_sorted)
-    out[local_order] = out_sorted
-    back = torch.empty(sum(sc), x.shape[1], device=x.device, dtype=x.dtype)
-    dist.all_to_all_single(back, out, sc, rc, group=group)
+    out = torch.empty_like(out_sorted).index_copy(0, local_order, out_sorted)
+    back = a2a(torch.empty(sum(sc), x.shape[1], device=x.device, dtype=x.dtype), out, sc, rc, group=group)
     y = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
     y.index_add_(0, order // k, back.float() * weights.reshape(-1)[order, None])
     s = shared_expert(x, layer)
