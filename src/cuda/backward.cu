@@ -189,7 +189,7 @@ static __device__ void dx_tile(const pass_params &p, const uint16_t *dgu, int ro
     float acc[4][4][4];
     tile_mma<false, true>(smem, op, acc);
     tile_stage_bf16(smem, acc);
-    store_tile(smem, rows, p.n_tile_h, out, H, n0);
+    store_tile(smem, rows, p.n_tile_h, out, H, n0, threadIdx.x, CUDA_THREADS);
 }
 
 static __device__ void run_dx(const pass_params &p, const mok_sched_view &v, long long rt, long long nt, uint16_t *smem) {
@@ -422,7 +422,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
         }
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, smem, stream, a->num_tokens)) != MOK_OK)
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, CUDA_THREADS, smem, stream, a->num_tokens)) != MOK_OK)
             return st;
         if (T > 0)
             LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(

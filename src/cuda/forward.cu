@@ -1,7 +1,9 @@
 /* forward.cu — the forward megakernel: one CTA per SM, all co-resident (cooperative launch).
  * CTAs [0, comm) pull-dispatch routed rows from the peers' x into the ring and push-combine
  * finished expert outputs into their owners' per-(token, slot) buffers; the others run the
- * shared expert, then per minibatch the gate/up GEMM with SwiGLU and the down GEMM. Each role
+ * shared expert, then per minibatch the gate/up GEMM with SwiGLU and the down GEMM, on the
+ * warp-specialised wgmma tile (walk_ws.cuh: a producer warpgroup loads, two consumer
+ * warpgroups multiply and run the epilogues). Each role
  * claims its tasks with a ticket, in the order of core/tasks.c (mok__groups_build), and waits
  * only on counters of earlier tasks: deadlock-free as long as all CTAs run at once.
  *
@@ -11,12 +13,12 @@
  * combine row (token, slot) has exactly one writer: the COMBINE of the rank owning the expert. */
 #include <string.h>
 
-#include "pass.cuh"
+#include "walk_ws.cuh"
 
 
 static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &v, long long rt) {
     tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += CUDA_THREADS / 32) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         int peer = v.row_peer[t.row0 + r];
         long long token = v.row_slot[t.row0 + r] / p.topk;
         const uint16_t *src = (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden;
@@ -26,7 +28,7 @@ static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &
 
 static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt) {
     tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += CUDA_THREADS / 32) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         int peer = v.row_peer[t.row0 + r];
         long long slot = v.row_slot[t.row0 + r];
         uint16_t *dst = (uint16_t *)(p.peers[peer] + p.off_comb) + slot * p.hidden;
@@ -35,98 +37,129 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
 }
 
 
-static __device__ void run_gateup(const pass_params &p, const mok_sched_view &v, long long rt, long long nt,
-                                  uint16_t *smem) {
-    tile_info t = row_tile(p, v, rt);
-    const long long n0 = nt * CUDA_N_TILE, H = p.hidden, I = p.inter;
-    tile_operands op = {};
-    op.a = p.ring_x + t.ring0 * H;
-    op.lda = H;
-    op.a_rows = t.nreal;
-    op.b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
-    op.b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
-    op.ldb = H;
-    op.k = H;
-    float acc[4][4][4];
-    tile_mma(smem, op, acc);
-    tile_stage_bf16(smem, acc);
-    swiglu_epilogue(smem, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, n0, p.ring_h + t.ring0 * I, I, p.limit);
+/* The one GEMM of a compute task: gate|up (64 columns of each) or down, routed or shared. */
+static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                               long long nt, int i, tile_operands *op) {
+    if (i > 0) return 0;
+    const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    *op = tile_operands{};
+    op->lda = H;
+    op->ldb = H;
+    op->k = H;
+    switch (grp.kind) {
+    case MOK_TASK_GATEUP: {
+        const tile_info t = row_tile(p, v, rt);
+        const long long n0 = nt * CUDA_N_TILE;
+        op->a = p.ring_x + t.ring0 * H;
+        op->a_rows = t.nreal;
+        op->b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
+        op->b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
+        return 1;
+    }
+    case MOK_TASK_SHARED_UP: {
+        const long long t0 = rt * MOK_ROW_TILE, n0 = nt * CUDA_N_TILE;
+        op->a = p.x + t0 * H;
+        op->a_rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+        op->b_lo = p.s_gate + n0 * H;
+        op->b_hi = p.s_up + n0 * H;
+        return 1;
+    }
+    case MOK_TASK_DOWN: {
+        const tile_info t = row_tile(p, v, rt);
+        if (t.nreal == 0) return 0;
+        op->a = p.ring_h + t.ring0 * I;
+        op->a_rows = t.nreal;
+        op->b_lo = p.w_down + ((long long)t.expert * H + nt * p.n_tile_h) * I;
+        op->lda = op->ldb = op->k = I;
+        break;
+    }
+    case MOK_TASK_SHARED_DOWN: {
+        const long long t0 = rt * MOK_ROW_TILE;
+        op->a = p.sh_h + t0 * Is;
+        op->a_rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+        op->b_lo = p.s_down + nt * p.n_tile_h * Is;
+        op->lda = op->ldb = op->k = Is;
+        break;
+    }
+    default: return 0;
+    }
+    op->b_hi = p.n_tile_h == 128 ? op->b_lo + 64 * op->ldb : nullptr;
+    return 1;
 }
 
-static __device__ void run_down(const pass_params &p, const mok_sched_view &v, long long rt, long long nt,
-                                uint16_t *smem) {
-    tile_info t = row_tile(p, v, rt);
-    if (t.nreal == 0) return;
-    const long long n0 = nt * p.n_tile_h, H = p.hidden, I = p.inter;
-    tile_operands op = {};
-    op.a = p.ring_h + t.ring0 * I;
-    op.lda = I;
-    op.a_rows = t.nreal;
-    op.b_lo = p.w_down + ((long long)t.expert * H + n0) * I;
-    op.b_hi = p.n_tile_h == 128 ? op.b_lo + 64 * I : nullptr;
-    op.ldb = I;
-    op.k = I;
-    float acc[4][4][4];
-    tile_mma(smem, op, acc);
-    tile_stage_bf16(smem, acc);
-    store_tile(smem, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, n0);
+/* Consumers: the tile rounded to bf16 in `c`, then SwiGLU (h, and g|u into the context) or the
+ * plain store of the down projection. */
+static __device__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                    long long rt, long long nt, float (&acc)[WS_ACC], uint16_t *c) {
+    const int tid = threadIdx.x - WS_PRODUCERS;
+    const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    ws_stage_bf16(c, acc);
+    switch (grp.kind) {
+    case MOK_TASK_GATEUP: {
+        const tile_info t = row_tile(p, v, rt);
+        swiglu_epilogue(c, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * CUDA_N_TILE,
+                        p.ring_h + t.ring0 * I, I, p.limit, tid, WS_CONSUMERS);
+        break;
+    }
+    case MOK_TASK_SHARED_UP: {
+        const long long t0 = rt * MOK_ROW_TILE;
+        const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+        swiglu_epilogue(c, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * CUDA_N_TILE, p.sh_h + t0 * Is,
+                        Is, p.limit, tid, WS_CONSUMERS);
+        break;
+    }
+    case MOK_TASK_DOWN: {
+        const tile_info t = row_tile(p, v, rt);
+        store_tile(c, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
+        break;
+    }
+    case MOK_TASK_SHARED_DOWN: {
+        const long long t0 = rt * MOK_ROW_TILE;
+        const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+        store_tile(c, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
+        break;
+    }
+    default: break;
+    }
+    consumer_sync();
 }
 
-static __device__ void run_shared_up(const pass_params &p, long long mt, long long nt, uint16_t *smem) {
-    const long long t0 = mt * MOK_ROW_TILE, n0 = nt * CUDA_N_TILE, H = p.hidden, Is = p.shared_inter;
-    int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-    tile_operands op = {};
-    op.a = p.x + t0 * H;
-    op.lda = H;
-    op.a_rows = rows;
-    op.b_lo = p.s_gate + n0 * H;
-    op.b_hi = p.s_up + n0 * H;
-    op.ldb = H;
-    op.k = H;
-    float acc[4][4][4];
-    tile_mma(smem, op, acc);
-    tile_stage_bf16(smem, acc);
-    swiglu_epilogue(smem, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, n0, p.sh_h + t0 * Is, Is, p.limit);
-}
-
-static __device__ void run_shared_down(const pass_params &p, long long mt, long long nt, uint16_t *smem) {
-    const long long t0 = mt * MOK_ROW_TILE, n0 = nt * p.n_tile_h, H = p.hidden, Is = p.shared_inter;
-    int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-    tile_operands op = {};
-    op.a = p.sh_h + t0 * Is;
-    op.lda = Is;
-    op.a_rows = rows;
-    op.b_lo = p.s_down + n0 * Is;
-    op.b_hi = p.n_tile_h == 128 ? op.b_lo + 64 * Is : nullptr;
-    op.ldb = Is;
-    op.k = Is;
-    float acc[4][4][4];
-    tile_mma(smem, op, acc);
-    tile_stage_bf16(smem, acc);
-    store_tile(smem, rows, p.n_tile_h, p.sh_out + t0 * H, H, n0);
-}
-
-
+/* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised (walk_ws.cuh). */
 struct forward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
                                long long nt, uint16_t *smem) {
         switch (grp.kind) {
         case MOK_TASK_DISPATCH: run_dispatch(p, v, rt); break;
         case MOK_TASK_COMBINE: run_combine(p, v, rt); break;
-        case MOK_TASK_GATEUP: run_gateup(p, v, rt, nt, smem); break;
-        case MOK_TASK_DOWN: run_down(p, v, rt, nt, smem); break;
-        case MOK_TASK_SHARED_UP: run_shared_up(p, rt, nt, smem); break;
-        case MOK_TASK_SHARED_DOWN: run_shared_down(p, rt, nt, smem); break;
         default: break;
         }
     }
 };
 
-__global__ void __launch_bounds__(CUDA_THREADS, 1) forward_kernel(pass_params p) {
-    extern __shared__ __align__(1024) uint16_t smem[];
+struct forward_ws {
+    static constexpr int VARIANTS = 1; /* K-major operands only */
+    static __device__ int gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                               long long nt, int i, tile_operands *op) {
+        return fwd_gemm(p, v, grp, rt, nt, i, op);
+    }
+    static __device__ bool preset(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
+                                  long long, int, float (&)[WS_ACC]) {
+        return false;
+    }
+    static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *c, float *) {
+        fwd_epilogue(p, v, grp, rt, nt, acc, c);
+    }
+    static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
+                                 long long) {}
+};
+
+__global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
     if (*(volatile int *)p.error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    walk_tasks<forward_runner>(p, v, smem);
+    if (blockIdx.x < p.comm_ctas) walk_tasks<forward_runner>(p, v, nullptr);
+    else walk_compute_ws<forward_ws>(p, v, smem_raw, nullptr);
 }
 
 /* y[t] = bf16(shared[t] + sum_j w[t,j] * comb[t,j]) in fp32, in that order; one thread per 8
@@ -166,7 +199,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
     const mok_shape *s = &ws->shape;
     int previous = 0;
     cudaGetDevice(&previous);
-    const size_t smem = pass_smem_bytes();
+    const size_t smem = WS_SMEM_BYTES;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_forward_args *a = &args[lr];
@@ -192,7 +225,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
                                      cudaMemcpyDeviceToDevice, stream));
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, smem, stream, a->num_tokens)) != MOK_OK)
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, WS_THREADS, smem, stream, a->num_tokens)) != MOK_OK)
             return st;
         if (!recompute && a->num_tokens > 0)
             LAUNCH_TRY(forward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(p, a->router_w, (uint16_t *)a->y,

@@ -54,26 +54,27 @@ static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view 
     return t;
 }
 
-/* Waits until counters[c] >= target (thread 0 spins, the CTA then proceeds together). Returns
- * false if the pass was aborted. */
-static __device__ bool wait_counter(const pass_params &p, long long c, long long target, volatile int *s_flag) {
-    if (threadIdx.x == 0) {
-        int ok = 1;
-        if (c >= 0) {
-            long long start = globaltimer_ns();
-            unsigned long long *abort = p.counters + p.counters_cap + 2;
-            while ((long long)ld_acquire_gpu(p.counters + c) < target) {
-                if (*(volatile unsigned long long *)abort) { ok = 0; break; }
-                if (globaltimer_ns() - start > p.timeout_ns) {
-                    atomicCAS(p.error, 0, MOK_KERR_STALL);
-                    atomicExch(abort, 1ull);
-                    ok = 0;
-                    break;
-                }
-            }
+/* One thread: spins until counters[c] >= target (c < 0: no wait). False if the pass was aborted
+ * or the wait outlived the timeout (then it sets MOK_KERR_STALL and the abort flag). */
+static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target) {
+    if (c < 0) return true;
+    long long start = globaltimer_ns();
+    unsigned long long *abort = p.counters + p.counters_cap + 2;
+    while ((long long)ld_acquire_gpu(p.counters + c) < target) {
+        if (*(volatile unsigned long long *)abort) return false;
+        if (globaltimer_ns() - start > p.timeout_ns) {
+            atomicCAS(p.error, 0, MOK_KERR_STALL);
+            atomicExch(abort, 1ull);
+            return false;
         }
-        *s_flag = ok;
     }
+    return true;
+}
+
+/* The CTA waits until counters[c] >= target (thread 0 spins, the CTA then proceeds together).
+ * Returns false if the pass was aborted. */
+static __device__ bool wait_counter(const pass_params &p, long long c, long long target, volatile int *s_flag) {
+    if (threadIdx.x == 0) *s_flag = wait_counter_thread(p, c, target);
     __syncthreads();
     bool ok = *s_flag;
     __syncthreads();
@@ -94,11 +95,12 @@ static __device__ __forceinline__ void copy_row(uint16_t *dst, const uint16_t *s
 }
 
 /* gate|up tile: C[:, 0:64] = g, C[:, 64:128] = u (bf16). Writes g, u into the context rows
- * (padding rows as zeros) and h = bf16(silu(g) * u) into `h_out` for real rows. */
+ * (padding rows as zeros) and h = bf16(silu(g) * u) into `h_out` for real rows. Threads
+ * tid = 0 .. nthreads - 1 share the work (here and in store_tile). */
 static __device__ void swiglu_epilogue(const uint16_t *c, int nreal, long long ctx_row0, long long ctx_rows,
                                        uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
-                                       long long h_ld, float limit) {
-    for (int idx = threadIdx.x; idx < TILE_BM * 8; idx += CUDA_THREADS) {
+                                       long long h_ld, float limit, int tid, int nthreads) {
+    for (int idx = tid; idx < TILE_BM * 8; idx += nthreads) {
         int r = idx >> 3, c8 = (idx & 7) * 8;
         bool real = r < nreal;
         uint16_t gv[8], uv[8], hv[8];
@@ -118,9 +120,10 @@ static __device__ void swiglu_epilogue(const uint16_t *c, int nreal, long long c
     }
 }
 
-static __device__ void store_tile(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld, long long n0) {
+static __device__ void store_tile(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld, long long n0,
+                                  int tid, int nthreads) {
     const int chunks = cols / 8;
-    for (int idx = threadIdx.x; idx < rows * chunks; idx += CUDA_THREADS) {
+    for (int idx = tid; idx < rows * chunks; idx += nthreads) {
         int r = idx / chunks, c8 = (idx % chunks) * 8;
         *(int4 *)(out + r * ld + n0 + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
     }
@@ -170,6 +173,55 @@ static __global__ void groups_kernel(pass_params p) {
     *p.num_groups = n;
 }
 
+/* Where a role's tickets stand in the group list: group g holds tickets [g_first, g_first + g_size). */
+struct task_cursor {
+    long long g, g_first, g_size;
+};
+
+/* Moves the cursor to the group of ticket t (tickets only grow). False past the role's last group. */
+static __device__ bool cursor_seek(const pass_params &p, int role, long long num_groups, task_cursor &c, long long t) {
+    while (t >= c.g_first + c.g_size) {
+        c.g_first += c.g_size;
+        c.g_size = 0;
+        while (++c.g < num_groups && p.groups[c.g].role != role) {
+        }
+        if (c.g >= num_groups) return false;
+        c.g_size = (long long)p.groups[c.g].num_tiles * p.groups[c.g].n_tiles;
+    }
+    return true;
+}
+
+/* Task `local` of a group: its row tile, sub-tile and the counter it waits on first. */
+static __device__ __forceinline__ void task_decode(const mok_task_group &grp, long long local, long long *rt,
+                                                   long long *nt, long long *wait) {
+    *rt = grp.first_tile + local / grp.n_tiles;
+    *nt = local % grp.n_tiles;
+    *wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? *rt - grp.first_tile : 0);
+}
+
+/* One thread, after the task's writes are ordered before it (bar.sync): the trace event, then
+ * the release of the task's done counters. */
+static __device__ void finish_task(const pass_params &p, const mok_task_group &grp, long long rt, int role,
+                                   long long start) {
+    if (p.trace) {
+        unsigned long long n = atomicAdd(p.trace_count, 1ull);
+        if ((long long)n < p.trace_cap) {
+            mok_trace_event e;
+            e.kind = (int16_t)grp.kind;
+            e.worker = (int16_t)blockIdx.x;
+            e.minibatch = grp.minibatch;
+            e.rank = p.rank;
+            e.comm = role == MOK_ROLE_COMM;
+            e.start_ns = start;
+            e.end_ns = globaltimer_ns();
+            p.trace[n] = e;
+        }
+    }
+    __threadfence();
+    if (grp.done[0] >= 0) red_release_gpu(p.counters + grp.done[0] + (grp.done_per_tile ? rt - grp.first_tile : 0), 1ull);
+    if (grp.done[1] >= 0) red_release_gpu(p.counters + grp.done[1], 1ull);
+}
+
 /* The CTA loop: claim a ticket of this CTA's role, find its group and task, wait, run, bump. */
 template <typename Runner>
 static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
@@ -178,49 +230,22 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
     const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
     unsigned long long *ticket = p.counters + p.counters_cap + role;
     const long long num_groups = *p.num_groups;
-    long long g = -1, g_first = 0, g_size = 0; /* current group of this role and its first ticket */
+    task_cursor cur = {-1, 0, 0};
     for (;;) {
         if (threadIdx.x == 0) s_ticket = (long long)atomicAdd(ticket, 1ull);
         __syncthreads();
         const long long t = s_ticket;
         __syncthreads();
-        while (t >= g_first + g_size) {
-            g_first += g_size;
-            g_size = 0;
-            while (++g < num_groups && p.groups[g].role != role) {
-            }
-            if (g >= num_groups) break;
-            g_size = (long long)p.groups[g].num_tiles * p.groups[g].n_tiles;
-        }
-        if (g >= num_groups) break;
-        const mok_task_group grp = p.groups[g];
-        const long long local = t - g_first, rt = grp.first_tile + local / grp.n_tiles, nt = local % grp.n_tiles;
-        const long long wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? rt - grp.first_tile : 0);
+        if (!cursor_seek(p, role, num_groups, cur, t)) break;
+        const mok_task_group grp = p.groups[cur.g];
+        long long rt, nt, wait;
+        task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
         if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
         if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
         const long long start = p.trace ? globaltimer_ns() : 0;
         Runner::run(p, v, grp, rt, nt, smem);
         __syncthreads();
-        if (threadIdx.x == 0 && p.trace) {
-            unsigned long long n = atomicAdd(p.trace_count, 1ull);
-            if ((long long)n < p.trace_cap) {
-                mok_trace_event e;
-                e.kind = (int16_t)grp.kind;
-                e.worker = (int16_t)blockIdx.x;
-                e.minibatch = grp.minibatch;
-                e.rank = p.rank;
-                e.comm = role == MOK_ROLE_COMM;
-                e.start_ns = start;
-                e.end_ns = globaltimer_ns();
-                p.trace[n] = e;
-            }
-        }
-        if (threadIdx.x == 0) {
-            __threadfence();
-            if (grp.done[0] >= 0)
-                red_release_gpu(p.counters + grp.done[0] + (grp.done_per_tile ? rt - grp.first_tile : 0), 1ull);
-            if (grp.done[1] >= 0) red_release_gpu(p.counters + grp.done[1], 1ull);
-        }
+        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start);
     }
 }
 
@@ -281,14 +306,14 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
  * barrier (every rank's inputs are in place; publishes T), fresh counters, the group list, the
  * megakernel on every SM at once, barrier (every push into this rank has landed). */
 static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
-                              size_t smem, cudaStream_t stream, int64_t num_tokens) {
+                              int threads, size_t smem, cudaStream_t stream, int64_t num_tokens) {
     mok_status st = mok__cuda_barrier(ws, lr, stream, num_tokens);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
     if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
     LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(*p));
     void *kargs[] = {p};
-    CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(CUDA_THREADS), kargs, smem, stream));
+    CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(threads), kargs, smem, stream));
     return mok__cuda_barrier(ws, lr, stream, -1);
 }
 

@@ -1,0 +1,172 @@
+/* walk_ws.cuh — the compute CTAs' task loop in warp-specialised form (WS_THREADS threads): the
+ * producer warpgroup claims the role's tickets, waits on their counters and streams each task's
+ * GEMM operands into the stage ring (wgmma_tile.cuh); the two consumer warpgroups run the GEMMs
+ * and the epilogues, then bump the done counters. The producer is already loading the next task
+ * while the consumers finish this one, so short-K tiles no longer start cold.
+ *
+ * A Runner says what a compute task is, and both sides ask it the same questions:
+ *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
+ *   gemm(p, v, grp, rt, nt, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
+ *                                    GEMMs 0, 1, ... run in order
+ *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: true if it filled acc with
+ *                                      starting values (else the GEMM starts from zero)
+ *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; returns with
+ *                                      the consumers synchronised and `staging` free again
+ *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
+ *
+ * NOTE (queue): tasks pass from producer to consumers through a 2-entry queue in shared memory:
+ * qfull[q] (count 1, producer thread 0 arrives after writing entry q), qempty[q] (count 1,
+ * consumer thread 0 arrives once every consumer has read it). A producer holds at most the
+ * queued tasks beyond the one running; it claims tickets in increasing order and posts a task
+ * only after its counter waits pass, and every stage a posted task needs is loaded before the
+ * next ticket is claimed, so the pass stays deadlock-free with every CTA resident. */
+#ifndef MOK_CUDA_WALK_WS_CUH
+#define MOK_CUDA_WALK_WS_CUH
+
+#include "pass.cuh"
+#include "wgmma_tile.cuh"
+
+struct ws_task {
+    long long g, rt, nt;
+    long long stop;
+};
+
+/* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base. */
+#define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
+#define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
+#define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES)
+#define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4))
+#define WS_SMEM_BYTES (1024 + WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
+
+template <typename Runner, bool A_MN, bool B_MN>
+static __device__ __forceinline__ bool ws_variant_used(int variant) {
+    return variant == (A_MN ? 2 : 0) + (B_MN ? 1 : 0) && ((Runner::VARIANTS >> variant) & 1);
+}
+
+template <typename Runner>
+static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &op, int tid) {
+    if (ws_variant_used<Runner, false, false>(variant)) ws_produce_gemm<false, false>(r, op, tid);
+    else if (ws_variant_used<Runner, false, true>(variant)) ws_produce_gemm<false, true>(r, op, tid);
+    else if (ws_variant_used<Runner, true, false>(variant)) ws_produce_gemm<true, false>(r, op, tid);
+    else if (ws_variant_used<Runner, true, true>(variant)) ws_produce_gemm<true, true>(r, op, tid);
+}
+
+template <typename Runner>
+static __device__ void ws_consume(ws_ring &r, int variant, const tile_operands &op, float (&acc)[WS_ACC], bool preset) {
+    if (ws_variant_used<Runner, false, false>(variant)) ws_consume_gemm<false, false>(r, op, acc, preset);
+    else if (ws_variant_used<Runner, false, true>(variant)) ws_consume_gemm<false, true>(r, op, acc, preset);
+    else if (ws_variant_used<Runner, true, false>(variant)) ws_consume_gemm<true, false>(r, op, acc, preset);
+    else if (ws_variant_used<Runner, true, true>(variant)) ws_consume_gemm<true, true>(r, op, acc, preset);
+}
+
+template <typename Runner>
+static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, uint32_t qfull,
+                                        uint32_t qempty, volatile ws_task *queue) {
+    const int tid = threadIdx.x;
+    unsigned long long *ticket = p.counters + p.counters_cap + MOK_ROLE_COMPUTE;
+    const long long num_groups = *p.num_groups;
+    task_cursor cur = {-1, 0, 0};
+    for (long long n = 0;; ++n) {
+        const int q = (int)(n & 1);
+        if (tid == 0) {
+            long long g = 0, rt = 0, nt = 0, stop = 1;
+            const long long t = (long long)atomicAdd(ticket, 1ull);
+            if (cursor_seek(p, MOK_ROLE_COMPUTE, num_groups, cur, t)) {
+                const mok_task_group grp = p.groups[cur.g];
+                long long wait;
+                task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
+                g = cur.g;
+                stop = !(wait_counter_thread(p, wait, grp.target[0]) && wait_counter_thread(p, grp.wait[1], grp.target[1]));
+            }
+            mbar_wait(qempty + 8 * q, (uint32_t)((n >> 1) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
+            queue[q].g = g;
+            queue[q].rt = rt;
+            queue[q].nt = nt;
+            queue[q].stop = stop;
+            mbar_arrive(qfull + 8 * q);
+        }
+        producer_sync();
+        if (queue[q].stop) break;
+        const mok_task_group grp = p.groups[queue[q].g];
+        const long long rt = queue[q].rt, nt = queue[q].nt;
+        for (int i = 0;; ++i) {
+            tile_operands op;
+            const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
+            if (!kind) break;
+            ws_produce<Runner>(r, kind - 1, op, tid);
+        }
+    }
+    cp_async_wait<0>();
+}
+
+template <typename Runner>
+static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, uint32_t qfull,
+                                        uint32_t qempty, volatile ws_task *queue, uint16_t *staging, float *red) {
+    __shared__ int s_stop;
+    const int ctid = threadIdx.x - WS_PRODUCERS;
+    float acc[WS_ACC];
+    for (long long n = 0;; ++n) {
+        const int q = (int)(n & 1);
+        if (ctid == 0) {
+            mbar_wait(qfull + 8 * q, (uint32_t)((n >> 1) & 1), r.abort, r.error, r.timeout_ns);
+            s_stop = queue[q].stop || *(volatile unsigned long long *)r.abort;
+        }
+        consumer_sync();
+        if (s_stop) break;
+        const mok_task_group grp = p.groups[queue[q].g];
+        const long long rt = queue[q].rt, nt = queue[q].nt;
+        const long long start = p.trace ? globaltimer_ns() : 0;
+        for (int i = 0;; ++i) {
+            tile_operands op;
+            const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
+            if (!kind) break;
+            const bool preset = Runner::preset(p, v, grp, rt, nt, i, acc);
+            ws_consume<Runner>(r, kind - 1, op, acc, preset);
+            Runner::epilogue(p, v, grp, rt, nt, i, acc, staging, red);
+        }
+        Runner::plain(p, v, grp, rt, nt);
+        consumer_sync();
+        if (ctid == 0) {
+            mbar_arrive(qempty + 8 * q);
+            finish_task(p, grp, rt, MOK_ROLE_COMPUTE, start);
+        }
+    }
+}
+
+/* The compute CTA: set up the ring and the queue, then split into producer and consumers. */
+template <typename Runner>
+static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red) {
+    const uint32_t raw = smem_addr(smem_raw);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    uint8_t *aligned = smem_raw + (base - raw);
+    ws_ring r;
+    r.stages = base;
+    r.full = base + WS_BAR_OFF;
+    r.empty = r.full + 8 * WS_STAGES;
+    r.stage = 0;
+    r.phase = 0;
+    r.abort = p.counters + p.counters_cap + 2;
+    r.error = p.error;
+    r.timeout_ns = p.timeout_ns;
+    const uint32_t qfull = r.empty + 8 * WS_STAGES, qempty = qfull + 16;
+    volatile ws_task *queue = (volatile ws_task *)(aligned + WS_QUEUE_OFF);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < WS_STAGES; ++s) {
+            mbar_init(r.full + 8 * s, WS_PRODUCERS);
+            mbar_init(r.empty + 8 * s, WS_CONSUMERS / 32);
+        }
+        for (int q = 0; q < 2; ++q) {
+            mbar_init(qfull + 8 * q, 1);
+            mbar_init(qempty + 8 * q, 1);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the roles part here */
+    /* The warpgroup index through a shuffle: the compiler then knows the branch is warp-uniform and
+       keeps the consumers' wgmmas asynchronous. */
+    const int warpgroup = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
+    if (warpgroup == 0) ws_producer_loop<Runner>(p, v, r, qfull, qempty, queue);
+    else ws_consumer_loop<Runner>(p, v, r, qfull, qempty, queue, (uint16_t *)(aligned + WS_STAGING_OFF), red);
+}
+
+#endif

@@ -1,0 +1,259 @@
+/* wgmma_tile.cuh — the warpgroup GEMM tile of the cuda backend (sm_90a): a ring of shared-memory
+ * stages that a producer warpgroup fills with cp.async and two consumer warpgroups read with
+ * wgmma. C[128 x 128] (+)= A[128 x K] · B[K x 128] in fp32, on the operands of mma_tile.cuh
+ * (tile_operands: K-major or M/N-major, rows past a_rows, n_valid and k_valid read as zeros).
+ *
+ * Stage s: A at stages + s * WS_STAGE_BYTES (16 KB), B the 16 KB after it. Each holds two
+ * 8 KB halves of 128-byte rows in the 128B swizzle (16-byte chunk ^ row % 8), 1024-byte aligned:
+ * the canonical layouts that wgmma's shared-memory descriptors name.
+ *   K-major half:  64 rows (m or n) of 64 k; 8-row groups 1024 B apart (SBO); +16 k = +32 B.
+ *   MN-major half: 64 k rows of 64 m (or n); 8-k groups 1024 B apart (SBO), the second 64-wide
+ *                  half 8 KB further (LBO); +16 k = +2048 B. wgmma reads it with imm-trans = 1.
+ * Consumer warpgroup c owns rows 64c .. 64c + 63 of C, i.e. A's half c.
+ *
+ * NOTE (ring protocol): full[s] counts the 128 producer threads, each arriving through
+ * cp.async.mbarrier.arrive.noinc once its copies into stage s have landed; empty[s] counts the 8
+ * consumer warps, each arriving (lane 0) once wgmma.wait_group shows the wgmmas that read stage
+ * s complete. Both sides walk the stages in one order, the phase bit flipping at each wrap; the
+ * producer waits on empty with the opposite parity (a fresh barrier passes at once). cp.async
+ * writes are generic-proxy writes and wgmma reads through the async proxy, so consumers fence
+ * the proxies after each full wait.
+ *
+ * NOTE (faults): every mbarrier wait is bounded. A wait that outlives the pass's timeout sets
+ * MOK_KERR_STALL and the abort flag; once the flag is up every wait returns at once, so all
+ * threads keep one instruction stream (wgmma is warpgroup-collective) and the kernel ends. */
+#ifndef MOK_CUDA_WGMMA_TILE_CUH
+#define MOK_CUDA_WGMMA_TILE_CUH
+
+#include "mma_tile.cuh"
+
+#define WS_STAGES 5
+#define WS_HALF_BYTES (64 * 128)
+#define WS_A_BYTES (TILE_BM * TILE_BK * 2)
+#define WS_STAGE_BYTES (WS_A_BYTES + TILE_BN * TILE_BK * 2)
+#define WS_PRODUCERS 128
+#define WS_CONSUMERS 256
+#define WS_THREADS (WS_PRODUCERS + WS_CONSUMERS)
+#define WS_ACC 64 /* fp32 accumulators per consumer thread: m64n128 */
+
+/* ---- mbarrier and proxy primitives ---------------------------------------------------------- */
+static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+/* Arrives on `bar` when every cp.async this thread issued so far has landed. */
+static __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+static __device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+/* Named barriers: 1 for the consumer warpgroups, 2 for the producer warpgroup. */
+static __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(WS_CONSUMERS) : "memory"); }
+static __device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(WS_PRODUCERS) : "memory"); }
+
+/* Waits for the phase of `bar` with this parity, bounded (see the NOTE on faults). */
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, unsigned long long *abort, int *error,
+                                                 long long timeout_ns) {
+    if (mbar_try_wait(bar, parity)) return;
+    long long start = globaltimer_ns();
+    for (unsigned spins = 1;; ++spins) {
+        if (mbar_try_wait(bar, parity)) return;
+        if ((spins & 255) == 0) {
+            if (*(volatile unsigned long long *)abort) return;
+            if (globaltimer_ns() - start > timeout_ns) {
+                atomicCAS(error, 0, MOK_KERR_STALL);
+                atomicExch(abort, 1ull);
+                return;
+            }
+        }
+    }
+}
+
+/* ---- wgmma -------------------------------------------------------------------------------- */
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+/* Keeps the compiler from moving accumulator accesses across the asynchronous region. */
+static __device__ __forceinline__ void pin_acc(float (&acc)[WS_ACC]) {
+#pragma unroll
+    for (int i = 0; i < WS_ACC; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+/* Descriptor of a 128B-swizzled operand half at `addr` (1024-byte aligned atoms, base offset 0). */
+static __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+/* D[64 x 128] (+)= A[64 x 16] · B[16 x 128], both from shared memory. */
+template <int TA, int TB>
+static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[WS_ACC], uint64_t da, uint64_t db, int scale_d) {
+#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                "+f"(d[i + 6]), "+f"(d[i + 7])
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
+        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB)
+        : "memory");
+#undef ACC8
+}
+
+/* ---- the ring ----------------------------------------------------------------------------- */
+struct ws_ring {
+    uint32_t stages; /* shared address of stage 0, 1024-byte aligned */
+    uint32_t full, empty; /* WS_STAGES mbarriers each */
+    int stage;
+    uint32_t phase;
+    unsigned long long *abort;
+    int *error;
+    long long timeout_ns;
+};
+
+static __device__ __forceinline__ void ring_advance(ws_ring &r) {
+    if (++r.stage == WS_STAGES) {
+        r.stage = 0;
+        r.phase ^= 1;
+    }
+}
+
+static __device__ __forceinline__ int ws_ktiles(const tile_operands &op) { return (int)((op.k + TILE_BK - 1) / TILE_BK); }
+
+/* Producer, one stage: 128 threads (tid) copy A and B's 64-k slice at k0 (mma_tile.cuh's layout). */
+template <bool A_MN, bool B_MN>
+static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile_operands &op, long long k0, int tid) {
+    const uint32_t b_base = a_base + WS_A_BYTES;
+    if (A_MN) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int idx = tid + i * WS_PRODUCERS, krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
+            long long k = k0 + krow;
+            bool valid = k < op.k_valid && half * 64 < op.a_rows;
+            const uint16_t *src = valid ? op.a + k * op.lda + half * 64 + chunk * 8 : op.a;
+            cp_async_16(a_base + half * WS_HALF_BYTES + swizzle(krow, chunk), src, valid);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int idx = tid + i * WS_PRODUCERS, row = idx >> 3, chunk = idx & 7;
+            bool valid = row < op.a_rows;
+            const uint16_t *src = op.a + (valid ? row * op.lda : 0) + k0 + chunk * 8;
+            cp_async_16(a_base + swizzle(row, chunk), src, valid);
+        }
+    }
+    if (B_MN) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int idx = tid + i * WS_PRODUCERS, krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
+            long long k = k0 + krow;
+            bool valid = k < op.k_valid && half * 64 < op.n_valid;
+            const uint16_t *src = op.b_lo;
+            if (valid) src = (k < op.k_split ? op.b_lo + k * op.ldb : op.b_hi + (k - op.k_split) * op.ldb) + half * 64 + chunk * 8;
+            cp_async_16(b_base + half * WS_HALF_BYTES + swizzle(krow, chunk), src, valid);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int idx = tid + i * WS_PRODUCERS, row = idx >> 3, chunk = idx & 7;
+            const uint16_t *half = row < 64 ? op.b_lo : op.b_hi;
+            bool valid = half != nullptr;
+            const uint16_t *src = valid ? half + (long long)(row & 63) * op.ldb + k0 + chunk * 8 : op.b_lo;
+            cp_async_16(b_base + swizzle(row, chunk), src, valid);
+        }
+    }
+}
+
+/* Producer: every stage of one GEMM, in ring order. */
+template <bool A_MN, bool B_MN>
+static __device__ void ws_produce_gemm(ws_ring &r, const tile_operands &op, int tid) {
+    const int ktiles = ws_ktiles(op);
+    for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
+        ws_load_stage<A_MN, B_MN>(r.stages + r.stage * WS_STAGE_BYTES, op, (long long)kt * TILE_BK, tid);
+        cp_async_arrive(r.full + 8 * r.stage);
+        ring_advance(r);
+    }
+}
+
+/* Consumer: acc (+)= the GEMM's product over its stages. `preset`: acc already holds the
+ * starting values (else the first wgmma overwrites it). A GEMM with k = 0 must come preset.
+ * NOTE: no accumulator write outside the wgmmas here: one (a zero fill for k = 0) makes the
+ * compiler wait on every wgmma group before the next (ptxas C7517). */
+template <bool A_MN, bool B_MN>
+static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, float (&acc)[WS_ACC], bool preset) {
+    const int ktiles = ws_ktiles(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
+
+    const uint32_t a_lbo = A_MN ? WS_HALF_BYTES : 16, b_lbo = B_MN ? WS_HALF_BYTES : 16;
+    const uint32_t k16 = A_MN ? 2048 : 32, k16b = B_MN ? 2048 : 32;
+    int prev = 0;
+    for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
+        __syncwarp();
+        fence_proxy_async();
+        const uint32_t a = r.stages + r.stage * WS_STAGE_BYTES, b = a + WS_A_BYTES;
+        const uint32_t a_half = a + consumer * WS_HALF_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < TILE_BK / 16; ++k)
+            wgmma_m64n128k16<A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, smem_desc(a_half + k * k16, a_lbo),
+                                                         smem_desc(b + k * k16b, b_lbo), preset || (kt | k) != 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (kt > 0 && lane == 0) mbar_arrive(r.empty + 8 * prev);
+        prev = r.stage;
+        ring_advance(r);
+    }
+    wgmma_wait<0>();
+    pin_acc(acc);
+    if (lane == 0) mbar_arrive(r.empty + 8 * prev);
+}
+
+/* Position of accumulator register i of this consumer thread in the 128 x 128 tile. */
+static __device__ __forceinline__ void ws_acc_position(int i, int *row, int *col) {
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
+    *row = (t >> 5) * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+    *col = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+}
+
+/* Rounds the accumulators to bf16 into the staging tile c[128][TILE_C_LD], then syncs the
+ * consumers. */
+static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&acc)[WS_ACC]) {
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
+    const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < WS_ACC / 4; ++j) {
+        uint32_t lo = (uint32_t)mok__bf16_from_f32(acc[4 * j]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 1]) << 16);
+        uint32_t hi = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 3]) << 16);
+        *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = lo;
+        *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = hi;
+    }
+    consumer_sync();
+}
+
+#endif
