@@ -155,12 +155,61 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
     return row
 
 
+def kind_flops(layer, experts, tokens, ranks):
+    """FLOPs of each GEMM kind over a whole pass on one rank (routed rows: tokens * topk per rank on
+    average), to turn a trace's busy time per kind into TFLOP/s per SM."""
+    H, I, Is, k = layer["hidden"], layer["inter"], layer["shared"], layer["topk"]
+    rows = tokens * k
+    return {"gateup": 2 * rows * H * 2 * I, "down": 2 * rows * I * H, "shared_up": 2 * tokens * H * 2 * Is,
+            "shared_down": 2 * tokens * Is * H, "dh": 2 * rows * H * I, "dx": 2 * rows * 2 * I * H,
+            "wgrad": 2 * rows * 3 * I * H, "shared_dh": 2 * tokens * H * Is, "shared_dx": 2 * tokens * 2 * Is * H,
+            "shared_wgrad": 2 * tokens * 3 * Is * H}
+
+
+def trace_case(group, ranks, name, experts, tokens, skew, config, out):
+    """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each."""
+    import timeline
+
+    layer = LAYERS[name]
+    inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
+    run = MokRun(group, layer, experts, tokens, inputs, config)
+    flops = kind_flops(layer, experts, tokens, ranks)
+    try:
+        for phase, fn in (("fwd", run.forward), ("bwd", run.backward)):
+            fn()
+            if not SMOKE:
+                for r in range(ranks):
+                    torch.cuda.synchronize(r)
+            path = os.path.join(out, f"trace_{name}_ep{ranks}_skew{skew}_{phase}.json")
+            run.ws.trace_write(path)
+            ev = timeline.load(path)
+            timeline.draw(ev, path[:-5] + ".png", title=f"{name}, EP{ranks}, {tokens} tokens/GPU: {phase}")
+            span = (max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)) / 1e3
+            print(f"trace {name} EP{ranks} skew {skew} {phase}: span {span:.3f} ms", flush=True)
+            per = {}
+            for e in ev:
+                if e["pid"] != 0:
+                    continue
+                c = per.setdefault(e["name"], [0, 0.0, e["cat"]])
+                c[0] += 1
+                c[1] += e["dur"] / 1e3
+            for kind, (n, busy, cat) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+                tf = f"{flops[kind] / (busy * 1e-3) / 1e12:6.2f} TFLOP/s per busy SM" if kind in flops else ""
+                print(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  {tf}",
+                      flush=True)
+    finally:
+        run.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="build/bench")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--trace", action="store_true",
+                    help="per case, trace one forward and one backward (Config(trace=True)): JSON, a Gantt PNG "
+                         "and a per-kind summary (task count, busy time, TFLOP/s of the GEMM kinds)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
@@ -181,6 +230,9 @@ def main():
         row["wall_s"] = time.time() - t0
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if a.trace:
+        for name, experts, tokens, skew in cases:
+            trace_case(group, a.ranks, name, experts, tokens, skew, base.replace(trace=True), a.out)
     sweeps = []
     if not a.no_sweep:
         grid = [(case, comm, mb) for case in cases[:1] + cases[-1:] for comm in (4, 8, 16, 32) for mb in (512, 1024, 2048)]

@@ -15,12 +15,12 @@
  * and the weight gradients of its previous occupant. One CTA owns a weight-gradient tile for a
  * macrobatch and carries the fp32 accumulator to the next one through the caller's fp32 buffer
  * (accumulate) or a carry slot, so sums run over an expert's rows in schedule order. */
-#include "pass.cuh"
+#include "walk_ws.cuh"
 
 static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt) {
     tile_info t = row_tile(p, v, rt);
     const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += CUDA_THREADS / 32) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r], token = slot / p.topk, ring = t.ring0 + r;
         const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
@@ -45,7 +45,7 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
 static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt) {
     tile_info t = row_tile(p, v, rt);
     const long long nI = p.inter / p.n_tile;
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += CUDA_THREADS / 32) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r], ring = t.ring0 + r;
         copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
@@ -57,60 +57,42 @@ static __device__ void run_push(const pass_params &p, const mok_sched_view &v, l
     }
 }
 
-/* g|u of a row tile for columns [n0, n0 + 64) of I, exactly as the forward's GATEUP computes
- * them, into `out` ([rows][2I] bf16). */
-static __device__ void replay_gateup(const pass_params &p, const tile_info &t, long long n0, uint16_t *out,
-                                     uint16_t *smem) {
-    const long long H = p.hidden, I = p.inter;
-    tile_operands op = {};
-    op.a = p.ring_x + t.ring0 * H;
-    op.lda = H;
-    op.a_rows = t.nreal;
-    op.b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
-    op.b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
-    op.ldb = H;
-    op.k = H;
-    float acc[4][4][4];
-    tile_mma(smem, op, acc);
-    tile_stage_bf16(smem, acc);
-    for (int idx = threadIdx.x; idx < t.nreal * 16; idx += CUDA_THREADS) {
-        int r = idx >> 4, c8 = (idx & 15) * 8;
-        uint16_t *dst = out + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
-        *(int4 *)dst = *(const int4 *)(smem + r * TILE_C_LD + c8);
-    }
-    __syncthreads();
+/* ---- compute tasks (consumer side of walk_ws.cuh) ------------------------------------------ */
+
+static __device__ __forceinline__ int token_rows(const pass_params &p, long long t0) {
+    return (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
 }
 
-/* The SwiGLU backward epilogue of a dh tile (fp32 in acc, columns [n0, n0 + n_valid) of the
- * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns
- * (rdot, may be NULL), dh = w · dh0 (w NULL: 1), dg|du. */
-static __device__ void swiglu_backward_epilogue(const float (&acc)[4][4][4], int rows, int n_valid, const uint16_t *gu,
+/* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
+ * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
+ * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. The partial sums a thread's columns in order, then
+ * the 4 lanes of the row (xor 1, then 2): a fixed order. */
+static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
-                                                long long dgu_ld, float *rdot, long long rdot_ld, float *red) {
-    float row_dot[4][2];
+                                                long long dgu_ld, float *rdot, long long rdot_ld) {
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
+    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi) row_dot[mi][0] = row_dot[mi][1] = 0.0f;
+    for (int half = 0; half < 2; ++half) {
+        const int row = row0 + 8 * half;
+        float dot = 0.0f;
+        if (row < rows) {
+            const float wr = w ? w[row] : 1.0f;
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int row, col;
-                acc_position(mi, ni, 2 * half, &row, &col);
-                if (row >= rows || col >= n_valid) continue;
+            for (int j = 0; j < WS_ACC / 4; ++j) {
+                const int col = 8 * j + col0;
+                if (col >= n_valid) continue;
                 const uint16_t *gp = gu + row * gu_ld + n0 + col;
                 uint32_t gpair = *(const uint32_t *)gp, upair = *(const uint32_t *)(gp + inter);
-                const float wr = w ? w[row] : 1.0f;
                 uint16_t hb[2], dgb[2], dub[2];
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * c)));
                     float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * c)));
-                    float dh0 = acc[mi][ni][2 * half + c];
+                    float dh0 = acc[4 * j + 2 * half + c];
                     hb[c] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
-                    row_dot[mi][half] += dh0 * mok__bf16_to_f32(hb[c]);
+                    dot += dh0 * mok__bf16_to_f32(hb[c]);
                     float dg, du;
                     mok__swiglu_backward(wr * dh0, g, u, limit, &dg, &du);
                     dgb[c] = mok__bf16_from_f32(dg);
@@ -120,120 +102,36 @@ static __device__ void swiglu_backward_epilogue(const float (&acc)[4][4][4], int
                 *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
                 *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
             }
-    if (!rdot) return;
-    /* Fixed-order reduction: the 4 lanes of a row (xor 1 then 2), then the 4 warps across the
-       tile's columns in order. */
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float v = row_dot[mi][half];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if ((lane & 3) == 0) {
-                int row = (warp >> 2) * 64 + mi * 16 + (lane >> 2) + 8 * half;
-                red[(warp & 3) * TILE_BM + row] = v;
-            }
         }
-    __syncthreads();
-    for (int row = threadIdx.x; row < rows; row += CUDA_THREADS)
-        rdot[row * rdot_ld] = ((red[row] + red[TILE_BM + row]) + red[2 * TILE_BM + row]) + red[3 * TILE_BM + row];
-    __syncthreads();
-}
-
-static __device__ void run_dh(const pass_params &p, const mok_sched_view &v, long long rt, long long nt,
-                              uint16_t *smem, float *red) {
-    tile_info t = row_tile(p, v, rt);
-    if (t.nreal == 0) return;
-    const long long H = p.hidden, I = p.inter, n0 = nt * p.n_tile;
-    const uint16_t *gu;
-    if (t.row0 < p.context_rows) {
-        gu = p.context + t.row0 * 2 * I;
-    } else {
-        for (int half = 0; half < p.n_tile / 64; ++half) replay_gateup(p, t, n0 + half * 64, p.ring_gu + t.ring0 * 2 * I, smem);
-        gu = p.ring_gu + t.ring0 * 2 * I;
+        if (rdot) {
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+            if ((lane & 3) == 0 && row < rows) rdot[row * rdot_ld] = dot;
+        }
     }
-    tile_operands op = {};
-    op.a = p.ring_dy + t.ring0 * H;
-    op.lda = H;
-    op.a_rows = t.nreal;
-    op.b_lo = p.w_down + (long long)t.expert * H * I + n0;
-    op.ldb = I;
-    op.n_valid = p.n_tile;
-    op.k_split = 1ll << 62;
-    op.k = H;
-    op.k_valid = H;
-    float acc[4][4][4];
-    tile_mma<false, true>(smem, op, acc);
-    swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, n0, p.ring_w + t.ring0, p.limit,
-                             p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
-                             p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, red);
 }
 
-/* dx part = dg · W_gate + du · W_up for columns [n0, n0 + n_tile_h) of H. */
-static __device__ void dx_tile(const pass_params &p, const uint16_t *dgu, int rows, long long inter,
-                               const uint16_t *w_gate, const uint16_t *w_up, long long n0, uint16_t *out, uint16_t *smem) {
-    const long long H = p.hidden;
-    tile_operands op = {};
-    op.a = dgu;
-    op.lda = 2 * inter;
-    op.a_rows = rows;
-    op.b_lo = w_gate + n0;
-    op.b_hi = w_up + n0;
-    op.ldb = H;
-    op.n_valid = p.n_tile_h;
-    op.k_split = inter;
-    op.k = 2 * inter;
-    op.k_valid = 2 * inter;
-    float acc[4][4][4];
-    tile_mma<false, true>(smem, op, acc);
-    tile_stage_bf16(smem, acc);
-    store_tile(smem, rows, p.n_tile_h, out, H, n0, threadIdx.x, CUDA_THREADS);
-}
+/* A weight-gradient tile: out = init + A^T B over `rows` rows (A M-major, B N-major), where the
+ * fp32 init comes from the caller's buffer (accumulate) or the carry slot, and the result goes to
+ * the carry slot (the expert continues in the next macrobatch) or the destination. */
+struct wgrad_job {
+    tile_operands op;
+    const float *init;
+    float *carry_out;
+    char *dest;
+    int dest_f32, m_valid, n_valid;
+    long long ld;
+};
 
-static __device__ void run_dx(const pass_params &p, const mok_sched_view &v, long long rt, long long nt, uint16_t *smem) {
-    tile_info t = row_tile(p, v, rt);
-    if (t.nreal == 0) return;
-    const long long H = p.hidden, I = p.inter;
-    dx_tile(p, p.ring_dgu + t.ring0 * 2 * I, t.nreal, I, p.w_gate + (long long)t.expert * I * H,
-            p.w_up + (long long)t.expert * I * H, nt * p.n_tile_h, p.ring_y + t.ring0 * H, smem);
-}
-
-static __device__ void run_shared_dh(const pass_params &p, long long mt, long long nt, uint16_t *smem, float *red) {
-    const long long H = p.hidden, Is = p.shared_inter, t0 = mt * MOK_ROW_TILE, n0 = nt * p.n_tile;
-    const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-    tile_operands op = {};
-    op.a = p.dy + t0 * H;
-    op.lda = H;
-    op.a_rows = rows;
-    op.b_lo = p.s_down + n0;
-    op.ldb = Is;
-    op.n_valid = p.n_tile;
-    op.k_split = 1ll << 62;
-    op.k = H;
-    op.k_valid = H;
-    float acc[4][4][4];
-    tile_mma<false, true>(smem, op, acc);
-    swiglu_backward_epilogue(acc, rows, p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is, n0, nullptr, p.limit,
-                             p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is, nullptr, 0, red);
-}
-
-static __device__ void run_shared_dx(const pass_params &p, long long mt, long long nt, uint16_t *smem) {
-    const long long H = p.hidden, Is = p.shared_inter, t0 = mt * MOK_ROW_TILE;
-    const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-    dx_tile(p, p.sh_dgu + t0 * 2 * Is, rows, Is, p.s_gate, p.s_up, nt * p.n_tile_h, p.sh_out + t0 * H, smem);
-}
-
-/* One weight-gradient tile over `rows` rows: out = init + A^T B (A M-major, B N-major). */
-static __device__ void wgrad_tile(const pass_params &p, int matrix, long long inter, long long i, long long j,
-                                  const uint16_t *dgu, const uint16_t *x, const uint16_t *dyw, const uint16_t *h,
-                                  long long rows, const float *init, float *carry_out, void *dest_tile, int dest_f32,
-                                  long long ld, uint16_t *smem) {
+static __device__ void wgrad_operands(const pass_params &p, int matrix, long long inter, long long i, long long j,
+                                      const uint16_t *dgu, const uint16_t *x, const uint16_t *dyw, const uint16_t *h,
+                                      long long rows, wgrad_job *w) {
     const long long H = p.hidden, m0 = i * CUDA_WGRAD_TILE, c0 = j * CUDA_WGRAD_TILE;
     const long long mdim = matrix == MOK_WGRAD_DOWN ? H : inter, ndim = matrix == MOK_WGRAD_DOWN ? inter : H;
-    const int m_valid = (int)(mdim - m0 < 128 ? mdim - m0 : 128), n_valid = (int)(ndim - c0 < 128 ? ndim - c0 : 128);
-    tile_operands op = {};
+    w->m_valid = (int)(mdim - m0 < 128 ? mdim - m0 : 128);
+    w->n_valid = (int)(ndim - c0 < 128 ? ndim - c0 : 128);
+    tile_operands &op = w->op;
+    op = tile_operands{};
     if (matrix == MOK_WGRAD_DOWN) {
         op.a = dyw + m0;
         op.lda = H;
@@ -245,107 +143,264 @@ static __device__ void wgrad_tile(const pass_params &p, int matrix, long long in
         op.b_lo = x + c0;
         op.ldb = H;
     }
-    op.a_rows = m_valid;
-    op.n_valid = n_valid;
+    op.a_rows = w->m_valid;
+    op.n_valid = w->n_valid;
     op.k_split = 1ll << 62;
     op.k = rows;
     op.k_valid = rows;
-    float acc[4][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int row, col;
-                acc_position(mi, ni, r, &row, &col);
-                acc[mi][ni][r] = (init && row < m_valid && col < n_valid) ? init[row * ld + col] : 0.0f;
-            }
-    if (rows > 0) tile_mma_acc<true, true>(smem, op, acc);
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int row, col;
-                acc_position(mi, ni, r, &row, &col);
-                if (row >= m_valid || col >= n_valid) continue;
-                if (carry_out) carry_out[row * ld + col] = acc[mi][ni][r];
-                else if (dest_f32) ((float *)dest_tile)[row * ld + col] = acc[mi][ni][r];
-                else ((uint16_t *)dest_tile)[row * ld + col] = mok__bf16_from_f32(acc[mi][ni][r]);
-            }
 }
 
-static __device__ void run_wgrad(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long t,
-                                 uint16_t *smem) {
-    mok_plan plan;
-    make_plan(p, v, &plan);
-    const int e = grp.first_tile;
-    const long long H = p.hidden, I = p.inter, mat_elems = I * H;
-    int64_t first, end, i, j;
-    int matrix;
-    mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
-    mok__wgrad_tile(&plan, I, t, &matrix, &i, &j);
-    const long long ld = matrix == MOK_WGRAD_DOWN ? I : H, ring0 = first % p.ring_rows;
-    const long long offset = i * CUDA_WGRAD_TILE * ld + j * CUDA_WGRAD_TILE;
-    const long long start = v.expert_start[e];
-    const bool began_before = first > start, continues = start + v.expert_rows[e] > end;
-    float *carry = p.carry + (start / p.ring_rows) * 3 * mat_elems + matrix * mat_elems + offset;
-    char *dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
-    const float *init = p.accumulate ? (const float *)dest : began_before ? carry : nullptr;
-    float *carry_out = (!p.accumulate && continues) ? carry : nullptr;
-    wgrad_tile(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
-               p.ring_h + ring0 * I, end - first, init, carry_out, dest, p.accumulate, ld, smem);
-}
-
-static __device__ void run_shared_wgrad(const pass_params &p, long long t, uint16_t *smem) {
-    mok_plan plan = {};
-    plan.hidden = p.hidden;
-    plan.wgrad_tile = CUDA_WGRAD_TILE;
-    const long long H = p.hidden, Is = p.shared_inter;
+static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                    long long t, wgrad_job *w) {
+    const long long H = p.hidden;
     int64_t i, j;
     int matrix;
-    mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
-    const long long ld = matrix == MOK_WGRAD_DOWN ? Is : H;
-    const long long offset = i * CUDA_WGRAD_TILE * ld + j * CUDA_WGRAD_TILE;
-    char *dest = (char *)p.ds[matrix] + offset * (p.accumulate ? 4 : 2);
-    wgrad_tile(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens,
-               p.accumulate ? (const float *)dest : nullptr, nullptr, dest, p.accumulate, ld, smem);
+    if (grp.kind == MOK_TASK_SHARED_WGRAD) {
+        mok_plan plan = {};
+        plan.hidden = p.hidden;
+        plan.wgrad_tile = CUDA_WGRAD_TILE;
+        const long long Is = p.shared_inter;
+        mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
+        w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;
+        w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_TILE * w->ld + j * CUDA_WGRAD_TILE) * (p.accumulate ? 4 : 2);
+        w->init = p.accumulate ? (const float *)w->dest : nullptr;
+        w->carry_out = nullptr;
+        wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, w);
+    } else {
+        mok_plan plan;
+        make_plan(p, v, &plan);
+        const int e = grp.first_tile;
+        const long long I = p.inter, mat_elems = I * H;
+        int64_t first, end;
+        mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
+        mok__wgrad_tile(&plan, I, t, &matrix, &i, &j);
+        w->ld = matrix == MOK_WGRAD_DOWN ? I : H;
+        const long long ring0 = first % p.ring_rows, offset = i * CUDA_WGRAD_TILE * w->ld + j * CUDA_WGRAD_TILE;
+        const long long start = v.expert_start[e];
+        const bool began_before = first > start, continues = start + v.expert_rows[e] > end;
+        float *carry = p.carry + (start / p.ring_rows) * 3 * mat_elems + matrix * mat_elems + offset;
+        w->dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
+        w->init = p.accumulate ? (const float *)w->dest : began_before ? carry : nullptr;
+        w->carry_out = (!p.accumulate && continues) ? carry : nullptr;
+        wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
+                       p.ring_h + ring0 * I, end - first, w);
+    }
+    w->dest_f32 = p.accumulate;
 }
 
+/* GEMM i of a compute task; 1 + operand layout (walk_ws.cuh), 0 when there is none. A routed dh
+ * task whose g|u the context does not keep replays them first (one K-major GEMM per 64 columns). */
+static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                               long long nt, int i, tile_operands *op) {
+    const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    *op = tile_operands{};
+    switch (grp.kind) {
+    case MOK_TASK_DH: {
+        const tile_info t = row_tile(p, v, rt);
+        if (t.nreal == 0) return 0;
+        const int replays = t.row0 < p.context_rows ? 0 : p.n_tile / 64;
+        if (i < replays) { /* g|u for columns [n0 + 64 i, + 64), as the forward's GATEUP */
+            const long long n0 = nt * p.n_tile + 64 * i;
+            op->a = p.ring_x + t.ring0 * H;
+            op->lda = op->ldb = op->k = H;
+            op->a_rows = t.nreal;
+            op->b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
+            op->b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
+            return 1;
+        }
+        if (i > replays) return 0;
+        op->a = p.ring_dy + t.ring0 * H;
+        op->a_rows = t.nreal;
+        op->b_lo = p.w_down + (long long)t.expert * H * I + nt * p.n_tile;
+        op->ldb = I;
+        break;
+    }
+    case MOK_TASK_SHARED_DH: {
+        if (i > 0) return 0;
+        const long long t0 = rt * MOK_ROW_TILE;
+        op->a = p.dy + t0 * H;
+        op->a_rows = token_rows(p, t0);
+        op->b_lo = p.s_down + nt * p.n_tile;
+        op->ldb = Is;
+        break;
+    }
+    case MOK_TASK_DX:
+    case MOK_TASK_SHARED_DX: {
+        if (i > 0) return 0;
+        const bool shared = grp.kind == MOK_TASK_SHARED_DX;
+        const long long inter = shared ? Is : I, n0 = nt * p.n_tile_h;
+        if (shared) {
+            const long long t0 = rt * MOK_ROW_TILE;
+            op->a = p.sh_dgu + t0 * 2 * Is;
+            op->a_rows = token_rows(p, t0);
+            op->b_lo = p.s_gate + n0;
+            op->b_hi = p.s_up + n0;
+        } else {
+            const tile_info t = row_tile(p, v, rt);
+            if (t.nreal == 0) return 0;
+            op->a = p.ring_dgu + t.ring0 * 2 * I;
+            op->a_rows = t.nreal;
+            op->b_lo = p.w_gate + (long long)t.expert * I * H + n0;
+            op->b_hi = p.w_up + (long long)t.expert * I * H + n0;
+        }
+        op->lda = 2 * inter;
+        op->ldb = H;
+        op->n_valid = p.n_tile_h;
+        op->k_split = inter;
+        op->k = op->k_valid = 2 * inter;
+        return 2;
+    }
+    case MOK_TASK_WGRAD:
+    case MOK_TASK_SHARED_WGRAD: {
+        if (i > 0) return 0;
+        wgrad_job w;
+        wgrad_job_of(p, v, grp, nt, &w);
+        *op = w.op;
+        return 4;
+    }
+    default: return 0;
+    }
+    /* dy · W_down^T: A K-major, W_down read N-major */
+    op->lda = H;
+    op->n_valid = p.n_tile;
+    op->k_split = 1ll << 62;
+    op->k = op->k_valid = H;
+    return 2;
+}
+
+/* An fp32 load into an f32 register: a plain load is typed b32 and carried into the wgmma loop
+ * through moves that make ptxas serialise the wgmmas (C7514). */
+static __device__ __forceinline__ float ld_f32(const float *p) {
+    float v;
+    asm("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+/* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
+static __device__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                  long long nt, float (&acc)[WS_ACC]) {
+    wgrad_job w;
+    w.init = nullptr;
+    if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, v, grp, nt, &w);
+#pragma unroll
+    for (int r = 0; r < WS_ACC; ++r) {
+        int row, col;
+        ws_acc_position(r, &row, &col);
+        acc[r] = (w.init && row < w.m_valid && col < w.n_valid) ? ld_f32(w.init + row * w.ld + col) : 0.0f;
+    }
+}
+
+static __device__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c) {
+    const int tid = threadIdx.x - WS_PRODUCERS;
+    const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    switch (grp.kind) {
+    case MOK_TASK_DH: {
+        const tile_info t = row_tile(p, v, rt);
+        const int replays = t.row0 < p.context_rows ? 0 : p.n_tile / 64;
+        uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
+        if (i < replays) { /* g|u of 64 columns into the replay rows */
+            const long long n0 = nt * p.n_tile + 64 * i;
+            ws_stage_bf16(c, acc);
+            for (int idx = tid; idx < t.nreal * 16; idx += WS_CONSUMERS) {
+                int r = idx >> 4, c8 = (idx & 15) * 8;
+                uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
+                *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
+            }
+            break;
+        }
+        const uint16_t *gu = replays ? ring_gu : p.context + t.row0 * 2 * I;
+        swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, nt * p.n_tile, p.ring_w + t.ring0, p.limit,
+                                 p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
+                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64);
+        break;
+    }
+    case MOK_TASK_SHARED_DH: {
+        const long long t0 = rt * MOK_ROW_TILE;
+        swiglu_backward_epilogue(acc, token_rows(p, t0), p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is,
+                                 nt * p.n_tile, nullptr, p.limit, p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is,
+                                 nullptr, 0);
+        break;
+    }
+    case MOK_TASK_DX: {
+        const tile_info t = row_tile(p, v, rt);
+        ws_stage_bf16(c, acc);
+        store_tile(c, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
+        break;
+    }
+    case MOK_TASK_SHARED_DX: {
+        const long long t0 = rt * MOK_ROW_TILE;
+        ws_stage_bf16(c, acc);
+        store_tile(c, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
+        break;
+    }
+    case MOK_TASK_WGRAD:
+    case MOK_TASK_SHARED_WGRAD: {
+        wgrad_job w;
+        wgrad_job_of(p, v, grp, nt, &w);
+#pragma unroll
+        for (int r = 0; r < WS_ACC; ++r) {
+            int row, col;
+            ws_acc_position(r, &row, &col);
+            if (row >= w.m_valid || col >= w.n_valid) continue;
+            if (w.carry_out) w.carry_out[row * w.ld + col] = acc[r];
+            else if (w.dest_f32) ((float *)w.dest)[row * w.ld + col] = acc[r];
+            else ((uint16_t *)w.dest)[row * w.ld + col] = mok__bf16_from_f32(acc[r]);
+        }
+        break;
+    }
+    default: break;
+    }
+    consumer_sync();
+}
+
+/* Experts with no rows: zero weight gradients (bf16 mode; accumulate mode leaves them as they are). */
 static __device__ void run_wgrad_zero(const pass_params &p, int e) {
     const long long n = p.inter * p.hidden;
     for (int m = 0; m < 3; ++m) {
         uint16_t *d = (uint16_t *)p.dw[m] + e * n;
-        for (long long i = threadIdx.x; i < n / 8; i += CUDA_THREADS) ((int4 *)d)[i] = make_int4(0, 0, 0, 0);
+        for (long long i = threadIdx.x - WS_PRODUCERS; i < n / 8; i += WS_CONSUMERS) ((int4 *)d)[i] = make_int4(0, 0, 0, 0);
     }
 }
 
+/* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
 struct backward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
                                long long nt, uint16_t *smem) {
-        __shared__ float red[4 * TILE_BM];
         switch (grp.kind) {
         case MOK_TASK_PULL: run_pull(p, v, rt); break;
         case MOK_TASK_PUSH: run_push(p, v, rt); break;
-        case MOK_TASK_DH: run_dh(p, v, rt, nt, smem, red); break;
-        case MOK_TASK_DX: run_dx(p, v, rt, nt, smem); break;
-        case MOK_TASK_SHARED_DH: run_shared_dh(p, rt, nt, smem, red); break;
-        case MOK_TASK_SHARED_DX: run_shared_dx(p, rt, nt, smem); break;
-        case MOK_TASK_WGRAD: run_wgrad(p, v, grp, nt, smem); break;
-        case MOK_TASK_SHARED_WGRAD: run_shared_wgrad(p, nt, smem); break;
-        case MOK_TASK_WGRAD_ZERO: run_wgrad_zero(p, grp.first_tile); break;
         default: break;
         }
     }
 };
 
-__global__ void __launch_bounds__(CUDA_THREADS, 1) backward_kernel(pass_params p) {
-    extern __shared__ __align__(1024) uint16_t smem[];
+struct backward_ws {
+    static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* K/K, K/N-major, M-major/N-major */
+    static __device__ int gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                               long long nt, int i, tile_operands *op) {
+        return bwd_gemm(p, v, grp, rt, nt, i, op);
+    }
+    static __device__ void preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long,
+                                  long long nt, int, float (&acc)[WS_ACC]) {
+        bwd_preset(p, v, grp, nt, acc);
+    }
+    static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *) {
+        bwd_epilogue(p, v, grp, rt, nt, i, acc, c);
+    }
+    static __device__ void plain(const pass_params &p, const mok_sched_view &, const mok_task_group &grp, long long,
+                                 long long) {
+        if (grp.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, grp.first_tile);
+    }
+};
+
+__global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
     if (*(volatile int *)p.error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    walk_tasks<backward_runner>(p, v, smem);
+    if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
+    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr);
 }
 
 /* dx[t] = bf16(shared part + sum_j routed parts) in fp32, in that order; d_router_w from the
@@ -387,7 +442,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
     const mok_shape *s = &ws->shape;
     int previous = 0;
     cudaGetDevice(&previous);
-    const size_t smem = pass_smem_bytes();
+    const size_t smem = WS_SMEM_BYTES;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_backward_args *a = &args[lr];
@@ -422,7 +477,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
         }
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, CUDA_THREADS, smem, stream, a->num_tokens)) != MOK_OK)
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens)) != MOK_OK)
             return st;
         if (T > 0)
             LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(

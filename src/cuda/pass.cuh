@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "cuda_common.cuh"
-#include "mma_tile.cuh"
+#include "tile_operands.cuh"
 
 struct pass_params {
     mok_sched_layout layout;
@@ -317,9 +317,5 @@ static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pas
     return mok__cuda_barrier(ws, lr, stream, -1);
 }
 
-static size_t pass_smem_bytes(void) {
-    size_t c_tile = (size_t)TILE_BM * TILE_C_LD * 2;
-    return TILE_SMEM_BYTES > c_tile ? TILE_SMEM_BYTES : c_tile;
-}
 
 #endif

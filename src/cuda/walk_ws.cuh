@@ -8,8 +8,8 @@
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
  *   gemm(p, v, grp, rt, nt, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
  *                                    GEMMs 0, 1, ... run in order
- *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: true if it filled acc with
- *                                      starting values (else the GEMM starts from zero)
+ *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the starting
+ *                                      values (zeros, or a carried fp32 tile) on every path
  *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; returns with
  *                                      the consumers synchronised and `staging` free again
  *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
@@ -51,12 +51,26 @@ static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &
     else if (ws_variant_used<Runner, true, true>(variant)) ws_produce_gemm<true, true>(r, op, tid);
 }
 
+/* Consumers, GEMM i of a task: preset, multiply, epilogue. One instantiation per operand layout,
+ * each with its own accumulators: merging them across layouts makes ptxas serialise the wgmmas. */
+template <typename Runner, bool A_MN, bool B_MN>
+static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                                long long rt, long long nt, int i, ws_ring &r, const tile_operands &op,
+                                                uint16_t *staging, float *red) {
+    float acc[WS_ACC];
+    Runner::preset(p, v, grp, rt, nt, i, acc);
+    ws_consume_gemm<A_MN, B_MN>(r, op, acc);
+    Runner::epilogue(p, v, grp, rt, nt, i, acc, staging, red);
+}
+
 template <typename Runner>
-static __device__ void ws_consume(ws_ring &r, int variant, const tile_operands &op, float (&acc)[WS_ACC], bool preset) {
-    if (ws_variant_used<Runner, false, false>(variant)) ws_consume_gemm<false, false>(r, op, acc, preset);
-    else if (ws_variant_used<Runner, false, true>(variant)) ws_consume_gemm<false, true>(r, op, acc, preset);
-    else if (ws_variant_used<Runner, true, false>(variant)) ws_consume_gemm<true, false>(r, op, acc, preset);
-    else if (ws_variant_used<Runner, true, true>(variant)) ws_consume_gemm<true, true>(r, op, acc, preset);
+static __device__ void ws_consume(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                  long long rt, long long nt, int i, ws_ring &r, int variant, const tile_operands &op,
+                                  uint16_t *staging, float *red) {
+    if (ws_variant_used<Runner, false, false>(variant)) ws_phase<Runner, false, false>(p, v, grp, rt, nt, i, r, op, staging, red);
+    else if (ws_variant_used<Runner, false, true>(variant)) ws_phase<Runner, false, true>(p, v, grp, rt, nt, i, r, op, staging, red);
+    else if (ws_variant_used<Runner, true, false>(variant)) ws_phase<Runner, true, false>(p, v, grp, rt, nt, i, r, op, staging, red);
+    else if (ws_variant_used<Runner, true, true>(variant)) ws_phase<Runner, true, true>(p, v, grp, rt, nt, i, r, op, staging, red);
 }
 
 template <typename Runner>
@@ -96,7 +110,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
             ws_produce<Runner>(r, kind - 1, op, tid);
         }
     }
-    cp_async_wait<0>();
+    cp_async_wait_all();
 }
 
 template <typename Runner>
@@ -104,7 +118,6 @@ static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_vi
                                         uint32_t qempty, volatile ws_task *queue, uint16_t *staging, float *red) {
     __shared__ int s_stop;
     const int ctid = threadIdx.x - WS_PRODUCERS;
-    float acc[WS_ACC];
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (ctid == 0) {
@@ -120,9 +133,7 @@ static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_vi
             tile_operands op;
             const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
             if (!kind) break;
-            const bool preset = Runner::preset(p, v, grp, rt, nt, i, acc);
-            ws_consume<Runner>(r, kind - 1, op, acc, preset);
-            Runner::epilogue(p, v, grp, rt, nt, i, acc, staging, red);
+            ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red);
         }
         Runner::plain(p, v, grp, rt, nt);
         consumer_sync();
@@ -165,8 +176,11 @@ static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_vie
     /* The warpgroup index through a shuffle: the compiler then knows the branch is warp-uniform and
        keeps the consumers' wgmmas asynchronous. */
     const int warpgroup = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
-    if (warpgroup == 0) ws_producer_loop<Runner>(p, v, r, qfull, qempty, queue);
-    else ws_consumer_loop<Runner>(p, v, r, qfull, qempty, queue, (uint16_t *)(aligned + WS_STAGING_OFF), red);
+    if (warpgroup == 0) {
+        ws_producer_loop<Runner>(p, v, r, qfull, qempty, queue);
+    } else {
+        ws_consumer_loop<Runner>(p, v, r, qfull, qempty, queue, (uint16_t *)(aligned + WS_STAGING_OFF), red);
+    }
 }
 
 #endif

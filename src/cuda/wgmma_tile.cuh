@@ -1,7 +1,7 @@
 /* wgmma_tile.cuh — the warpgroup GEMM tile of the cuda backend (sm_90a): a ring of shared-memory
  * stages that a producer warpgroup fills with cp.async and two consumer warpgroups read with
- * wgmma. C[128 x 128] (+)= A[128 x K] · B[K x 128] in fp32, on the operands of mma_tile.cuh
- * (tile_operands: K-major or M/N-major, rows past a_rows, n_valid and k_valid read as zeros).
+ * wgmma. C[128 x 128] (+)= A[128 x K] · B[K x 128] in fp32, on the operands of tile_operands.cuh
+ * (tile_operands.cuh: K-major or M/N-major, rows past a_rows, n_valid and k_valid read as zeros).
  *
  * Stage s: A at stages + s * WS_STAGE_BYTES (16 KB), B the 16 KB after it. Each holds two
  * 8 KB halves of 128-byte rows in the 128B swizzle (16-byte chunk ^ row % 8), 1024-byte aligned:
@@ -25,7 +25,7 @@
 #ifndef MOK_CUDA_WGMMA_TILE_CUH
 #define MOK_CUDA_WGMMA_TILE_CUH
 
-#include "mma_tile.cuh"
+#include "tile_operands.cuh"
 
 #define WS_STAGES 5
 #define WS_HALF_BYTES (64 * 128)
@@ -35,6 +35,7 @@
 #define WS_CONSUMERS 256
 #define WS_THREADS (WS_PRODUCERS + WS_CONSUMERS)
 #define WS_ACC 64 /* fp32 accumulators per consumer thread: m64n128 */
+
 
 /* ---- mbarrier and proxy primitives ---------------------------------------------------------- */
 static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -145,7 +146,7 @@ static __device__ __forceinline__ void ring_advance(ws_ring &r) {
 
 static __device__ __forceinline__ int ws_ktiles(const tile_operands &op) { return (int)((op.k + TILE_BK - 1) / TILE_BK); }
 
-/* Producer, one stage: 128 threads (tid) copy A and B's 64-k slice at k0 (mma_tile.cuh's layout). */
+/* Producer, one stage: 128 threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's layout). */
 template <bool A_MN, bool B_MN>
 static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile_operands &op, long long k0, int tid) {
     const uint32_t b_base = a_base + WS_A_BYTES;
@@ -201,13 +202,14 @@ static __device__ void ws_produce_gemm(ws_ring &r, const tile_operands &op, int 
     }
 }
 
-/* Consumer: acc (+)= the GEMM's product over its stages. `preset`: acc already holds the
- * starting values (else the first wgmma overwrites it). A GEMM with k = 0 must come preset.
- * NOTE: no accumulator write outside the wgmmas here: one (a zero fill for k = 0) makes the
- * compiler wait on every wgmma group before the next (ptxas C7517). */
+/* Consumer: acc += the GEMM's product over its stages (acc holds the starting values).
+ * NOTE: the accumulators must be written on every path before this (the runner's preset does
+ * it): an accumulator that may still hold the previous GEMM's wgmma result, or a write in a
+ * branch here, makes ptxas wait on every wgmma group before the next (C7514/C7517). */
 template <bool A_MN, bool B_MN>
-static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, float (&acc)[WS_ACC], bool preset) {
+static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, float (&acc)[WS_ACC]) {
     const int ktiles = ws_ktiles(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
+    if (ktiles == 0) return;
 
     const uint32_t a_lbo = A_MN ? WS_HALF_BYTES : 16, b_lbo = B_MN ? WS_HALF_BYTES : 16;
     const uint32_t k16 = A_MN ? 2048 : 32, k16b = B_MN ? 2048 : 32;
@@ -222,7 +224,7 @@ static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, floa
 #pragma unroll
         for (int k = 0; k < TILE_BK / 16; ++k)
             wgmma_m64n128k16<A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, smem_desc(a_half + k * k16, a_lbo),
-                                                         smem_desc(b + k * k16b, b_lbo), preset || (kt | k) != 0);
+                                                         smem_desc(b + k * k16b, b_lbo), 1);
         wgmma_commit();
         wgmma_wait<1>();
         if (kt > 0 && lane == 0) mbar_arrive(r.empty + 8 * prev);

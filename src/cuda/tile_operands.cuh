@@ -1,0 +1,49 @@
+/* tile_operands.cuh — what a GEMM tile of the cuda backend is asked to compute: C[128 x 128]
+ * (+)= A[128 x K] · B[K x 128] in fp32, each operand either K-contiguous (rows of x, nn.Linear
+ * weights) or M/N-contiguous (a weight read transposed in the dgrad, the row-major activations
+ * of the weight gradients). K runs in steps of 64; rows of A past a_rows, B halves with no
+ * pointer and k rows past k_valid read as zeros, so a tile may be partial. Shared memory holds
+ * 128-byte rows swizzled by 16-byte chunk (chunk ^ row % 8): the 128B pattern of wgmma.
+ *
+ * This is the replaceable unit of DESIGN 2.5; wgmma_tile.cuh computes it on sm_90a. */
+#ifndef MOK_CUDA_TILE_OPERANDS_CUH
+#define MOK_CUDA_TILE_OPERANDS_CUH
+
+#include <stdint.h>
+
+#define TILE_BM 128
+#define TILE_BN 128
+#define TILE_BK 64
+#define TILE_C_LD (TILE_BN + 8) /* staging row length of C in bf16 (padding breaks bank conflicts) */
+
+typedef struct tile_operands {
+    const uint16_t *a;     /* K-major: A(m, k) = a[m * lda + k], m < a_rows.
+                              M-major: A(m, k) = a[k * lda + m], m < a_rows (64 or 128) */
+    long long lda;
+    int a_rows;
+    const uint16_t *b_lo;  /* K-major: B rows n 0..63 (b_lo[n * ldb + k]) and 64..127 (b_hi, or
+                              NULL for zeros). N-major: B(k, n) = b_lo[k * ldb + n] for k < k_split,
+                              b_hi[(k - k_split) * ldb + n] after; n < n_valid (64 or 128) */
+    const uint16_t *b_hi;
+    long long ldb;
+    int n_valid;
+    long long k_split;
+    long long k;           /* the K loop runs over ceil(k / 64) steps */
+    long long k_valid;     /* rows k >= k_valid read as zero (M/N-major operands) */
+} tile_operands;
+
+static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, bool valid) {
+    int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+static __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+    return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+#endif
