@@ -97,7 +97,9 @@ typedef enum mok_direction { MOK_PULL = 0, MOK_PUSH = 1 } mok_direction;
  * library (and a binding) check that it receives the struct it expects. */
 typedef struct mok_config {
     size_t size;            /* sizeof(mok_config) */
-    int fwd_comm_sms;       /* CTAs that move data in the forward (cuda); >= 1 */
+    int fwd_comm_sms;       /* CTAs that move data in the forward (cuda); 0 = the backend's choice
+                               (mok__comm_ctas: 8 on one rank, where moves are local copies; 32
+                               across ranks) */
     int bwd_comm_sms;       /* the same for the backward */
     int minibatch_rows;     /* comm->compute handover unit; multiple of MOK_ROW_TILE */
     int ring_rows;          /* rows of the ring token buffer (one macrobatch); multiple of
@@ -119,7 +121,7 @@ typedef struct mok_config {
 
 #define MOK_CONFIG_INIT                                                                       \
     {                                                                                         \
-        sizeof(mok_config), 32, 32, 1024, 16384, 0, 0.0f, 10000.0, 0, 1, MOK_PULL, MOK_PUSH, \
+        sizeof(mok_config), 0, 0, 2048, 16384, 0, 0.0f, 10000.0, 0, 1, MOK_PULL, MOK_PUSH, \
             MOK_PULL, MOK_PUSH, 0                                                             \
     }
 

@@ -59,10 +59,11 @@ step "Python binding on GPUs" env MOK_LIBRARY="$PWD/build/libmok.so" PYTHONPATH=
 grep -E '(passed|failed).* in ' "$log" | tail -n 1 >>"$out/gpu-tests.txt"
 if [ $sanitize -eq 1 ]; then
     # NCCL probes for kernel images at init and gets "no kernel image" API errors by design:
-    # leave API errors out, report memory, race and sync errors.
+    # leave API errors out, report memory, race and sync errors. The sanitizers slow a pass
+    # past the default 10 s peer timeout; the tests take a longer one from the environment.
     for tool in memcheck racecheck synccheck; do
         for t in cuda_recompute_context cuda_backward_ep2; do
-            step "compute-sanitizer $tool $t" timeout 600 compute-sanitizer --tool $tool --report-api-errors no \
+            step "compute-sanitizer $tool $t" env MOK_TEST_PEER_TIMEOUT_MS=300000 timeout 600 compute-sanitizer --tool $tool --report-api-errors no \
                 --error-exitcode 9 ./build/mok_tests $t
         done
     done

@@ -23,10 +23,12 @@ mok_status mok_config_validate(const mok_config *c) {
         return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                          "config.size: is %zu but this library's mok_config has %zu bytes (start from MOK_CONFIG_INIT)",
                          c->size, sizeof(mok_config));
-    if (c->fwd_comm_sms < 1 || c->fwd_comm_sms > 1024)
-        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "config.fwd_comm_sms: %d is not in [1, 1024]", c->fwd_comm_sms);
-    if (c->bwd_comm_sms < 1 || c->bwd_comm_sms > 1024)
-        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "config.bwd_comm_sms: %d is not in [1, 1024]", c->bwd_comm_sms);
+    if (c->fwd_comm_sms < 0 || c->fwd_comm_sms > 1024)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "config.fwd_comm_sms: %d is not in [0, 1024] (0 = auto)",
+                         c->fwd_comm_sms);
+    if (c->bwd_comm_sms < 0 || c->bwd_comm_sms > 1024)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "config.bwd_comm_sms: %d is not in [0, 1024] (0 = auto)",
+                         c->bwd_comm_sms);
     if (c->minibatch_rows < MOK_ROW_TILE || c->minibatch_rows % MOK_ROW_TILE != 0)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                          "config.minibatch_rows: %d is not a positive multiple of the row tile %d", c->minibatch_rows,

@@ -470,8 +470,8 @@ MOK_TEST(api_config_rules) {
     CONFIG_CASE("bwd_dispatch 9", c_.bwd_dispatch = 9, "bwd_dispatch");
     CONFIG_CASE("context_rows negative", c_.context_rows = -1, "config.context_rows");
     CONFIG_CASE("trace 2", c_.trace = 2, "config.trace");
-    CONFIG_CASE("fwd_comm_sms 0", c_.fwd_comm_sms = 0, "config.fwd_comm_sms");
-    CONFIG_CASE("bwd_comm_sms 0", c_.bwd_comm_sms = 0, "config.bwd_comm_sms");
+    CONFIG_CASE("fwd_comm_sms -1", c_.fwd_comm_sms = -1, "config.fwd_comm_sms");
+    CONFIG_CASE("bwd_comm_sms 1025", c_.bwd_comm_sms = 1025, "config.bwd_comm_sms");
 #undef CONFIG_CASE
     for (int i = 0; i < n; ++i) {
         char label[160];

@@ -52,6 +52,9 @@ static mok_status gpu_open(gpu_run *G, const layer *L, const mok_config *config)
     G->nranks = L->nranks;
     mok_config cfg = config ? *config : mok_config_default();
     cfg.swiglu_limit = L->swiglu_limit;
+    /* Under compute-sanitizer a pass runs far slower than the default peer timeout allows. */
+    const char *timeout = getenv("MOK_TEST_PEER_TIMEOUT_MS");
+    if (timeout) cfg.peer_timeout_ms = atoi(timeout);
     int devices[MOK_MAX_RANKS];
     for (int p = 0; p < L->nranks; ++p) devices[p] = p;
     mok_status st = mok_group_create_local(&G->group, MOK_BACKEND_CUDA, L->nranks, devices, &cfg);

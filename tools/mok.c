@@ -692,7 +692,7 @@ static int print_header(run_state *st) {
     if (st->backend == MOK_BACKEND_CPU)
         printf("         cpu threads per rank %s, %d of them moving data\n", threads, c->cpu_comm_threads);
     else
-        printf("         rank r on GPU r (GPUs 0..%d); SMs moving data: forward %d, backward %d\n",
+        printf("         rank r on GPU r (GPUs 0..%d); SMs moving data: forward %d, backward %d (0: auto)\n",
                st->nranks - 1, c->fwd_comm_sms, c->bwd_comm_sms);
     char sched[32], ctx[32], ws[32], sym[32];
     format_bytes(sched, sizeof sched, st->sizes.schedule_bytes);

@@ -50,9 +50,9 @@ class Config:
     """mok_config. Keyword arguments only; MoK's names are accepted too (fwd_num_comm_sms,
     bwd_num_comm_sms, minibatch_size, macrobatch_size) and read back as properties. The defaults
     are MOK_CONFIG_INIT's. The library checks the values (Config.validate, or any call taking it)."""
-    fwd_comm_sms: int = 32
-    bwd_comm_sms: int = 32
-    minibatch_rows: int = 1024
+    fwd_comm_sms: int = 0  # 0: the backend's choice (8 on one rank, 32 across ranks)
+    bwd_comm_sms: int = 0
+    minibatch_rows: int = 2048
     ring_rows: int = 16384
     context_rows: int = 0
     swiglu_limit: float = 0.0

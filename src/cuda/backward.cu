@@ -268,12 +268,10 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
     return 2;
 }
 
-/* An fp32 load into an f32 register: a plain load is typed b32 and carried into the wgmma loop
+/* Two fp32 loads into f32 registers: a plain load is typed b32 and carried into the wgmma loop
  * through moves that make ptxas serialise the wgmmas (C7514). */
-static __device__ __forceinline__ float ld_f32(const float *p) {
-    float v;
-    asm("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
+static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float *b) {
+    asm("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(*a), "=f"(*b) : "l"(p));
 }
 
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
@@ -283,10 +281,13 @@ static __device__ void bwd_preset(const pass_params &p, const mok_sched_view &v,
     w.init = nullptr;
     if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, v, grp, nt, &w);
 #pragma unroll
-    for (int r = 0; r < WS_ACC; ++r) {
+    for (int r = 0; r < WS_ACC; r += 2) {
         int row, col;
         ws_acc_position(r, &row, &col);
-        acc[r] = (w.init && row < w.m_valid && col < w.n_valid) ? ld_f32(w.init + row * w.ld + col) : 0.0f;
+        float a = 0.0f, b = 0.0f;
+        if (w.init && row < w.m_valid && col < w.n_valid) ld_f32x2(w.init + row * w.ld + col, &a, &b);
+        acc[r] = a;
+        acc[r + 1] = b;
     }
 }
 
@@ -338,14 +339,18 @@ static __device__ void bwd_epilogue(const pass_params &p, const mok_sched_view &
     case MOK_TASK_SHARED_WGRAD: {
         wgrad_job w;
         wgrad_job_of(p, v, grp, nt, &w);
+        /* registers r, r + 1 are columns col, col + 1 of one row (n_valid is even) */
 #pragma unroll
-        for (int r = 0; r < WS_ACC; ++r) {
+        for (int r = 0; r < WS_ACC; r += 2) {
             int row, col;
             ws_acc_position(r, &row, &col);
             if (row >= w.m_valid || col >= w.n_valid) continue;
-            if (w.carry_out) w.carry_out[row * w.ld + col] = acc[r];
-            else if (w.dest_f32) ((float *)w.dest)[row * w.ld + col] = acc[r];
-            else ((uint16_t *)w.dest)[row * w.ld + col] = mok__bf16_from_f32(acc[r]);
+            const long long off = row * w.ld + col;
+            if (w.carry_out || w.dest_f32)
+                *(float2 *)((w.carry_out ? w.carry_out : (float *)w.dest) + off) = make_float2(acc[r], acc[r + 1]);
+            else
+                *(uint32_t *)((uint16_t *)w.dest + off) =
+                    (uint32_t)mok__bf16_from_f32(acc[r]) | ((uint32_t)mok__bf16_from_f32(acc[r + 1]) << 16);
         }
         break;
     }
@@ -400,7 +405,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p) 
     if (*(volatile int *)p.error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
-    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr);
+    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, nullptr);
 }
 
 /* dx[t] = bf16(shared part + sum_j routed parts) in fp32, in that order; d_router_w from the
@@ -453,7 +458,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 1);
         p.accumulate = a->accumulate;
         p.n_tile = s->intermediate % 128 == 0 && (s->shared_intermediate % 128 == 0) ? 128 : 64;
-        int comm = ws->config.bwd_comm_sms;
+        int comm = comm_ctas(ws, ws->config.bwd_comm_sms);
         p.comm_ctas = comm < R->num_sms - 1 ? comm : R->num_sms - 1;
         p.x = (const uint16_t *)a->x;
         p.dy = (const uint16_t *)a->dy;
@@ -477,7 +482,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
         }
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens)) != MOK_OK)
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens, NULL)) != MOK_OK)
             return st;
         if (T > 0)
             LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(

@@ -31,6 +31,7 @@ struct pass_params {
     long long counters_cap;
     int *error;
     long long timeout_ns;
+    unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -302,17 +303,26 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace_count = R->trace_count;
 }
 
+/* Comm CTAs of a pass: the config's count, or for 0 the measured choice (docs/perf.md): on one
+ * rank dispatch and combine are local copies that 8 CTAs keep ahead of the GEMMs; across ranks 32. */
+static int comm_ctas(const mok_workspace *ws, int configured) {
+    if (configured > 0) return configured;
+    return ws->group->nranks == 1 ? 8 : 32;
+}
+
 /* The launch sequence every pass shares, on one rank's stream, after its inputs are staged:
  * barrier (every rank's inputs are in place; publishes T), fresh counters, the group list, the
- * megakernel on every SM at once, barrier (every push into this rank has landed). */
+ * megakernel on every SM at once, barrier (every push into this rank has landed). `maps`: the
+ * kernel's tensor maps (its second parameter), or NULL for a kernel that takes none. */
 static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
-                              int threads, size_t smem, cudaStream_t stream, int64_t num_tokens) {
+                              int threads, size_t smem, cudaStream_t stream, int64_t num_tokens,
+                              const void *maps) {
     mok_status st = mok__cuda_barrier(ws, lr, stream, num_tokens);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
     if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
     LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(*p));
-    void *kargs[] = {p};
+    void *kargs[] = {p, (void *)maps}; /* the kernel's second parameter, when it has one */
     CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(threads), kargs, smem, stream));
     return mok__cuda_barrier(ws, lr, stream, -1);
 }

@@ -30,6 +30,11 @@ typedef struct tile_operands {
     long long k_split;
     long long k;           /* the K loop runs over ceil(k / 64) steps */
     long long k_valid;     /* rows k >= k_valid read as zero (M/N-major operands) */
+    /* TMA instead (K-major A and B only, tma.cuh): A is rows a_row.. of map a_map (128 rows; rows
+       past a_rows hold whatever the matrix has there, so their outputs must be discarded), B rows
+       b_row_lo.. of b_map_lo and b_row_hi.. of b_map_hi (64 each; b_map_hi < 0: B's upper half is
+       left as it was, so output columns 64.. must be discarded). */
+    int tma, a_map, a_row, b_map_lo, b_row_lo, b_map_hi, b_row_hi;
 } tile_operands;
 
 static __device__ __forceinline__ uint32_t smem_addr(const void *p) {

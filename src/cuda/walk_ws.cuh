@@ -45,7 +45,8 @@ static __device__ __forceinline__ bool ws_variant_used(int variant) {
 
 template <typename Runner>
 static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &op, int tid) {
-    if (ws_variant_used<Runner, false, false>(variant)) ws_produce_gemm<false, false>(r, op, tid);
+    if (op.tma) ws_produce_tma(r, op, tid);
+    else if (ws_variant_used<Runner, false, false>(variant)) ws_produce_gemm<false, false>(r, op, tid);
     else if (ws_variant_used<Runner, false, true>(variant)) ws_produce_gemm<false, true>(r, op, tid);
     else if (ws_variant_used<Runner, true, false>(variant)) ws_produce_gemm<true, false>(r, op, tid);
     else if (ws_variant_used<Runner, true, true>(variant)) ws_produce_gemm<true, true>(r, op, tid);
@@ -146,7 +147,8 @@ static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_vi
 
 /* The compute CTA: set up the ring and the queue, then split into producer and consumers. */
 template <typename Runner>
-static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red) {
+static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red,
+                                       const CUtensorMap *maps) {
     const uint32_t raw = smem_addr(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;
     uint8_t *aligned = smem_raw + (base - raw);
@@ -159,6 +161,7 @@ static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_vie
     r.abort = p.counters + p.counters_cap + 2;
     r.error = p.error;
     r.timeout_ns = p.timeout_ns;
+    r.maps = maps;
     const uint32_t qfull = r.empty + 8 * WS_STAGES, qempty = qfull + 16;
     volatile ws_task *queue = (volatile ws_task *)(aligned + WS_QUEUE_OFF);
     if (threadIdx.x == 0) {

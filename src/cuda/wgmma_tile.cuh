@@ -17,7 +17,8 @@
  * s complete. Both sides walk the stages in one order, the phase bit flipping at each wrap; the
  * producer waits on empty with the opposite parity (a fresh barrier passes at once). cp.async
  * writes are generic-proxy writes and wgmma reads through the async proxy, so consumers fence
- * the proxies after each full wait.
+ * the proxies after each full wait. A TMA stage (tma.cuh) keeps the count: thread 0 arms the
+ * barrier with the byte count, the other 127 arrive plainly.
  *
  * NOTE (faults): every mbarrier wait is bounded. A wait that outlives the pass's timeout sets
  * MOK_KERR_STALL and the abort flag; once the flag is up every wait returns at once, so all
@@ -26,6 +27,7 @@
 #define MOK_CUDA_WGMMA_TILE_CUH
 
 #include "tile_operands.cuh"
+#include "tma.cuh"
 
 #define WS_STAGES 5
 #define WS_HALF_BYTES (64 * 128)
@@ -135,6 +137,7 @@ struct ws_ring {
     unsigned long long *abort;
     int *error;
     long long timeout_ns;
+    const CUtensorMap *maps; /* the pass's tensor maps (parameter space), or NULL */
 };
 
 static __device__ __forceinline__ void ring_advance(ws_ring &r) {
@@ -202,6 +205,27 @@ static __device__ void ws_produce_gemm(ws_ring &r, const tile_operands &op, int 
     }
 }
 
+/* Producer, TMA: thread 0 arms full[s] with the stage's byte count and issues the boxes; the
+ * other 127 threads arrive plainly, so full[s] keeps its count of 128 on both paths. */
+static __device__ void ws_produce_tma(ws_ring &r, const tile_operands &op, int tid) {
+    const int ktiles = ws_ktiles(op);
+    const uint32_t bytes = WS_A_BYTES + (op.b_map_hi >= 0 ? 2 : 1) * WS_HALF_BYTES;
+    for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
+        const uint32_t a = r.stages + r.stage * WS_STAGE_BYTES, full = r.full + 8 * r.stage;
+        if (tid == 0) {
+            mbar_arrive_expect_tx(full, bytes);
+            tma_load_2d(a, r.maps + op.a_map, kt * TILE_BK, op.a_row, full);
+            tma_load_2d(a + WS_A_BYTES, r.maps + op.b_map_lo, kt * TILE_BK, op.b_row_lo, full);
+            if (op.b_map_hi >= 0)
+                tma_load_2d(a + WS_A_BYTES + WS_HALF_BYTES, r.maps + op.b_map_hi, kt * TILE_BK, op.b_row_hi, full);
+        } else {
+            mbar_arrive(full);
+        }
+        ring_advance(r);
+    }
+}
+
 /* Consumer: acc += the GEMM's product over its stages (acc holds the starting values).
  * NOTE: the accumulators must be written on every path before this (the runner's preset does
  * it): an accumulator that may still hold the previous GEMM's wgmma result, or a write in a
@@ -217,7 +241,7 @@ static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, floa
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
         __syncwarp();
-        fence_proxy_async();
+        if (!op.tma) fence_proxy_async(); /* TMA writes through the async proxy already */
         const uint32_t a = r.stages + r.stage * WS_STAGE_BYTES, b = a + WS_A_BYTES;
         const uint32_t a_half = a + consumer * WS_HALF_BYTES;
         wgmma_fence();

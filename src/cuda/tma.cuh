@@ -1,0 +1,86 @@
+/* tma.cuh — tensor-memory-accelerator loads of K-major GEMM operands (sm_90a): the 2-D tensor maps
+ * a pass hands its kernel, their encoding on the host, and the device-side copy.
+ *
+ * A map views a row-major bf16 matrix [rows, cols] and moves boxes of 64 columns (128 bytes, the
+ * 128B swizzle's row) by box_rows rows straight into the swizzled layout of tile_operands.cuh.
+ * Boxes past the matrix's last row arrive as zeros. The maps travel as a __grid_constant__ kernel
+ * parameter (the TMA unit reads them from parameter space).
+ *
+ * The encoder comes from the driver through the runtime (cudaGetDriverEntryPoint), so the
+ * library does not link libcuda. MOK_CUDA_TMA=0 in the environment turns TMA off (every operand
+ * then goes through the producer warpgroup's cp.async). */
+#ifndef MOK_CUDA_TMA_CUH
+#define MOK_CUDA_TMA_CUH
+
+#include <cuda.h> /* CUtensorMap and its enums only */
+#include <cudaTypedefs.h>
+#include <pthread.h>
+
+#include "cuda_common.cuh"
+
+/* The maps of a forward pass: the A operands (box 128 rows) and the weights (box 64 rows). */
+enum {
+    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,             /* A: 128-row boxes */
+    MAP_W_GATE, MAP_W_UP, MAP_W_DOWN, MAP_S_GATE, MAP_S_UP, MAP_S_DOWN, /* B: 64-row boxes */
+    NUM_MAPS
+};
+
+struct pass_maps {
+    CUtensorMap m[NUM_MAPS];
+};
+
+#ifdef __CUDACC__
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+/* One box (c0 along the columns, c1 along the rows) into shared memory; completes its bytes on bar. */
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+#endif
+
+static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn;
+static pthread_once_t tma_once = PTHREAD_ONCE_INIT;
+
+static void tma_load_encoder(void) {
+    const char *env = getenv("MOK_CUDA_TMA");
+    if (env && env[0] == '0') return;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    void *fn = NULL;
+#if CUDART_VERSION >= 12050
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &query);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &query);
+#endif
+    if (e == cudaSuccess && query == cudaDriverEntryPointSuccess) tma_encode_fn = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    else cudaGetLastError();
+}
+
+/* Whether passes may use TMA (the encoder was found and MOK_CUDA_TMA is not 0). */
+static int tma_available(void) {
+    pthread_once(&tma_once, tma_load_encoder);
+    return tma_encode_fn != NULL;
+}
+
+/* Encodes `map` for bf16 [rows, cols] at ptr with boxes of box_rows x 64. Returns 1 when the map
+ * is usable, 0 when the matrix is absent (NULL, no rows), not 16-byte aligned, or the encoder
+ * refused it: the tasks reading it then take the cp.async path. */
+static int tma_encode(CUtensorMap *map, const void *ptr, long long rows, long long cols, int box_rows) {
+    memset(map, 0, sizeof *map);
+    if (!tma_available() || !ptr || rows <= 0 || ((uintptr_t)ptr & 15) || (cols * 2) % 16) return 0;
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = tma_encode_fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)ptr, dims, strides, box, elem_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS;
+}
+
+#endif
