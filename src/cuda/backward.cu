@@ -65,48 +65,63 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
 
 /* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
  * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
- * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. The partial sums a thread's columns in order, then
- * the 4 lanes of the row (xor 1, then 2): a fixed order. */
+ * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. g|u come into the staging tile `c` 64 columns at
+ * a time with 16-byte loads (cols 0..63 g, 64..127 u). The partial sums a thread's columns in
+ * order, then the 4 lanes of the row (xor 1, then 2): a fixed order. */
 static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
-                                                long long dgu_ld, float *rdot, long long rdot_ld) {
+                                                long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
     const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+    float dot[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = row0 + 8 * half;
-        float dot = 0.0f;
-        if (row < rows) {
+    for (int hc = 0; hc < 2; ++hc) {
+        if (hc * 64 >= n_valid) break;
+        for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) {
+            const int r = idx >> 4, c8 = (idx & 15) * 8;
+            const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
+            *(int4 *)(c + r * TILE_C_LD + c8) = *(const int4 *)src;
+        }
+        consumer_sync();
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 8 * half;
+            if (row >= rows) continue;
             const float wr = w ? w[row] : 1.0f;
 #pragma unroll
-            for (int j = 0; j < WS_ACC / 4; ++j) {
-                const int col = 8 * j + col0;
-                if (col >= n_valid) continue;
-                const uint16_t *gp = gu + row * gu_ld + n0 + col;
-                uint32_t gpair = *(const uint32_t *)gp, upair = *(const uint32_t *)(gp + inter);
+            for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
+                const int col = 8 * j + col0, lc = col - 64 * hc;
+                const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + lc);
+                const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + lc);
                 uint16_t hb[2], dgb[2], dub[2];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * c)));
-                    float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * c)));
-                    float dh0 = acc[4 * j + 2 * half + c];
-                    hb[c] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
-                    dot += dh0 * mok__bf16_to_f32(hb[c]);
+                for (int q = 0; q < 2; ++q) {
+                    float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * q)));
+                    float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * q)));
+                    float dh0 = acc[4 * j + 2 * half + q];
+                    hb[q] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
+                    dot[half] += dh0 * mok__bf16_to_f32(hb[q]);
                     float dg, du;
                     mok__swiglu_backward(wr * dh0, g, u, limit, &dg, &du);
-                    dgb[c] = mok__bf16_from_f32(dg);
-                    dub[c] = mok__bf16_from_f32(du);
+                    dgb[q] = mok__bf16_from_f32(dg);
+                    dub[q] = mok__bf16_from_f32(du);
                 }
                 *(uint32_t *)(h_out + row * h_ld + n0 + col) = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
                 *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
                 *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
             }
         }
-        if (rdot) {
-            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-            if ((lane & 3) == 0 && row < rows) rdot[row * rdot_ld] = dot;
+        consumer_sync();
+    }
+    if (rdot) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 8 * half;
+            float v = dot[half];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if ((lane & 3) == 0 && row < rows) rdot[row * rdot_ld] = v;
         }
     }
 }
@@ -188,6 +203,14 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
     w->dest_f32 = p.accumulate;
 }
 
+/* dy · W_down^T: A K-major, W_down read N-major. */
+static __device__ __forceinline__ void dh_common(tile_operands *op, long long H, int n_tile) {
+    op->lda = H;
+    op->n_valid = n_tile;
+    op->k_split = 1ll << 62;
+    op->k = op->k_valid = H;
+}
+
 /* GEMM i of a compute task; 1 + operand layout (walk_ws.cuh), 0 when there is none. A routed dh
  * task whose g|u the context does not keep replays them first (one K-major GEMM per 64 columns). */
 static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
@@ -206,6 +229,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
             op->a_rows = t.nreal;
             op->b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
             op->b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
+            use_tma_k(p, op, MAP_RING_X, t.ring0, MAP_W_GATE, t.expert * I + n0, MAP_W_UP, t.expert * I + n0);
             return 1;
         }
         if (i > replays) return 0;
@@ -213,7 +237,9 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
         op->a_rows = t.nreal;
         op->b_lo = p.w_down + (long long)t.expert * H * I + nt * p.n_tile;
         op->ldb = I;
-        break;
+        dh_common(op, H, p.n_tile);
+        use_tma_n(p, op, MAP_RING_DY, t.ring0, MAP_W_DOWN, (long long)t.expert * H, -1, 0, nt * p.n_tile, p.n_tile / 64);
+        return 2;
     }
     case MOK_TASK_SHARED_DH: {
         if (i > 0) return 0;
@@ -222,19 +248,27 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
         op->a_rows = token_rows(p, t0);
         op->b_lo = p.s_down + nt * p.n_tile;
         op->ldb = Is;
-        break;
+        dh_common(op, H, p.n_tile);
+        use_tma_n(p, op, MAP_DY, t0, MAP_S_DOWN, 0, -1, 0, nt * p.n_tile, p.n_tile / 64);
+        return 2;
     }
     case MOK_TASK_DX:
     case MOK_TASK_SHARED_DX: {
         if (i > 0) return 0;
         const bool shared = grp.kind == MOK_TASK_SHARED_DX;
         const long long inter = shared ? Is : I, n0 = nt * p.n_tile_h;
+        op->lda = 2 * inter;
+        op->ldb = H;
+        op->n_valid = p.n_tile_h;
+        op->k_split = inter;
+        op->k = op->k_valid = 2 * inter;
         if (shared) {
             const long long t0 = rt * MOK_ROW_TILE;
             op->a = p.sh_dgu + t0 * 2 * Is;
             op->a_rows = token_rows(p, t0);
             op->b_lo = p.s_gate + n0;
             op->b_hi = p.s_up + n0;
+            use_tma_n(p, op, MAP_SH_DGU, t0, MAP_S_GATE, 0, MAP_S_UP, 0, n0, p.n_tile_h / 64);
         } else {
             const tile_info t = row_tile(p, v, rt);
             if (t.nreal == 0) return 0;
@@ -242,12 +276,9 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
             op->a_rows = t.nreal;
             op->b_lo = p.w_gate + (long long)t.expert * I * H + n0;
             op->b_hi = p.w_up + (long long)t.expert * I * H + n0;
+            use_tma_n(p, op, MAP_RING_DGU, t.ring0, MAP_W_GATE, (long long)t.expert * I, MAP_W_UP,
+                      (long long)t.expert * I, n0, p.n_tile_h / 64);
         }
-        op->lda = 2 * inter;
-        op->ldb = H;
-        op->n_valid = p.n_tile_h;
-        op->k_split = inter;
-        op->k = op->k_valid = 2 * inter;
         return 2;
     }
     case MOK_TASK_WGRAD:
@@ -260,12 +291,6 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
     }
     default: return 0;
     }
-    /* dy · W_down^T: A K-major, W_down read N-major */
-    op->lda = H;
-    op->n_valid = p.n_tile;
-    op->k_split = 1ll << 62;
-    op->k = op->k_valid = H;
-    return 2;
 }
 
 /* Two fp32 loads into f32 registers: a plain load is typed b32 and carried into the wgmma loop
@@ -313,14 +338,14 @@ static __device__ void bwd_epilogue(const pass_params &p, const mok_sched_view &
         const uint16_t *gu = replays ? ring_gu : p.context + t.row0 * 2 * I;
         swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, nt * p.n_tile, p.ring_w + t.ring0, p.limit,
                                  p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
-                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64);
+                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c);
         break;
     }
     case MOK_TASK_SHARED_DH: {
         const long long t0 = rt * MOK_ROW_TILE;
         swiglu_backward_epilogue(acc, token_rows(p, t0), p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is,
                                  nt * p.n_tile, nullptr, p.limit, p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is,
-                                 nullptr, 0);
+                                 nullptr, 0, c);
         break;
     }
     case MOK_TASK_DX: {
@@ -400,12 +425,27 @@ struct backward_ws {
     }
 };
 
-__global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p) {
+__global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     if (*(volatile int *)p.error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
-    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, nullptr);
+    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
+}
+
+/* The tensor maps of a backward pass (the weight-gradient tiles read M/N-major activations whose
+ * rows past an expert's end must read as zeros: they stay on cp.async). */
+static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
+    const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
+    const long long ring = p->ring_rows, T = p->num_tokens;
+    unsigned mask = 0;
+    memset(maps, 0, sizeof *maps);
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 128) << MAP_RING_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 128) << MAP_RING_DY;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DGU], R->ring_dgu, ring, 2 * I, 128) << MAP_RING_DGU;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_DY], p->dy, T, H, 128) << MAP_DY;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_DGU], Is ? R->sh_dgu : NULL, T, 2 * Is, 128) << MAP_SH_DGU;
+    return mask | weight_maps(p, maps);
 }
 
 /* dx[t] = bf16(shared part + sum_j routed parts) in fp32, in that order; d_router_w from the
@@ -482,7 +522,10 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
         }
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens, NULL)) != MOK_OK)
+        pass_maps maps;
+        p.tma_mask = backward_maps(R, &p, &maps);
+        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens,
+                              &maps)) != MOK_OK)
             return st;
         if (T > 0)
             LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(

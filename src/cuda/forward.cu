@@ -37,20 +37,6 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
 }
 
 
-/* TMA for this GEMM when its maps are usable (else the producer's cp.async path runs). */
-static __device__ __forceinline__ void use_tma(const pass_params &p, tile_operands *op, int a_map, long long a_row,
-                                               int b_lo, long long row_lo, int b_hi, long long row_hi) {
-    const unsigned need = (1u << a_map) | (1u << b_lo) | (b_hi >= 0 ? 1u << b_hi : 0u);
-    if ((p.tma_mask & need) != need) return;
-    op->tma = 1;
-    op->a_map = a_map;
-    op->a_row = (int)a_row;
-    op->b_map_lo = b_lo;
-    op->b_row_lo = (int)row_lo;
-    op->b_map_hi = b_hi;
-    op->b_row_hi = (int)row_hi;
-}
-
 /* The one GEMM of a compute task: gate|up (64 columns of each) or down, routed or shared. */
 static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
                                long long nt, int i, tile_operands *op) {
@@ -68,7 +54,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         op->a_rows = t.nreal;
         op->b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
         op->b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
-        use_tma(p, op, MAP_RING_X, t.ring0, MAP_W_GATE, t.expert * I + n0, MAP_W_UP, t.expert * I + n0);
+        use_tma_k(p, op, MAP_RING_X, t.ring0, MAP_W_GATE, t.expert * I + n0, MAP_W_UP, t.expert * I + n0);
         return 1;
     }
     case MOK_TASK_SHARED_UP: {
@@ -77,7 +63,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         op->a_rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
         op->b_lo = p.s_gate + n0 * H;
         op->b_hi = p.s_up + n0 * H;
-        use_tma(p, op, MAP_X, t0, MAP_S_GATE, n0, MAP_S_UP, n0);
+        use_tma_k(p, op, MAP_X, t0, MAP_S_GATE, n0, MAP_S_UP, n0);
         return 1;
     }
     case MOK_TASK_DOWN: {
@@ -88,7 +74,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         const long long row = t.expert * H + nt * p.n_tile_h;
         op->b_lo = p.w_down + row * I;
         op->lda = op->ldb = op->k = I;
-        use_tma(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row, p.n_tile_h == 128 ? MAP_W_DOWN : -1, row + 64);
+        use_tma_k(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row, p.n_tile_h == 128 ? MAP_W_DOWN : -1, row + 64);
         break;
     }
     case MOK_TASK_SHARED_DOWN: {
@@ -97,7 +83,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         op->a_rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
         op->b_lo = p.s_down + nt * p.n_tile_h * Is;
         op->lda = op->ldb = op->k = Is;
-        use_tma(p, op, MAP_SH_H, t0, MAP_S_DOWN, nt * p.n_tile_h, p.n_tile_h == 128 ? MAP_S_DOWN : -1,
+        use_tma_k(p, op, MAP_SH_H, t0, MAP_S_DOWN, nt * p.n_tile_h, p.n_tile_h == 128 ? MAP_S_DOWN : -1,
                 nt * p.n_tile_h + 64);
         break;
     }
@@ -185,21 +171,16 @@ __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, c
 
 /* The tensor maps of a forward pass and the mask of those usable. */
 static unsigned forward_maps(const mok_workspace *ws, const cuda_rank *R, const pass_params *p, pass_maps *maps) {
-    const long long H = p->hidden, I = p->inter, Is = p->shared_inter, E = p->num_local_experts;
+    const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
+    memset(maps, 0, sizeof *maps);
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 128) << MAP_RING_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 128) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 128) << MAP_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 128) << MAP_SH_H;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_W_GATE], p->w_gate, E * I, H, 64) << MAP_W_GATE;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_W_UP], p->w_up, E * I, H, 64) << MAP_W_UP;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_W_DOWN], p->w_down, E * H, I, 64) << MAP_W_DOWN;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_S_GATE], p->s_gate, Is, H, 64) << MAP_S_GATE;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_S_UP], p->s_up, Is, H, 64) << MAP_S_UP;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_S_DOWN], p->s_down, H, Is, 64) << MAP_S_DOWN;
     (void)ws;
-    return mask;
+    return mask | weight_maps(p, maps);
 }
 
 /* y[t] = bf16(shared[t] + sum_j w[t,j] * comb[t,j]) in fp32, in that order; one thread per 8

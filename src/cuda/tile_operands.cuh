@@ -30,11 +30,14 @@ typedef struct tile_operands {
     long long k_split;
     long long k;           /* the K loop runs over ceil(k / 64) steps */
     long long k_valid;     /* rows k >= k_valid read as zero (M/N-major operands) */
-    /* TMA instead (K-major A and B only, tma.cuh): A is rows a_row.. of map a_map (128 rows; rows
-       past a_rows hold whatever the matrix has there, so their outputs must be discarded), B rows
-       b_row_lo.. of b_map_lo and b_row_hi.. of b_map_hi (64 each; b_map_hi < 0: B's upper half is
-       left as it was, so output columns 64.. must be discarded). */
-    int tma, a_map, a_row, b_map_lo, b_row_lo, b_map_hi, b_row_hi;
+    /* TMA instead (tma.cuh; A K-major only). A: rows a_row .. + 127 of map a_map (rows past
+       a_rows hold whatever the matrix has there: their outputs must be discarded). B, K-major
+       (b_nmajor 0): half h is rows b_row[h] .. + 63 of map b_map[h]. B, N-major (b_nmajor 1):
+       k rows from b_row[0] of b_map[0] while k < k_split, from b_row[1] of b_map[1] after;
+       half h is columns b_col + 64 h. Halves h >= b_halves are left as they were: output
+       columns 64 .. must then be discarded. */
+    int tma, a_map, a_row, b_nmajor, b_halves, b_col;
+    int b_map[2], b_row[2];
 } tile_operands;
 
 static __device__ __forceinline__ uint32_t smem_addr(const void *p) {

@@ -18,10 +18,12 @@
 
 #include "cuda_common.cuh"
 
-/* The maps of a forward pass: the A operands (box 128 rows) and the weights (box 64 rows). */
+/* The maps of a pass: the A operands (box 128 rows x 64 columns) and the weights (box 64 x 64,
+ * read K-major in the forward and N-major in the backward's dgrad). */
 enum {
-    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,             /* A: 128-row boxes */
-    MAP_W_GATE, MAP_W_UP, MAP_W_DOWN, MAP_S_GATE, MAP_S_UP, MAP_S_DOWN, /* B: 64-row boxes */
+    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,                    /* forward A */
+    MAP_RING_DY, MAP_RING_DGU, MAP_DY, MAP_SH_DGU,              /* backward A */
+    MAP_W_GATE, MAP_W_UP, MAP_W_DOWN, MAP_S_GATE, MAP_S_UP, MAP_S_DOWN, /* B */
     NUM_MAPS
 };
 

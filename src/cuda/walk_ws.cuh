@@ -38,6 +38,57 @@ struct ws_task {
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4))
 #define WS_SMEM_BYTES (1024 + WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
 
+/* Host: the weights' maps (boxes of 64 x 64, read K-major in the forward, N-major in the dgrad)
+ * and the mask of those usable. */
+static unsigned weight_maps(const pass_params *p, pass_maps *maps) {
+    const long long H = p->hidden, I = p->inter, Is = p->shared_inter, E = p->num_local_experts;
+    unsigned mask = 0;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_W_GATE], p->w_gate, E * I, H, 64) << MAP_W_GATE;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_W_UP], p->w_up, E * I, H, 64) << MAP_W_UP;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_W_DOWN], p->w_down, E * H, I, 64) << MAP_W_DOWN;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_S_GATE], Is ? p->s_gate : NULL, Is, H, 64) << MAP_S_GATE;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_S_UP], Is ? p->s_up : NULL, Is, H, 64) << MAP_S_UP;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_S_DOWN], Is ? p->s_down : NULL, H, Is, 64) << MAP_S_DOWN;
+    return mask;
+}
+
+/* TMA for a GEMM with K-major B when its maps are usable (else the cp.async path runs):
+ * A rows a_row.. of a_map; B halves from rows row_lo.. of b_lo and row_hi.. of b_hi (b_hi < 0:
+ * one half). */
+static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_operands *op, int a_map, long long a_row,
+                                                 int b_lo, long long row_lo, int b_hi, long long row_hi) {
+    const unsigned need = (1u << a_map) | (1u << b_lo) | (b_hi >= 0 ? 1u << b_hi : 0u);
+    if ((p.tma_mask & need) != need) return;
+    op->tma = 1;
+    op->a_map = a_map;
+    op->a_row = (int)a_row;
+    op->b_nmajor = 0;
+    op->b_halves = b_hi >= 0 ? 2 : 1;
+    op->b_map[0] = b_lo;
+    op->b_row[0] = (int)row_lo;
+    op->b_map[1] = b_hi;
+    op->b_row[1] = (int)row_hi;
+}
+
+/* TMA for a GEMM with N-major B (columns col.., `halves` 64-column halves): k rows from row0 of
+ * b0 while k < op->k_split, from row1 of b1 after (b1 < 0: no split). */
+static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_operands *op, int a_map, long long a_row,
+                                                 int b0, long long row0, int b1, long long row1, long long col,
+                                                 int halves) {
+    const unsigned need = (1u << a_map) | (1u << b0) | (b1 >= 0 ? 1u << b1 : 0u);
+    if ((p.tma_mask & need) != need) return;
+    op->tma = 1;
+    op->a_map = a_map;
+    op->a_row = (int)a_row;
+    op->b_nmajor = 1;
+    op->b_halves = halves;
+    op->b_col = (int)col;
+    op->b_map[0] = b0;
+    op->b_row[0] = (int)row0;
+    op->b_map[1] = b1 >= 0 ? b1 : b0;
+    op->b_row[1] = (int)row1;
+}
+
 template <typename Runner, bool A_MN, bool B_MN>
 static __device__ __forceinline__ bool ws_variant_used(int variant) {
     return variant == (A_MN ? 2 : 0) + (B_MN ? 1 : 0) && ((Runner::VARIANTS >> variant) & 1);

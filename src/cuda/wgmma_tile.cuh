@@ -209,16 +209,25 @@ static __device__ void ws_produce_gemm(ws_ring &r, const tile_operands &op, int 
  * other 127 threads arrive plainly, so full[s] keeps its count of 128 on both paths. */
 static __device__ void ws_produce_tma(ws_ring &r, const tile_operands &op, int tid) {
     const int ktiles = ws_ktiles(op);
-    const uint32_t bytes = WS_A_BYTES + (op.b_map_hi >= 0 ? 2 : 1) * WS_HALF_BYTES;
+    const uint32_t bytes = WS_A_BYTES + op.b_halves * WS_HALF_BYTES;
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
         const uint32_t a = r.stages + r.stage * WS_STAGE_BYTES, full = r.full + 8 * r.stage;
         if (tid == 0) {
+            const int k0 = kt * TILE_BK;
             mbar_arrive_expect_tx(full, bytes);
-            tma_load_2d(a, r.maps + op.a_map, kt * TILE_BK, op.a_row, full);
-            tma_load_2d(a + WS_A_BYTES, r.maps + op.b_map_lo, kt * TILE_BK, op.b_row_lo, full);
-            if (op.b_map_hi >= 0)
-                tma_load_2d(a + WS_A_BYTES + WS_HALF_BYTES, r.maps + op.b_map_hi, kt * TILE_BK, op.b_row_hi, full);
+            tma_load_2d(a, r.maps + op.a_map, k0, op.a_row, full);
+            /* (the arrays are indexed by constants or selects only: no local memory) */
+            const bool second = k0 >= op.k_split;
+            const int map_n = second ? op.b_map[1] : op.b_map[0];
+            const int krow = second ? op.b_row[1] + k0 - (int)op.k_split : op.b_row[0] + k0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (h >= op.b_halves) break;
+                const uint32_t dst = a + WS_A_BYTES + h * WS_HALF_BYTES;
+                if (!op.b_nmajor) tma_load_2d(dst, r.maps + op.b_map[h], k0, op.b_row[h], full);
+                else tma_load_2d(dst, r.maps + map_n, op.b_col + 64 * h, krow, full);
+            }
         } else {
             mbar_arrive(full);
         }
