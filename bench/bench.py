@@ -207,9 +207,12 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="build/bench")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
+    ap.add_argument("--sweep-mb", default="512,1024,2048", help="minibatch rows the sweep tries (comma-separated)")
     ap.add_argument("--trace", action="store_true",
                     help="per case, trace one forward and one backward (Config(trace=True)): JSON, a Gantt PNG "
                          "and a per-kind summary (task count, busy time, TFLOP/s of the GEMM kinds)")
+    ap.add_argument("--trace-dir", default="build/traces", help="where --trace writes its JSON and PNG files")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
@@ -232,10 +235,13 @@ def main():
         print(json.dumps(row), flush=True)
     if a.trace:
         for name, experts, tokens, skew in cases:
-            trace_case(group, a.ranks, name, experts, tokens, skew, base.replace(trace=True), a.out)
+            os.makedirs(a.trace_dir, exist_ok=True)
+            trace_case(group, a.ranks, name, experts, tokens, skew, base.replace(trace=True), a.trace_dir)
     sweeps = []
     if not a.no_sweep:
-        grid = [(case, comm, mb) for case in cases[:1] + cases[-1:] for comm in (4, 8, 16, 32) for mb in (512, 1024, 2048)]
+        comms = [int(c) for c in a.sweep_comm.split(",")]
+        mbs = [int(m) for m in a.sweep_mb.split(",")]
+        grid = [(case, comm, mb) for case in cases[:1] + cases[-1:] for comm in comms for mb in mbs]
         try:  # a progress bar on stderr: tqdm when importable, else a counter line per configuration
             from tqdm import tqdm
             bar = tqdm(total=len(grid), desc="sweep", unit="config", file=sys.stderr)
@@ -278,7 +284,7 @@ def main():
 
             fig, axes = plt.subplots(1, 2, figsize=(11, 4))
             for ax, name in zip(axes, sorted({r["layer"] for r in sweeps})):
-                for mb in (512, 1024, 2048):
+                for mb in mbs:
                     pts = [(r["comm_sms"], r["forward_ms"]) for r in sweeps if r["layer"] == name and r["minibatch"] == mb]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"minibatch {mb}")
                 ax.set_title(f"{name}, EP{a.ranks}: forward")

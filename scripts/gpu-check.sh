@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu-check.sh [--quick] [--sanitize] [--bench] [--dev] — on a GPU machine: build against the NCCL that
+# gpu-check.sh [--quick] [--sanitize] [--bench] [--dev] [--train] — on a GPU machine: build against the NCCL that
 # runs (PyTorch's, when python3 has it), run every GPU test, optionally compute-sanitizer and the
 # benchmark, write the full log to $OUT/gpu-check.log (or build/gpu-check.log) and end with a
 # short table. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
@@ -13,12 +13,14 @@ log=$out/gpu-check.log
 sanitize=0
 bench=0
 dev=0
+train=0
 for a in "$@"; do
     case $a in
     --sanitize) sanitize=1 ;;
     --bench) bench=1 ;;
     --quick) export MOK_TEST_NO_FULL=1 ;;
     --dev) dev=1 ;;
+    --train) train=1 ;;
     esac
 done
 declare -a rows
@@ -73,6 +75,13 @@ if [ $dev -eq 1 ]; then
     step "dev: wgmma tile (self-test + timing)" bash -c 'nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
         -DWITH_CUBLAS dev/gemm_wgmma_v1.cu -lcublas -o build/gemm_wgmma_v1 && timeout 300 ./build/gemm_wgmma_v1'
     grep -E 'TFLOP|passed, ' "$log" | tail -n 12 >>"$out/gpu-tests.txt"
+fi
+if [ $train -eq 1 ]; then
+    # mok's layer and its PyTorch twin trained from the same weights; exits non-zero if the loss
+    # curves differ by more than bf16 noise
+    step "train example on the GPU (examples/train_moe.py)" env MOK_LIBRARY="$PWD/build/libmok.so" \
+        PYTHONPATH="$PWD/python" timeout 600 python3 examples/train_moe.py --device cuda --steps 300 --out "$out/train_moe"
+    grep -E "within bf16 noise|relative: max|time per step" "$log" | tail -n 3 >>"$out/gpu-tests.txt"
 fi
 if [ $bench -eq 1 ] && [ -x bench/run.sh ]; then
     step "benchmark" timeout 900 bash bench/run.sh "$out"

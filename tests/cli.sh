@@ -164,6 +164,8 @@ expect lib-threads 2 "mok: mok_config_validate: $lib: config.cpu_threads: 1" \
     run --preset olmoe-1b-7b --scale 16 --threads 1 --backend cpu
 expect lib-comm-threads 2 "mok: mok_config_validate: $lib: config.cpu_comm_threads: 0" \
     run --preset olmoe-1b-7b --scale 16 --comm-threads 0 --backend cpu
+expect lib-comm-sms 2 "mok: mok_config_validate: $lib: config.fwd_comm_sms: -3" \
+    run --preset olmoe-1b-7b --scale 16 --comm-sms -3 --backend cpu
 expect lib-limit 2 "mok: mok_config_validate: $lib: config.swiglu_limit" \
     run --preset olmoe-1b-7b --scale 16 --limit -1 --backend cpu
 expect lib-context-rows 2 "mok: mok_config_validate: $lib: config.context_rows" \

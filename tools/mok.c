@@ -67,6 +67,7 @@ static void usage(FILE *out) {
             "  --context-rows N    config context_rows (rows past it are replayed in the backward)\n"
             "  --threads N         config cpu_threads (per rank; 0 = the machine's cores)\n"
             "  --comm-threads N    config cpu_comm_threads\n"
+            "  --comm-sms N        config fwd_comm_sms and bwd_comm_sms (cuda; 0 = auto)\n"
             "  --limit L           config swiglu_limit (0 = no clamp)\n"
             "  --trace PATH        record the last run's tasks as Chrome trace JSON\n"
             "\n"
@@ -215,7 +216,7 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
         static const char *const valued[] = {"--preset", "--scale", "--ranks", "--tokens", "--skew",
                                              "--seed", "--backend", "--repeat", "--minibatch", "--ring",
                                              "--context-rows", "--threads", "--comm-threads", "--limit",
-                                             "--trace", "--check-tokens"};
+                                             "--trace", "--check-tokens", "--comm-sms"};
         int known = 0;
         for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= strcmp(flag, valued[k]) == 0;
         if (!known) {
@@ -267,6 +268,9 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
             rc = parse_int(flag, value, &opt->config.cpu_threads);
         } else if (strcmp(flag, "--comm-threads") == 0) {
             rc = parse_int(flag, value, &opt->config.cpu_comm_threads);
+        } else if (strcmp(flag, "--comm-sms") == 0) {
+            rc = parse_int(flag, value, &opt->config.fwd_comm_sms); /* the library checks the range */
+            opt->config.bwd_comm_sms = opt->config.fwd_comm_sms;
         } else if (strcmp(flag, "--limit") == 0) {
             double limit;
             rc = parse_double(flag, value, &limit);
