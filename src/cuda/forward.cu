@@ -175,10 +175,10 @@ static unsigned forward_maps(const mok_workspace *ws, const cuda_rank *R, const 
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 128) << MAP_RING_X;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 128) << MAP_RING_H;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 128) << MAP_X;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 128) << MAP_SH_H;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
     (void)ws;
     return mask | weight_maps(p, maps);
 }

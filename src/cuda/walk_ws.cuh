@@ -62,6 +62,8 @@ static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_oper
     op->tma = 1;
     op->a_map = a_map;
     op->a_row = (int)a_row;
+    op->a_mmajor = 0;
+    op->a_halves = 2;
     op->b_nmajor = 0;
     op->b_halves = b_hi >= 0 ? 2 : 1;
     op->b_map[0] = b_lo;
@@ -80,6 +82,8 @@ static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_oper
     op->tma = 1;
     op->a_map = a_map;
     op->a_row = (int)a_row;
+    op->a_mmajor = 0;
+    op->a_halves = 2;
     op->b_nmajor = 1;
     op->b_halves = halves;
     op->b_col = (int)col;
@@ -87,6 +91,26 @@ static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_oper
     op->b_row[0] = (int)row0;
     op->b_map[1] = b1 >= 0 ? b1 : b0;
     op->b_row[1] = (int)row1;
+}
+
+/* TMA for a weight-gradient GEMM: A M-major (k rows from a_row, columns a_col.., `a_halves`
+ * halves), B N-major (k rows from b_row, columns b_col.., `b_halves` halves), one k range. */
+static __device__ __forceinline__ void use_tma_mn(const pass_params &p, tile_operands *op, int a_map, long long a_row,
+                                                  long long a_col, int a_halves, int b_map, long long b_row,
+                                                  long long b_col, int b_halves) {
+    const unsigned need = (1u << a_map) | (1u << b_map);
+    if ((p.tma_mask & need) != need) return;
+    op->tma = 1;
+    op->a_map = a_map;
+    op->a_row = (int)a_row;
+    op->a_mmajor = 1;
+    op->a_halves = a_halves;
+    op->a_col = (int)a_col;
+    op->b_nmajor = 1;
+    op->b_halves = b_halves;
+    op->b_col = (int)b_col;
+    op->b_map[0] = op->b_map[1] = b_map;
+    op->b_row[0] = op->b_row[1] = (int)b_row;
 }
 
 template <typename Runner, bool A_MN, bool B_MN>

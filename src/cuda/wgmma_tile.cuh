@@ -209,14 +209,19 @@ static __device__ void ws_produce_gemm(ws_ring &r, const tile_operands &op, int 
  * other 127 threads arrive plainly, so full[s] keeps its count of 128 on both paths. */
 static __device__ void ws_produce_tma(ws_ring &r, const tile_operands &op, int tid) {
     const int ktiles = ws_ktiles(op);
-    const uint32_t bytes = WS_A_BYTES + op.b_halves * WS_HALF_BYTES;
+    const uint32_t bytes = (op.a_halves + op.b_halves) * WS_HALF_BYTES;
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
         const uint32_t a = r.stages + r.stage * WS_STAGE_BYTES, full = r.full + 8 * r.stage;
         if (tid == 0) {
             const int k0 = kt * TILE_BK;
             mbar_arrive_expect_tx(full, bytes);
-            tma_load_2d(a, r.maps + op.a_map, k0, op.a_row, full);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (h >= op.a_halves) break;
+                if (!op.a_mmajor) tma_load_2d(a + h * WS_HALF_BYTES, r.maps + op.a_map, k0, op.a_row + 64 * h, full);
+                else tma_load_2d(a + h * WS_HALF_BYTES, r.maps + op.a_map, op.a_col + 64 * h, op.a_row + k0, full);
+            }
             /* (the arrays are indexed by constants or selects only: no local memory) */
             const bool second = k0 >= op.k_split;
             const int map_n = second ? op.b_map[1] : op.b_map[0];
