@@ -200,10 +200,10 @@ static __device__ __forceinline__ void task_decode(const mok_task_group &grp, lo
     *wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? *rt - grp.first_tile : 0);
 }
 
-/* One thread, after the task's writes are ordered before it (bar.sync): the trace event, then
- * the release of the task's done counters. */
+/* One thread, after the task's writes are ordered before it (bar.sync, or an mbarrier after
+ * one): the trace event (start, end), then the release of the task's done counters. */
 static __device__ void finish_task(const pass_params &p, const mok_task_group &grp, long long rt, int role,
-                                   long long start) {
+                                   long long start, long long end) {
     if (p.trace) {
         unsigned long long n = atomicAdd(p.trace_count, 1ull);
         if ((long long)n < p.trace_cap) {
@@ -214,7 +214,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
             e.rank = p.rank;
             e.comm = role == MOK_ROLE_COMM;
             e.start_ns = start;
-            e.end_ns = globaltimer_ns();
+            e.end_ns = end;
             p.trace[n] = e;
         }
     }
@@ -246,7 +246,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         const long long start = p.trace ? globaltimer_ns() : 0;
         Runner::run(p, v, grp, rt, nt, smem);
         __syncthreads();
-        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start);
+        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start, p.trace ? globaltimer_ns() : 0);
     }
 }
 
