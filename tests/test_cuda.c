@@ -655,6 +655,54 @@ MOK_TEST(cuda_backward_deterministic) {
     layer_free(&L);
 }
 
+/* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands: y and
+ * every gradient bitwise equal, on half-width tiles (H, I not multiples of 128), the shared
+ * expert, uneven tokens, several macrobatches and replayed rows. */
+MOK_TEST(cuda_tma_matches_cp_async) {
+    if (skip(1, "cuda_tma_matches_cp_async")) return;
+    int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {600, 333};
+    const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(320, 192, 8, 4, 192)};
+    const char *saved = getenv("MOK_CUDA_TMA");
+    char saved_copy[16] = "";
+    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    for (int si = 0; si < 2; ++si) {
+        layer L;
+        layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 11 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
+        mok_config cfg = mok_config_default();
+        cfg.minibatch_rows = 128;
+        cfg.ring_rows = 512;
+        cfg.context_rows = 384;
+        layer_result res[2] = {{0}, {0}};
+        int ok = 1;
+        for (int path = 0; path < 2 && ok; ++path) {
+            setenv("MOK_CUDA_TMA", path == 0 ? "1" : "0", 1);
+            gpu_run G;
+            if (gpu_open(&G, &L, &cfg) != MOK_OK) {
+                CHECK(0, "shape %d open: %s", si, G.message);
+                ok = 0;
+                break;
+            }
+            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_backward(&G, &L, 0, &res[path]) != MOK_OK) {
+                CHECK(0, "shape %d %s: %s", si, path == 0 ? "tma" : "cp.async", G.message);
+                ok = 0;
+            } else {
+                download_y(&G, &L, &res[path]);
+            }
+            gpu_close(&G);
+        }
+        if (ok) {
+            char what[256] = "";
+            CHECK(layer_equal(&L, &res[0], &res[1], what, sizeof what), "shape %d: TMA vs cp.async: %s", si, what);
+        }
+        layer_result_free(&res[0]);
+        layer_result_free(&res[1]);
+        layer_free(&L);
+    }
+    if (saved) setenv("MOK_CUDA_TMA", saved_copy, 1);
+    else unsetenv("MOK_CUDA_TMA");
+}
+
 /* With config.trace, the kernels record every task; the trace file lists them. */
 MOK_TEST(cuda_trace) {
     if (skip(1, "cuda_trace")) return;

@@ -50,8 +50,6 @@ static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn;
 static pthread_once_t tma_once = PTHREAD_ONCE_INIT;
 
 static void tma_load_encoder(void) {
-    const char *env = getenv("MOK_CUDA_TMA");
-    if (env && env[0] == '0') return;
     cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
     void *fn = NULL;
 #if CUDART_VERSION >= 12050
@@ -63,10 +61,12 @@ static void tma_load_encoder(void) {
     else cudaGetLastError();
 }
 
-/* Whether passes may use TMA (the encoder was found and MOK_CUDA_TMA is not 0). */
+/* Whether a pass may use TMA: the encoder was found and MOK_CUDA_TMA is not 0 (read at every
+ * pass, so a test can compare both paths in one process). */
 static int tma_available(void) {
     pthread_once(&tma_once, tma_load_encoder);
-    return tma_encode_fn != NULL;
+    const char *env = getenv("MOK_CUDA_TMA");
+    return tma_encode_fn != NULL && !(env && env[0] == '0');
 }
 
 /* Encodes `map` for bf16 [rows, cols] at ptr with boxes of box_rows x 64. Returns 1 when the map
