@@ -376,17 +376,15 @@ static __device__ void bwd_epilogue(const pass_params &p, const mok_sched_view &
                                  nullptr, 0, c, false);
         break;
     }
-    case MOK_TASK_DX: {
+    case MOK_TASK_DX: { /* from registers: no staging, no barrier */
         const tile_info t = row_tile(p, v, rt);
-        ws_stage_bf16(c, acc);
-        store_tile(c, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
-        break;
+        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+        return;
     }
     case MOK_TASK_SHARED_DX: {
         const long long t0 = rt * MOK_ROW_TILE;
-        ws_stage_bf16(c, acc);
-        store_tile(c, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
-        break;
+        store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+        return;
     }
     case MOK_TASK_WGRAD:
     case MOK_TASK_SHARED_WGRAD: {

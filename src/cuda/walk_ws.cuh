@@ -10,8 +10,8 @@
  *                                    GEMMs 0, 1, ... run in order
  *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the starting
  *                                      values (zeros, or a carried fp32 tile) on every path
- *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; returns with
- *                                      the consumers synchronised and `staging` free again
+ *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it used
+ *                                      `staging`, it returns with the consumers synchronised
  *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
