@@ -178,11 +178,14 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
     unsigned long long *ticket = p.counters + p.counters_cap + MOK_ROLE_COMPUTE;
     const long long num_groups = *p.num_groups;
     task_cursor cur = {-1, 0, 0};
+    /* The next ticket is claimed as soon as the current task is posted: the atomic's round trip
+       then overlaps the current task's loads instead of delaying the next task's. */
+    unsigned long long next = tid == 0 ? atomicAdd(ticket, 1ull) : 0;
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (tid == 0) {
             long long g = 0, rt = 0, nt = 0, stop = 1;
-            const long long t = (long long)atomicAdd(ticket, 1ull);
+            const long long t = (long long)next;
             if (cursor_seek(p, MOK_ROLE_COMPUTE, num_groups, cur, t)) {
                 const mok_task_group grp = p.groups[cur.g];
                 long long wait;
@@ -196,6 +199,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
             queue[q].nt = nt;
             queue[q].stop = stop;
             mbar_arrive(qfull + 8 * q);
+            if (!stop) next = atomicAdd(ticket, 1ull);
         }
         producer_sync();
         if (queue[q].stop) break;
