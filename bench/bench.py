@@ -21,13 +21,11 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, here)
 sys.path.insert(0, os.path.join(here, "..", "python"))
 import baselines as B  # noqa: E402
+import layers as LY  # noqa: E402
 import mok  # noqa: E402
 from mok import functional as F  # noqa: E402
 
-LAYERS = {
-    "deepseek-v3": dict(hidden=7168, inter=2048, topk=8, shared=2048),
-    "qwen3-30b-a3b": dict(hidden=2048, inter=768, topk=8, shared=0),
-}
+LAYERS = LY.LAYERS
 # MOK_BENCH_SMOKE=1: the whole harness on the cpu backend with tiny layers (no GPU), to check it.
 SMOKE = os.environ.get("MOK_BENCH_SMOKE") == "1"
 if SMOKE:
@@ -217,15 +215,9 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
     rows = []
-    if a.ranks == 1:
-        cases = [("deepseek-v3", 32, 8192, 0.0), ("qwen3-30b-a3b", 128, 16384, 0.0)]
-        if SMOKE:
-            cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 0.0)]
-    else:
-        cases = [("deepseek-v3", 256, 8192, 0.0), ("deepseek-v3", 256, 8192, 1.5), ("qwen3-30b-a3b", 128, 16384, 0.0),
-                 ("qwen3-30b-a3b", 128, 16384, 1.5)]
-        if SMOKE:
-            cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5)]
+    cases = LY.cases(a.ranks)
+    if SMOKE:
+        cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5 if a.ranks > 1 else 0.0)]
     base = F.Config()
     for name, experts, tokens, skew in cases:
         t0 = time.time()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# run.sh OUT — the benchmark of docs/perf.md: mok on one and two GPUs with the in-process
-# PyTorch baseline, and the NCCL all-to-all baseline under torchrun, in one run.
+# run.sh OUT — the benchmark of docs/perf.md, in one job: mok on 1 GPU (with the in-process
+# PyTorch baseline, a sweep and traces), then on 2, 4 and 8 GPUs as the machine has them (with a
+# comm-CTA sweep) beside the NCCL all-to-all baseline under torchrun, case by case
+# (bench/layers.py), and the PyTorch autograd baselines on one GPU.
 set -u
 out=${1:-build/bench}
 mkdir -p "$out"
@@ -9,16 +11,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export MOK_LIBRARY=$PWD/build/libmok.so
 ngpu=$(nvidia-smi -L | wc -l)
 python3 bench/bench.py --ranks 1 --out "$out" --trace 2>&1 | tee "$out/bench_ep1.txt"
-if [ "$ngpu" -ge 2 ]; then
-    python3 bench/bench.py --ranks 2 --out "$out" --sweep-comm 16,32,48 --sweep-mb 2048 2>&1 | tee "$out/bench_ep2.txt"
-    for skew in 0 1.5; do
-        torchrun --nproc-per-node 2 bench/torch_baseline.py --name deepseek-v3 --hidden 7168 --inter 2048 \
-            --experts 256 --topk 8 --shared 2048 --tokens 8192 --skew $skew --backward 2>&1 | grep '^{' | tee -a "$out/baseline_ep2.txt"
-        torchrun --nproc-per-node 2 bench/torch_baseline.py --name qwen3-30b-a3b --hidden 2048 --inter 768 \
-            --experts 128 --topk 8 --tokens 16384 --skew $skew --backward 2>&1 | grep '^{' | tee -a "$out/baseline_ep2.txt"
+for P in 2 4 8; do
+    [ "$ngpu" -ge $P ] || continue
+    python3 bench/bench.py --ranks $P --out "$out" --sweep-comm 16,32,48 --sweep-mb 2048 2>&1 | tee "$out/bench_ep$P.txt"
+    python3 bench/layers.py $P | while read -r name experts tokens skew; do
+        torchrun --nproc-per-node $P bench/torch_baseline.py --layer "$name" --experts "$experts" --tokens "$tokens" \
+            --skew "$skew" --backward 2>&1 | grep '^{' | tee -a "$out/baseline_ep$P.txt"
     done
-fi
-python3 bench/torch_baseline.py --name deepseek-v3 --hidden 7168 --inter 2048 --experts 32 --topk 8 --shared 2048 \
-    --tokens 8192 --backward | tee -a "$out/baseline_ep1.txt"
-python3 bench/torch_baseline.py --name qwen3-30b-a3b --hidden 2048 --inter 768 --experts 128 --topk 8 \
-    --tokens 16384 --backward | tee -a "$out/baseline_ep1.txt"
+done
+python3 bench/layers.py 1 | while read -r name experts tokens skew; do
+    python3 bench/torch_baseline.py --layer "$name" --experts "$experts" --tokens "$tokens" --skew "$skew" \
+        --backward | tee -a "$out/baseline_ep1.txt"
+done

@@ -3,6 +3,7 @@
     python3 bench/torch_baseline.py --hidden 7168 --inter 2048 --experts 32 --topk 8 \
         --shared 2048 --tokens 8192 [--skew 0] [--backward]
     torchrun --nproc-per-node 2 bench/torch_baseline.py ... --experts 256   # NCCL all-to-all
+    python3 bench/torch_baseline.py --layer glm-5.2 --experts 8 --tokens 2048   # dims from bench/layers.py
 
 With several processes, --experts is the global count (E / P per GPU) and --tokens per GPU.
 """
@@ -15,21 +16,33 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines as B  # noqa: E402
+import layers as LY  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", default="")
-    ap.add_argument("--hidden", type=int, required=True)
-    ap.add_argument("--inter", type=int, required=True)
+    ap.add_argument("--layer", choices=sorted(LY.LAYERS), help="take H, I, top-k and I_s from bench/layers.py")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--inter", type=int)
     ap.add_argument("--experts", type=int, required=True)
-    ap.add_argument("--topk", type=int, required=True)
-    ap.add_argument("--shared", type=int, default=0)
+    ap.add_argument("--topk", type=int)
+    ap.add_argument("--shared", type=int)
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
+    if a.layer:
+        d = LY.LAYERS[a.layer]
+        a.name = a.name or a.layer
+        a.hidden = a.hidden or d["hidden"]
+        a.inter = a.inter or d["inter"]
+        a.topk = a.topk or d["topk"]
+        a.shared = d["shared"] if a.shared is None else a.shared
+    if not (a.hidden and a.inter and a.topk):
+        ap.error("give --layer, or --hidden, --inter and --topk")
+    a.shared = a.shared or 0
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -48,7 +61,7 @@ def main():
 
     fwd = (lambda: B.forward_all_to_all(x, ids, w, layer)) if distributed else (lambda: B.forward_single(x, ids, w, layer))
     ms = B.time_cuda(fwd, reps=a.reps)
-    result = {"name": a.name, "ranks": world, "tokens": a.tokens, "forward_ms": ms}
+    result = {"name": a.name, "ranks": world, "experts": a.experts, "tokens": a.tokens, "skew": a.skew, "forward_ms": ms}
     flops = B.flops_forward(a.tokens, a.topk, a.hidden, a.inter, a.shared)
     result["forward_tflops"] = flops / ms / 1e9
     if a.backward:

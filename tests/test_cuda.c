@@ -16,6 +16,9 @@
 
 static int gpus(void) { return mok_backend_available(MOK_BACKEND_CUDA); }
 
+/* Ranks for the tests that use every GPU (EP2 on two, EP4 / EP8 where lent), at most 8. */
+static int all_ranks(void) { return gpus() < 8 ? gpus() : 8; }
+
 static int skip(int need, const char *name) {
     if (gpus() >= need) return 0;
     mok_test_skip("%s needs %d GPU%s, this machine has %d", name, need, need > 1 ? "s" : "", gpus());
@@ -255,13 +258,17 @@ MOK_TEST(cuda_forward_full_size) {
 /* Bitwise equality across repeated runs and across fwd_comm_sms, minibatch_rows, ring_rows. */
 MOK_TEST(cuda_forward_deterministic) {
     if (skip(1, "cuda_forward_deterministic")) return;
-    int P = gpus() >= 2 ? 2 : 1;
-    int64_t tokens[2] = {1500, 1100};
+    int P = all_ranks();
+    int64_t tokens[8] = {1500, 1100, 700, 1300, 0, 900, 1200, 800};
     mok_shape s = small_shape(512, 256, 16, 4, 256);
     layer L;
     layer_make(&L, &s, P, tokens, mok_test_seed(), LAYER_ROUTE_SKEWED);
-    size_t bytes[2] = {(size_t)tokens[0] * 512 * 2, (size_t)tokens[1] * 512 * 2};
-    uint16_t *first[2] = {malloc(bytes[0]), malloc(bytes[1])};
+    size_t bytes[8];
+    uint16_t *first[8];
+    for (int p = 0; p < P; ++p) {
+        bytes[p] = (size_t)tokens[p] * 512 * 2;
+        first[p] = malloc(bytes[p] ? bytes[p] : 1);
+    }
     struct { int comm, mb, ring; } cfgs[] = {{32, 1024, 16384}, {8, 1024, 16384}, {16, 256, 16384},
                                              {16, 128, 256}, {24, 512, 1024}};
     int runs = 0;
@@ -283,7 +290,7 @@ MOK_TEST(cuda_forward_deterministic) {
                 break;
             }
             for (int p = 0; p < P; ++p) {
-                uint16_t *y = malloc(bytes[p]);
+                uint16_t *y = malloc(bytes[p] ? bytes[p] : 1);
                 mok_memory_copy(G.group, p, y, G.y[p], bytes[p], MOK_COPY_RANK_TO_HOST);
                 if (runs == 0) memcpy(first[p], y, bytes[p]);
                 else CHECK(memcmp(first[p], y, bytes[p]) == 0, "config %zu run %d rank %d: y differs bitwise", c, r, p);
@@ -293,8 +300,7 @@ MOK_TEST(cuda_forward_deterministic) {
         }
         gpu_close(&G);
     }
-    free(first[0]);
-    free(first[1]);
+    for (int p = 0; p < P; ++p) free(first[p]);
     layer_free(&L);
 }
 
@@ -610,11 +616,37 @@ MOK_TEST(cuda_backward_ep2) {
                    0.0f, &ring, 0);
 }
 
+/* EP4 and EP8 where the machine has the GPUs: every output and gradient against the reference,
+ * uniform and skewed routing, uneven tokens (one rank with none), several macrobatches with
+ * replay. (The determinism tests above run on every GPU of the machine too.) */
+MOK_TEST(cuda_ep4_ep8) {
+    if (skip(4, "cuda_ep4_ep8")) return;
+    for (int P = 4; P <= 8 && P <= gpus(); P *= 2) {
+        int64_t even[8], uneven[8];
+        for (int r = 0; r < P; ++r) {
+            even[r] = 256;
+            uneven[r] = r == 1 ? 0 : 100 + 53 * r;
+        }
+        mok_shape a = small_shape(256, 128, 4 * P, 4, 128);
+        char tag[64];
+        snprintf(tag, sizeof tag, "ep%d uniform", P);
+        check_backward(tag, &a, P, even, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0);
+        snprintf(tag, sizeof tag, "ep%d skewed, uneven", P);
+        check_backward(tag, &a, P, uneven, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0);
+        mok_config ring = mok_config_default();
+        ring.minibatch_rows = 128;
+        ring.ring_rows = 256;
+        ring.context_rows = 256;
+        snprintf(tag, sizeof tag, "ep%d macrobatches, replay, weights <= 0", P);
+        check_backward(tag, &a, P, uneven, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &ring, 1);
+    }
+}
+
 /* Every gradient bitwise equal across runs and across bwd_comm_sms, minibatch and ring sizes. */
 MOK_TEST(cuda_backward_deterministic) {
     if (skip(1, "cuda_backward_deterministic")) return;
-    int P = gpus() >= 2 ? 2 : 1;
-    int64_t tokens[2] = {700, 500};
+    int P = all_ranks();
+    int64_t tokens[8] = {700, 500, 0, 300, 650, 420, 510, 280};
     mok_shape s = small_shape(512, 256, 8, 4, 256);
     layer L;
     layer_make(&L, &s, P, tokens, mok_test_seed() + 3, LAYER_ROUTE_SKEWED);

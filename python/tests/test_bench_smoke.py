@@ -1,0 +1,42 @@
+"""test_bench_smoke.py — the benchmark harness end to end on the cpu backend (MOK_BENCH_SMOKE=1:
+tiny layers, no GPU): bench.py for 1 and 2 ranks with a small sweep and the traces, checking that
+it writes its JSON, its table and a trace per pass, and that the case table of bench/layers.py
+divides every layer's experts evenly for 1, 2, 4 and 8 ranks. Skipped without torch.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def test_case_table():
+    import layers
+
+    for ranks in (1, 2, 4, 8):
+        for name, experts, tokens, skew in layers.cases(ranks):
+            assert name in layers.LAYERS
+            assert experts % ranks == 0 and experts > 0, (ranks, name, experts)
+            assert tokens > 0 and skew >= 0
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bench_smoke(tmp_path, ranks):
+    pytest.importorskip("torch")
+    env = dict(os.environ, MOK_BENCH_SMOKE="1")
+    out, traces = tmp_path / "out", tmp_path / "traces"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--ranks", str(ranks), "--out", str(out),
+           "--reps", "2", "--sweep-comm", "8", "--sweep-mb", "128", "--trace", "--trace-dir", str(traces)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "mok fwd ms" in r.stdout
+    data = json.loads((out / f"bench_ep{ranks}.json").read_text())
+    assert len(data["cases"]) == 2 and len(data["sweeps"]) == 2
+    for row in data["cases"]:
+        assert row["forward_ms"] > 0 and row["backward_ms"] > 0
+    names = sorted(p.name for p in traces.iterdir())
+    assert sum(n.endswith("_fwd.json") for n in names) == 2 and sum(n.endswith("_bwd.json") for n in names) == 2
