@@ -730,10 +730,14 @@ int main(int argc, char **argv) {
     tests.push_back({77, 136, 72});
     tests.push_back({300, 520, 1000});
     tests.push_back({16384, 1536, 2048});
-    const Shape timed[] = {{8192, 4096, 7168}, {16384, 1536, 2048}};
+    /* square-ish, then the experts' own shapes: Qwen3-30B gate|up and down (16384 rows), DeepSeek-V3
+       down (8192 rows) */
+    const Shape timed[] = {{8192, 4096, 7168}, {16384, 1536, 2048}, {16384, 2048, 768}, {8192, 7168, 2048}};
 
     size_t a_elems = 0, b_elems = 0, c_elems = 0;
-    for (const Shape &s : tests) {
+    std::vector<Shape> sized(tests);
+    for (const Shape &s : timed) sized.push_back(s);
+    for (const Shape &s : sized) {
         a_elems = std::max(a_elems, (size_t)s.M * s.K);
         b_elems = std::max(b_elems, (size_t)s.N * s.K);
         c_elems = std::max(c_elems, (size_t)s.M * s.N);
