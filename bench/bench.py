@@ -164,6 +164,33 @@ def kind_flops(layer, experts, tokens, ranks):
             "shared_wgrad": 2 * tokens * 3 * Is * H}
 
 
+def profile_case(group, ranks, name, experts, tokens, skew, config):
+    """Every kernel's GPU time (and the host's) over 3 forwards and 3 backwards, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = LAYERS[name]
+    inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
+    run = MokRun(group, layer, experts, tokens, inputs, config)
+    activities = [ProfilerActivity.CPU] + ([] if SMOKE else [ProfilerActivity.CUDA])
+    try:
+        run.forward()
+        run.backward()
+        sync = (lambda: None) if SMOKE else (lambda: [torch.cuda.synchronize(r) for r in range(ranks)])
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                run.forward()
+            sync()
+            for _ in range(3):
+                run.backward()
+            sync()
+        key = "self_cpu_time_total" if SMOKE else "self_cuda_time_total"
+        print(f"profile {name} EP{ranks} {tokens} tokens/GPU skew {skew}: 3 forwards + 3 backwards", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
+    finally:
+        run.close()
+
+
 def trace_case(group, ranks, name, experts, tokens, skew, config, out):
     """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each."""
     import timeline
@@ -211,6 +238,9 @@ def main():
                     help="per case, trace one forward and one backward (Config(trace=True)): JSON, a Gantt PNG "
                          "and a per-kind summary (task count, busy time, TFLOP/s of the GEMM kinds)")
     ap.add_argument("--trace-dir", default="build/traces", help="where --trace writes its JSON and PNG files")
+    ap.add_argument("--profile", action="store_true",
+                    help="per case, every kernel's GPU time over 3 forwards and 3 backwards (torch.profiler): "
+                         "what the passes spend outside the megakernel (schedule, barriers, epilogue, memsets)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
@@ -225,6 +255,9 @@ def main():
         row["wall_s"] = time.time() - t0
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if a.profile:
+        for name, experts, tokens, skew in cases:
+            profile_case(group, a.ranks, name, experts, tokens, skew, base)
     if a.trace:
         for name, experts, tokens, skew in cases:
             os.makedirs(a.trace_dir, exist_ok=True)
