@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, c
 }
 
 /* The tensor maps of a forward pass and the mask of those usable. */
-static unsigned forward_maps(const mok_workspace *ws, const cuda_rank *R, const pass_params *p, pass_maps *maps) {
+static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
     const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
@@ -210,7 +210,6 @@ static unsigned forward_maps(const mok_workspace *ws, const cuda_rank *R, const 
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
-    (void)ws;
     return mask | weight_maps(p, maps);
 }
 
@@ -262,23 +261,14 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
         p.n_tile = CUDA_N_TILE;
-        int comm = comm_ctas(ws, ws->config.fwd_comm_sms);
-        p.comm_ctas = comm < R->num_sms - 1 ? comm : R->num_sms - 1;
-        p.x = (const uint16_t *)a->x;
-        p.w_gate = (const uint16_t *)a->w_gate;
-        p.w_up = (const uint16_t *)a->w_up;
-        p.w_down = (const uint16_t *)a->w_down;
-        p.s_gate = (const uint16_t *)a->s_gate;
-        p.s_up = (const uint16_t *)a->s_up;
-        p.s_down = (const uint16_t *)a->s_down;
-        p.context = (uint16_t *)a->context;
-        p.context_shared = (uint16_t *)((char *)a->context + ws->context_shared_offset);
+        p.comm_ctas = comm_ctas(ws, R, ws->config.fwd_comm_sms);
+        pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
                                      cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;
-        p.tma_mask = forward_maps(ws, R, &p, &maps);
+        p.tma_mask = forward_maps(R, &p, &maps);
         if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, WS_THREADS, smem, stream, a->num_tokens,
                               &maps)) != MOK_OK)
             return st;

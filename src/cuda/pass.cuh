@@ -269,10 +269,27 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
 }
 
 /* Comm CTAs of a pass: the config's count, or for 0 the measured choice (docs/perf.md): on one
- * rank dispatch and combine are local copies that 8 CTAs keep ahead of the GEMMs; across ranks 32. */
-static int comm_ctas(const mok_workspace *ws, int configured) {
-    if (configured > 0) return configured;
-    return ws->group->nranks == 1 ? 8 : 32;
+ * rank dispatch and combine are local copies that 8 CTAs keep ahead of the GEMMs; across ranks 32.
+ * At least one CTA is left to compute. */
+static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured) {
+    int comm = configured > 0 ? configured : ws->group->nranks == 1 ? 8 : 32;
+    return comm < R->num_sms - 1 ? comm : R->num_sms - 1;
+}
+
+/* The layer a pass reads, as both passes' arguments name it: x, the weights, the context (the
+ * forward writes it, the backward reads it). */
+static void pass_params_layer(pass_params *p, const mok_workspace *ws, const void *x, const void *w_gate,
+                              const void *w_up, const void *w_down, const void *s_gate, const void *s_up,
+                              const void *s_down, const void *context) {
+    p->x = (const uint16_t *)x;
+    p->w_gate = (const uint16_t *)w_gate;
+    p->w_up = (const uint16_t *)w_up;
+    p->w_down = (const uint16_t *)w_down;
+    p->s_gate = (const uint16_t *)s_gate;
+    p->s_up = (const uint16_t *)s_up;
+    p->s_down = (const uint16_t *)s_down;
+    p->context = (uint16_t *)context;
+    p->context_shared = (uint16_t *)((const char *)context + ws->context_shared_offset);
 }
 
 /* The launch sequence every pass shares, on one rank's stream, after its inputs are staged:
