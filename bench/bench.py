@@ -82,6 +82,21 @@ def time_ranks(fn, ranks, reps):
     return times[len(times) // 2]
 
 
+def baseline_step(i):
+    """PyTorch's forward + backward under autograd on one rank's inputs: every gradient mok's
+    backward gives (x, router weights, all expert and shared-expert weights)."""
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in i["w"].items() if v is not None}
+    x = i["x"].detach().clone().requires_grad_(True)
+    rw = i["rw"].detach().clone().requires_grad_(True)
+    leaves = [x, rw] + list(params.values())
+
+    def step():
+        y = B.forward_single(x, i["ids"], rw, params)
+        torch.autograd.grad(y, leaves, i["dy"])
+
+    return step
+
+
 class MokRun:
     def __init__(self, group, layer, experts, tokens, inputs, config):
         self.inputs = inputs
@@ -132,6 +147,7 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
             row["max_rel_err_vs_torch"] = err
             row["baseline_forward_ms"] = time_ranks(lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1,
                                                     reps)
+            row["baseline_forward_backward_ms"] = time_ranks(baseline_step(i), 1, max(3, reps // 2))
         row["forward_ms"] = time_ranks(run.forward, ranks, reps)
         try:
             row["backward_ms"] = time_ranks(run.backward, ranks, max(3, reps // 2))
@@ -150,6 +166,8 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
         row["forward_link_GBps"] = moved / (row["forward_ms"] * 1e-3) / 1e9
     if row.get("baseline_forward_ms"):
         row["speedup"] = row["baseline_forward_ms"] / row["forward_ms"]
+    if row.get("baseline_forward_backward_ms") and row.get("backward_ms"):
+        row["speedup_forward_backward"] = row["baseline_forward_backward_ms"] / (row["forward_ms"] + row["backward_ms"])
     return row
 
 
@@ -289,12 +307,14 @@ def main():
         json.dump(dict(cases=rows, sweeps=sweeps), f, indent=1)
     print()
     print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} {'skew':>4} | {'mok fwd ms':>10} {'TFLOP/s':>7} | {'torch ms':>8} "
-          f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | err")
+          f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | {'torch f+b':>9} {'speedup':>7} | err")
     for r in rows:
         print(f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} {r['skew']:>4} | {r['forward_ms']:>10.3f} "
               f"{r['forward_tflops']:>7.1f} | {r.get('baseline_forward_ms', float('nan')):>8.3f} "
               f"{r.get('speedup', float('nan')):>7.2f} | {r.get('backward_ms') or float('nan'):>10.3f} "
-              f"{r.get('backward_tflops', float('nan')):>7.1f} | {r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
+              f"{r.get('backward_tflops', float('nan')):>7.1f} | "
+              f"{r.get('baseline_forward_backward_ms', float('nan')):>9.3f} {r.get('speedup_forward_backward', float('nan')):>7.2f} | "
+              f"{r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
               f"{r['workspace_bytes'] / 2**30:6.2f} | {r.get('forward_link_GBps', float('nan')):9.1f}")
     if sweeps:
         print("\nsweep (forward ms): layer, comm SMs x minibatch rows")
