@@ -935,6 +935,13 @@ static int64_t find_task(const mok_task *tasks, int64_t n, int kind, int minibat
     return -1;
 }
 
+/* The last task of `kind` for row tile `a`, or -1. */
+static int64_t find_last_of_tile(const mok_task *tasks, int64_t n, int kind, int a) {
+    for (int64_t i = n - 1; i >= 0; --i)
+        if (tasks[i].kind == kind && tasks[i].a == a) return i;
+    return -1;
+}
+
 static void swap_tasks(mok_task *tasks, int64_t i, int64_t j) {
     mok_task t = tasks[i];
     tasks[i] = tasks[j];
@@ -984,9 +991,17 @@ MOK_TEST(schedule_tasks_broken_list) {
     CHECK(got == d + 1, "GATEUP moved to %lld: check says %lld", (long long)d, (long long)got - 1);
     swap_tasks(tasks, d, g);
 
-    /* 2. the first DOWN of minibatch 0 ahead of the last GATEUP of minibatch 0 (one role) */
-    int64_t lg = find_task(tasks, n, MOK_TASK_GATEUP, 0, 1), fd = find_task(tasks, n, MOK_TASK_DOWN, 0, 0);
-    CHECK(lg >= 0 && fd > lg, "last gateup %lld, first down %lld", (long long)lg, (long long)fd);
+    /* 2. the first DOWN of minibatch 0 ahead of the last GATEUP of its row tile (one role). A down
+       tile waits only for its own rows' gate/up tiles: moving it ahead of the last GATEUP of the
+       minibatch, another row tile here, breaks nothing. */
+    int64_t fd = find_task(tasks, n, MOK_TASK_DOWN, 0, 0);
+    int64_t lg = find_last_of_tile(tasks, n, MOK_TASK_GATEUP, tasks[fd].a);
+    int64_t lgm = find_task(tasks, n, MOK_TASK_GATEUP, 0, 1);
+    CHECK(lg >= 0 && fd > lg, "last gateup of the tile %lld, first down %lld", (long long)lg, (long long)fd);
+    CHECK(lgm > lg && tasks[lgm].a != tasks[fd].a, "minibatch 0 has one row tile only");
+    swap_tasks(tasks, lgm, fd);
+    CHECK(mok__tasks_check(tasks, n, CL.total, scratch) == 0, "a DOWN waits on another row tile's GATEUP");
+    swap_tasks(tasks, lgm, fd);
     swap_tasks(tasks, lg, fd);
     got = mok__tasks_check(tasks, n, CL.total, scratch);
     CHECK(got == lg + 1, "DOWN moved to %lld: check says %lld", (long long)lg, (long long)got - 1);
@@ -996,8 +1011,9 @@ MOK_TEST(schedule_tasks_broken_list) {
     CHECK(executed < n, "executed %lld of %lld", (long long)executed, (long long)n);
     swap_tasks(tasks, lg, fd);
 
-    /* 3. the first COMBINE of minibatch 0 ahead of the last DOWN it waits for */
-    int64_t ld = find_task(tasks, n, MOK_TASK_DOWN, 0, 1), fc0 = find_task(tasks, n, MOK_TASK_COMBINE, 0, 0);
+    /* 3. the first COMBINE of minibatch 0 ahead of the last DOWN of its row tile */
+    int64_t fc0 = find_task(tasks, n, MOK_TASK_COMBINE, 0, 0);
+    int64_t ld = find_last_of_tile(tasks, n, MOK_TASK_DOWN, tasks[fc0].a);
     swap_tasks(tasks, ld, fc0);
     CHECK(mok__tasks_check(tasks, n, CL.total, scratch) == ld + 1, "COMBINE ahead of DOWN not flagged at %lld",
           (long long)ld);

@@ -14,18 +14,21 @@ MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l)
     int64_t nmacro = ceil_div(plan->padded_rows, plan->ring_rows);
     int64_t ntt = ceil_div(plan->num_tokens, MOK_ROW_TILE);
     int64_t off = 0;
+    int64_t nrt = ceil_div(plan->padded_rows, MOK_ROW_TILE);
     l->num_minibatches = nmb;
     l->num_macrobatches = nmacro;
     l->num_token_tiles = ntt;
+    l->num_row_tiles = nrt;
     l->dispatched = off; off += nmb;
     l->gateup_done = off; off += nmb;
-    l->down_done = off; off += nmb;
     l->combined = off; off += nmb;
+    l->gateup_tile = off; off += nrt;
+    l->down_tile = off; off += nrt;
     l->shared_up_done = off; off += ntt;
     l->pulled = off; off += nmb;
-    l->dh_done = off; off += nmb;
-    l->dx_done = off; off += nmb;
     l->pushed = off; off += nmb;
+    l->dh_tile = off; off += nrt;
+    l->dx_tile = off; off += nrt;
     l->wgrad_done = off; off += nmacro;
     l->dh_macro_done = off; off += nmacro;
     l->shared_dh_all = off; off += 1;
@@ -210,13 +213,15 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
         int64_t t0, t1;
         mb_tiles(p, rows, b, &t0, &t1);
         const int64_t tiles = t1 - t0;
-        emit(em, MOK_TASK_GATEUP, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->gateup_done + b, 0, -1, L->dispatched + b,
-             tiles, 0, -1, 0);
+        /* gate/up bumps its row tile's counter (down waits on it) and the minibatch's (a recompute
+           pass refills the ring slot after it); down and combine hand over per row tile */
+        emit(em, MOK_TASK_GATEUP, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->gateup_tile + t0, 1, L->gateup_done + b,
+             L->dispatched + b, tiles, 0, -1, 0);
         if (p->recompute) continue;
-        emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->down_done + b, 0, -1, L->gateup_done + b,
-             tiles * nI, 0, -1, 0);
-        emit(em, MOK_TASK_COMBINE, MOK_ROLE_COMM, b, t0, tiles, 1, L->combined + b, 0, -1, L->down_done + b,
-             tiles * nH, 0, -1, 0);
+        emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->down_tile + t0, 1, -1, L->gateup_tile + t0, nI,
+             1, -1, 0);
+        emit(em, MOK_TASK_COMBINE, MOK_ROLE_COMM, b, t0, tiles, 1, L->combined + b, 0, -1, L->down_tile + t0, nH, 1,
+             -1, 0);
     }
 }
 
@@ -268,12 +273,11 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
         int64_t t0, t1, m = b / ring_mbs;
         mb_tiles(p, rows, b, &t0, &t1);
         const int64_t tiles = t1 - t0;
-        emit(em, MOK_TASK_DH, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->dh_done + b, 0, L->dh_macro_done + m,
+        emit(em, MOK_TASK_DH, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->dh_tile + t0, 1, L->dh_macro_done + m,
              L->pulled + b, tiles, 0, -1, 0);
-        emit(em, MOK_TASK_DX, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->dx_done + b, 0, -1, L->dh_done + b, tiles * nI, 0,
-             -1, 0);
-        emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_done + b, tiles * nH, 0, -1,
+        emit(em, MOK_TASK_DX, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->dx_tile + t0, 1, -1, L->dh_tile + t0, nI, 1, -1,
              0);
+        emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_tile + t0, nH, 1, -1, 0);
         if ((b + 1) % ring_mbs == 0 || b == nmb - 1) {
             const int64_t per_expert = mok__wgrad_tiles(p, p->intermediate);
             for (int e = 0; e < p->num_local_experts; ++e) {

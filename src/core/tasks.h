@@ -6,8 +6,9 @@
  * unfinished task always has its inputs ready and a worker on it. mok__tasks_check verifies the
  * first half of that for any list; the tests run it on every list they build.
  *
- * Counters are per minibatch (or per shared row tile, or per macrobatch) and only grow within a
- * pass; a task's wait is "counter >= target". Portable C: built on the host for the cpu backend,
+ * Counters are per minibatch, per row tile (the GEMM-to-GEMM and GEMM-to-transfer hand-offs: a
+ * down tile waits only for the gate/up tiles of its own rows), per shared row tile or per
+ * macrobatch, and only grow within a pass; a task's wait is "counter >= target". Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */
 #ifndef MOK_CORE_TASKS_H
 #define MOK_CORE_TASKS_H
@@ -78,10 +79,12 @@ typedef struct mok_plan {
 
 /* Counter layout for a plan: [kind-major blocks]. */
 typedef struct mok_counters_layout {
-    int64_t num_minibatches, num_macrobatches, num_token_tiles;
-    int64_t dispatched, gateup_done, down_done, combined;       /* per minibatch */
+    int64_t num_minibatches, num_macrobatches, num_token_tiles, num_row_tiles;
+    int64_t dispatched, gateup_done, combined;                  /* per minibatch */
+    int64_t gateup_tile, down_tile;                             /* per row tile */
     int64_t shared_up_done;                                     /* per token tile */
-    int64_t pulled, dh_done, dx_done, pushed;                   /* per minibatch */
+    int64_t pulled, pushed;                                     /* per minibatch */
+    int64_t dh_tile, dx_tile;                                   /* per row tile */
     int64_t wgrad_done, dh_macro_done;                          /* per macrobatch */
     int64_t shared_dh_all;                                      /* one */
     int64_t total;

@@ -40,6 +40,13 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
         }
         if (lane == 0) p.ring_w[ring] = w;
     }
+    /* The tile's padding rows: zeros, which the weight gradients' 64-row slices add as nothing. */
+    const int4 zero = make_int4(0, 0, 0, 0);
+    for (int r = t.nreal + (threadIdx.x >> 5); r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        int4 *x_out = (int4 *)(p.ring_x + (t.ring0 + r) * p.hidden);
+        int4 *dyw_out = (int4 *)(p.ring_dyw + (t.ring0 + r) * p.hidden);
+        for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = zero;
+    }
 }
 
 static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt) {
@@ -67,11 +74,13 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
  * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
  * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. g|u come into the staging tile `c` 64 columns at
  * a time with 16-byte loads (cols 0..63 g, 64..127 u). The partial sums a thread's columns in
- * order, then the 4 lanes of the row (xor 1, then 2): a fixed order. */
+ * order, then the 4 lanes of the row (xor 1, then 2): a fixed order. zero_pad: rows rows .. 127
+ * of h and dg|du get zeros (the routed tiles' padding rows, read by the weight gradients). */
 static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
-                                                long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c) {
+                                                long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
+                                                bool zero_pad) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
     const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
     float dot[2] = {0.0f, 0.0f};
@@ -87,7 +96,17 @@ static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int 
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = row0 + 8 * half;
-            if (row >= rows) continue;
+            if (row >= rows) {
+                if (zero_pad)
+#pragma unroll
+                    for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
+                        const int col = 8 * j + col0;
+                        *(uint32_t *)(h_out + row * h_ld + n0 + col) = 0u;
+                        *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = 0u;
+                        *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = 0u;
+                    }
+                continue;
+            }
             const float wr = w ? w[row] : 1.0f;
 #pragma unroll
             for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
@@ -140,7 +159,7 @@ struct wgrad_job {
 
 static __device__ void wgrad_operands(const pass_params &p, int matrix, long long inter, long long i, long long j,
                                       const uint16_t *dgu, const uint16_t *x, const uint16_t *dyw, const uint16_t *h,
-                                      long long rows, wgrad_job *w) {
+                                      long long rows, bool shared, long long ring0, wgrad_job *w) {
     const long long H = p.hidden, m0 = i * CUDA_WGRAD_TILE, c0 = j * CUDA_WGRAD_TILE;
     const long long mdim = matrix == MOK_WGRAD_DOWN ? H : inter, ndim = matrix == MOK_WGRAD_DOWN ? inter : H;
     w->m_valid = (int)(mdim - m0 < 128 ? mdim - m0 : 128);
@@ -163,6 +182,15 @@ static __device__ void wgrad_operands(const pass_params &p, int matrix, long lon
     op.k_split = 1ll << 62;
     op.k = rows;
     op.k_valid = rows;
+    /* TMA: the ring (rows from ring0; padding rows are zeros) or the token-indexed buffers (rows
+       past T arrive as zeros) */
+    const int a_halves = (w->m_valid + 63) / 64, b_halves = (w->n_valid + 63) / 64;
+    if (matrix == MOK_WGRAD_DOWN)
+        use_tma_mn(p, &op, shared ? MAP_DY : MAP_RING_DYW, ring0, m0, a_halves, shared ? MAP_SH_H : MAP_RING_H, ring0,
+                   c0, b_halves);
+    else
+        use_tma_mn(p, &op, shared ? MAP_SH_DGU : MAP_RING_DGU, ring0, (matrix == MOK_WGRAD_UP ? inter : 0) + m0,
+                   a_halves, shared ? MAP_X : MAP_RING_X, ring0, c0, b_halves);
 }
 
 static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
@@ -180,7 +208,7 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_TILE * w->ld + j * CUDA_WGRAD_TILE) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : nullptr;
         w->carry_out = nullptr;
-        wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, w);
+        wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
     } else {
         mok_plan plan;
         make_plan(p, v, &plan);
@@ -198,7 +226,7 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->init = p.accumulate ? (const float *)w->dest : began_before ? carry : nullptr;
         w->carry_out = (!p.accumulate && continues) ? carry : nullptr;
         wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
-                       p.ring_h + ring0 * I, end - first, w);
+                       p.ring_h + ring0 * I, end - first, false, ring0, w);
     }
     w->dest_f32 = p.accumulate;
 }
@@ -338,27 +366,25 @@ static __device__ void bwd_epilogue(const pass_params &p, const mok_sched_view &
         const uint16_t *gu = replays ? ring_gu : p.context + t.row0 * 2 * I;
         swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, nt * p.n_tile, p.ring_w + t.ring0, p.limit,
                                  p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
-                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c);
+                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c, true);
         break;
     }
     case MOK_TASK_SHARED_DH: {
         const long long t0 = rt * MOK_ROW_TILE;
         swiglu_backward_epilogue(acc, token_rows(p, t0), p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is,
                                  nt * p.n_tile, nullptr, p.limit, p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is,
-                                 nullptr, 0, c);
+                                 nullptr, 0, c, false);
         break;
     }
-    case MOK_TASK_DX: {
+    case MOK_TASK_DX: { /* from registers: no staging, no barrier */
         const tile_info t = row_tile(p, v, rt);
-        ws_stage_bf16(c, acc);
-        store_tile(c, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
-        break;
+        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+        return;
     }
     case MOK_TASK_SHARED_DX: {
         const long long t0 = rt * MOK_ROW_TILE;
-        ws_stage_bf16(c, acc);
-        store_tile(c, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
-        break;
+        store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+        return;
     }
     case MOK_TASK_WGRAD:
     case MOK_TASK_SHARED_WGRAD: {
@@ -433,18 +459,23 @@ __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, 
     else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
 }
 
-/* The tensor maps of a backward pass (the weight-gradient tiles read M/N-major activations whose
- * rows past an expert's end must read as zeros: they stay on cp.async). */
+/* The tensor maps of a backward pass. The weight-gradient tiles read the ring's activations
+ * M/N-major in whole 64-row slices: the rows between an expert's last row and its segment's end
+ * are written as zeros (pull: x, w·dy; dh: h, dg|du) so that they add nothing. */
 static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
     const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 128) << MAP_RING_X;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 128) << MAP_RING_DY;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DGU], R->ring_dgu, ring, 2 * I, 128) << MAP_RING_DGU;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_DY], p->dy, T, H, 128) << MAP_DY;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_DGU], Is ? R->sh_dgu : NULL, T, 2 * Is, 128) << MAP_SH_DGU;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 64) << MAP_RING_DY;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DYW], R->ring_dyw, ring, H, 64) << MAP_RING_DYW;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DGU], R->ring_dgu, ring, 2 * I, 64) << MAP_RING_DGU;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_DY], p->dy, T, H, 64) << MAP_DY;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_DGU], Is ? R->sh_dgu : NULL, T, 2 * Is, 64) << MAP_SH_DGU;
     return mask | weight_maps(p, maps);
 }
 

@@ -93,41 +93,72 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
     return 1;
 }
 
-/* Consumers: the tile rounded to bf16 in `c`, then SwiGLU (h, and g|u into the context) or the
- * plain store of the down projection. */
+/* A gate|up tile straight from the accumulators: a thread's columns 8j + 2(lane % 4) (+1) hold
+ * g for j < 8 and u, the same columns + 64, for j >= 8. g and u rounded to bf16 go into the
+ * context rows (padding rows as zeros), h = bf16(silu(g) * u) into h_out for real rows: the
+ * rounding of the staged path, without shared memory or barriers. */
+static __device__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long long ctx_row0, long long ctx_rows,
+                                   uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
+                                   long long h_ld, float limit) {
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
+    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = row0 + 8 * half;
+        const bool real = r < nreal;
+        const long long crow = ctx_row0 + r;
+        const bool keep = ctx && crow < ctx_rows;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = 8 * j + col0;
+            uint16_t g[2], u[2], h[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                g[q] = real ? mok__bf16_from_f32(acc[4 * j + 2 * half + q]) : (uint16_t)0;
+                u[q] = real ? mok__bf16_from_f32(acc[4 * (j + 8) + 2 * half + q]) : (uint16_t)0;
+                h[q] = mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(g[q]), mok__bf16_to_f32(u[q]), limit));
+            }
+            if (keep) {
+                *(uint32_t *)(ctx + crow * ctx_ld + n0 + col) = (uint32_t)g[0] | ((uint32_t)g[1] << 16);
+                *(uint32_t *)(ctx + crow * ctx_ld + inter + n0 + col) = (uint32_t)u[0] | ((uint32_t)u[1] << 16);
+            }
+            if (real) *(uint32_t *)(h_out + r * h_ld + n0 + col) = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+        }
+    }
+}
+
+/* Consumers: SwiGLU (h, and g|u into the context) or the plain store of the down projection,
+ * from registers (no barrier: the walk's closing barrier orders the stores before the release). */
 static __device__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, float (&acc)[WS_ACC], uint16_t *c) {
-    const int tid = threadIdx.x - WS_PRODUCERS;
+                                    long long rt, long long nt, float (&acc)[WS_ACC]) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
-    ws_stage_bf16(c, acc);
     switch (grp.kind) {
     case MOK_TASK_GATEUP: {
         const tile_info t = row_tile(p, v, rt);
-        swiglu_epilogue(c, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * CUDA_N_TILE,
-                        p.ring_h + t.ring0 * I, I, p.limit, tid, WS_CONSUMERS);
+        swiglu_regs(acc, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * CUDA_N_TILE, p.ring_h + t.ring0 * I,
+                    I, p.limit);
         break;
     }
     case MOK_TASK_SHARED_UP: {
         const long long t0 = rt * MOK_ROW_TILE;
         const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-        swiglu_epilogue(c, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * CUDA_N_TILE, p.sh_h + t0 * Is,
-                        Is, p.limit, tid, WS_CONSUMERS);
+        swiglu_regs(acc, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * CUDA_N_TILE, p.sh_h + t0 * Is, Is,
+                    p.limit);
         break;
     }
     case MOK_TASK_DOWN: {
         const tile_info t = row_tile(p, v, rt);
-        store_tile(c, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
+        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
         break;
     }
     case MOK_TASK_SHARED_DOWN: {
         const long long t0 = rt * MOK_ROW_TILE;
         const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-        store_tile(c, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, tid, WS_CONSUMERS);
+        store_regs(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
         break;
     }
     default: break;
     }
-    consumer_sync();
 }
 
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised (walk_ws.cuh). */
@@ -154,8 +185,8 @@ struct forward_ws {
         for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
     }
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *c, float *) {
-        fwd_epilogue(p, v, grp, rt, nt, acc, c);
+                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *) {
+        fwd_epilogue(p, v, grp, rt, nt, acc);
     }
     static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
                                  long long) {}
@@ -175,10 +206,10 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 128) << MAP_RING_X;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 128) << MAP_RING_H;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 128) << MAP_X;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 128) << MAP_SH_H;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
     return mask | weight_maps(p, maps);
 }
 

@@ -95,41 +95,6 @@ static __device__ __forceinline__ void copy_row(uint16_t *dst, const uint16_t *s
     for (; c < n; c += 32) d[c] = s[c];
 }
 
-/* gate|up tile: C[:, 0:64] = g, C[:, 64:128] = u (bf16). Writes g, u into the context rows
- * (padding rows as zeros) and h = bf16(silu(g) * u) into `h_out` for real rows. Threads
- * tid = 0 .. nthreads - 1 share the work (here and in store_tile). */
-static __device__ void swiglu_epilogue(const uint16_t *c, int nreal, long long ctx_row0, long long ctx_rows,
-                                       uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
-                                       long long h_ld, float limit, int tid, int nthreads) {
-    for (int idx = tid; idx < TILE_BM * 8; idx += nthreads) {
-        int r = idx >> 3, c8 = (idx & 7) * 8;
-        bool real = r < nreal;
-        uint16_t gv[8], uv[8], hv[8];
-        *(int4 *)gv = *(const int4 *)(c + r * TILE_C_LD + c8);
-        *(int4 *)uv = *(const int4 *)(c + r * TILE_C_LD + 64 + c8);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if (!real) gv[i] = uv[i] = 0;
-            hv[i] = mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(gv[i]), mok__bf16_to_f32(uv[i]), limit));
-        }
-        long long row = ctx_row0 + r;
-        if (ctx && row < ctx_rows) {
-            *(int4 *)(ctx + row * ctx_ld + n0 + c8) = *(int4 *)gv;
-            *(int4 *)(ctx + row * ctx_ld + inter + n0 + c8) = *(int4 *)uv;
-        }
-        if (real) *(int4 *)(h_out + r * h_ld + n0 + c8) = *(int4 *)hv;
-    }
-}
-
-static __device__ void store_tile(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld, long long n0,
-                                  int tid, int nthreads) {
-    const int chunks = cols / 8;
-    for (int idx = tid; idx < rows * chunks; idx += nthreads) {
-        int r = idx / chunks, c8 = (idx % chunks) * 8;
-        *(int4 *)(out + r * ld + n0 + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
-    }
-}
-
 static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, mok_plan *plan) {
     memset(plan, 0, sizeof *plan);
     plan->recompute = p.recompute;
@@ -200,10 +165,10 @@ static __device__ __forceinline__ void task_decode(const mok_task_group &grp, lo
     *wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? *rt - grp.first_tile : 0);
 }
 
-/* One thread, after the task's writes are ordered before it (bar.sync): the trace event, then
- * the release of the task's done counters. */
+/* One thread, after the task's writes are ordered before it (bar.sync, or an mbarrier after
+ * one): the trace event (start, end), then the release of the task's done counters. */
 static __device__ void finish_task(const pass_params &p, const mok_task_group &grp, long long rt, int role,
-                                   long long start) {
+                                   long long start, long long end) {
     if (p.trace) {
         unsigned long long n = atomicAdd(p.trace_count, 1ull);
         if ((long long)n < p.trace_cap) {
@@ -214,7 +179,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
             e.rank = p.rank;
             e.comm = role == MOK_ROLE_COMM;
             e.start_ns = start;
-            e.end_ns = globaltimer_ns();
+            e.end_ns = end;
             p.trace[n] = e;
         }
     }
@@ -246,7 +211,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         const long long start = p.trace ? globaltimer_ns() : 0;
         Runner::run(p, v, grp, rt, nt, smem);
         __syncthreads();
-        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start);
+        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start, p.trace ? globaltimer_ns() : 0);
     }
 }
 

@@ -30,13 +30,15 @@ typedef struct tile_operands {
     long long k_split;
     long long k;           /* the K loop runs over ceil(k / 64) steps */
     long long k_valid;     /* rows k >= k_valid read as zero (M/N-major operands) */
-    /* TMA instead (tma.cuh; A K-major only). A: rows a_row .. + 127 of map a_map (rows past
-       a_rows hold whatever the matrix has there: their outputs must be discarded). B, K-major
-       (b_nmajor 0): half h is rows b_row[h] .. + 63 of map b_map[h]. B, N-major (b_nmajor 1):
-       k rows from b_row[0] of b_map[0] while k < k_split, from b_row[1] of b_map[1] after;
-       half h is columns b_col + 64 h. Halves h >= b_halves are left as they were: output
-       columns 64 .. must then be discarded. */
-    int tma, a_map, a_row, b_nmajor, b_halves, b_col;
+    /* TMA instead (tma.cuh; every box is 64 x 64). A, K-major (a_mmajor 0): rows a_row .. + 127
+       of map a_map (rows past a_rows hold whatever the matrix has there: their outputs must be
+       discarded). A, M-major (a_mmajor 1): k rows from a_row, half h is columns a_col + 64 h.
+       B, K-major (b_nmajor 0): half h is rows b_row[h] .. + 63 of map b_map[h]. B, N-major
+       (b_nmajor 1): k rows from b_row[0] of b_map[0] while k < k_split, from b_row[1] of
+       b_map[1] after; half h is columns b_col + 64 h. Halves h >= a_halves (b_halves) are left
+       as they were: output rows (columns) 64 .. must then be discarded. Along k a box reads
+       whole 64-row slices: rows past k_valid must read as zeros in the matrix itself. */
+    int tma, a_map, a_row, a_mmajor, a_halves, a_col, b_nmajor, b_halves, b_col;
     int b_map[2], b_row[2];
 } tile_operands;
 

@@ -18,11 +18,11 @@
 
 #include "cuda_common.cuh"
 
-/* The maps of a pass: the A operands (box 128 rows x 64 columns) and the weights (box 64 x 64,
- * read K-major in the forward and N-major in the backward's dgrad). */
+/* The maps of a pass, all with 64 x 64 boxes: activations (read K-major as A, or M/N-major by the
+ * weight gradients) and the weights (K-major in the forward, N-major in the dgrad). */
 enum {
-    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,                    /* forward A */
-    MAP_RING_DY, MAP_RING_DGU, MAP_DY, MAP_SH_DGU,              /* backward A */
+    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,                    /* forward */
+    MAP_RING_DY, MAP_RING_DGU, MAP_DY, MAP_SH_DGU, MAP_RING_DYW, /* backward */
     MAP_W_GATE, MAP_W_UP, MAP_W_DOWN, MAP_S_GATE, MAP_S_UP, MAP_S_DOWN, /* B */
     NUM_MAPS
 };

@@ -10,9 +10,15 @@
  *                                    GEMMs 0, 1, ... run in order
  *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the starting
  *                                      values (zeros, or a carried fp32 tile) on every path
- *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; returns with
- *                                      the consumers synchronised and `staging` free again
+ *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it used
+ *                                      `staging`, it returns with the consumers synchronised
  *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
+ *
+ * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
+ * consumers do not wait on the gpu-scope fence: after the task's closing consumer barrier,
+ * consumer thread 0 posts {group, tile, times} into a WS_CQ-entry ring (cfull/cempty, count 1
+ * each) and goes on; the completer waits on cfull (acquire, cta scope: the consumers' stores
+ * happen before), then fences at gpu scope and releases the counters.
  *
  * NOTE (queue): tasks pass from producer to consumers through a 2-entry queue in shared memory:
  * qfull[q] (count 1, producer thread 0 arrives after writing entry q), qempty[q] (count 1,
@@ -31,12 +37,27 @@ struct ws_task {
     long long stop;
 };
 
-/* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base. */
+struct ws_done { /* a finished task, for the completer */
+    long long g, rt, start, end;
+    long long stop;
+};
+#define WS_CQ 4
+
+/* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
+ * staging tile, the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
 #define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
 #define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
 #define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES)
-#define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4))
-#define WS_SMEM_BYTES (1024 + WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
+#define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
+#define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
+#define WS_SMEM_BYTES (1024 + WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done))
+
+/* The shared-memory addresses a warp-specialised CTA's roles share. */
+struct ws_shared {
+    uint32_t qfull, qempty, cfull, cempty;
+    volatile ws_task *queue;
+    volatile ws_done *cq;
+};
 
 /* Host: the weights' maps (boxes of 64 x 64, read K-major in the forward, N-major in the dgrad)
  * and the mask of those usable. */
@@ -62,6 +83,8 @@ static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_oper
     op->tma = 1;
     op->a_map = a_map;
     op->a_row = (int)a_row;
+    op->a_mmajor = 0;
+    op->a_halves = 2;
     op->b_nmajor = 0;
     op->b_halves = b_hi >= 0 ? 2 : 1;
     op->b_map[0] = b_lo;
@@ -80,6 +103,8 @@ static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_oper
     op->tma = 1;
     op->a_map = a_map;
     op->a_row = (int)a_row;
+    op->a_mmajor = 0;
+    op->a_halves = 2;
     op->b_nmajor = 1;
     op->b_halves = halves;
     op->b_col = (int)col;
@@ -87,6 +112,26 @@ static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_oper
     op->b_row[0] = (int)row0;
     op->b_map[1] = b1 >= 0 ? b1 : b0;
     op->b_row[1] = (int)row1;
+}
+
+/* TMA for a weight-gradient GEMM: A M-major (k rows from a_row, columns a_col.., `a_halves`
+ * halves), B N-major (k rows from b_row, columns b_col.., `b_halves` halves), one k range. */
+static __device__ __forceinline__ void use_tma_mn(const pass_params &p, tile_operands *op, int a_map, long long a_row,
+                                                  long long a_col, int a_halves, int b_map, long long b_row,
+                                                  long long b_col, int b_halves) {
+    const unsigned need = (1u << a_map) | (1u << b_map);
+    if ((p.tma_mask & need) != need) return;
+    op->tma = 1;
+    op->a_map = a_map;
+    op->a_row = (int)a_row;
+    op->a_mmajor = 1;
+    op->a_halves = a_halves;
+    op->a_col = (int)a_col;
+    op->b_nmajor = 1;
+    op->b_halves = b_halves;
+    op->b_col = (int)b_col;
+    op->b_map[0] = op->b_map[1] = b_map;
+    op->b_row[0] = op->b_row[1] = (int)b_row;
 }
 
 template <typename Runner, bool A_MN, bool B_MN>
@@ -126,17 +171,21 @@ static __device__ void ws_consume(const pass_params &p, const mok_sched_view &v,
 }
 
 template <typename Runner>
-static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, uint32_t qfull,
-                                        uint32_t qempty, volatile ws_task *queue) {
+static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, const ws_shared &sh) {
+    const uint32_t qfull = sh.qfull, qempty = sh.qempty;
+    volatile ws_task *queue = sh.queue;
     const int tid = threadIdx.x;
     unsigned long long *ticket = p.counters + p.counters_cap + MOK_ROLE_COMPUTE;
     const long long num_groups = *p.num_groups;
     task_cursor cur = {-1, 0, 0};
+    /* The next ticket is claimed as soon as the current task is posted: the atomic's round trip
+       then overlaps the current task's loads instead of delaying the next task's. */
+    unsigned long long next = tid == 0 ? atomicAdd(ticket, 1ull) : 0;
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (tid == 0) {
             long long g = 0, rt = 0, nt = 0, stop = 1;
-            const long long t = (long long)atomicAdd(ticket, 1ull);
+            const long long t = (long long)next;
             if (cursor_seek(p, MOK_ROLE_COMPUTE, num_groups, cur, t)) {
                 const mok_task_group grp = p.groups[cur.g];
                 long long wait;
@@ -150,6 +199,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
             queue[q].nt = nt;
             queue[q].stop = stop;
             mbar_arrive(qfull + 8 * q);
+            if (!stop) next = atomicAdd(ticket, 1ull);
         }
         producer_sync();
         if (queue[q].stop) break;
@@ -166,33 +216,58 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
 }
 
 template <typename Runner>
-static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, uint32_t qfull,
-                                        uint32_t qempty, volatile ws_task *queue, uint16_t *staging, float *red) {
+static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, const ws_shared &sh,
+                                        uint16_t *staging, float *red) {
     __shared__ int s_stop;
     const int ctid = threadIdx.x - WS_PRODUCERS;
+    long long ncq = 0; /* records posted to the completer (meaningful in consumer thread 0) */
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (ctid == 0) {
-            mbar_wait(qfull + 8 * q, (uint32_t)((n >> 1) & 1), r.abort, r.error, r.timeout_ns);
-            s_stop = queue[q].stop || *(volatile unsigned long long *)r.abort;
+            mbar_wait(sh.qfull + 8 * q, (uint32_t)((n >> 1) & 1), r.abort, r.error, r.timeout_ns);
+            s_stop = sh.queue[q].stop || *(volatile unsigned long long *)r.abort;
         }
         consumer_sync();
-        if (s_stop) break;
-        const mok_task_group grp = p.groups[queue[q].g];
-        const long long rt = queue[q].rt, nt = queue[q].nt;
+        const bool stop = s_stop;
+        const long long g = sh.queue[q].g, rt = sh.queue[q].rt, nt = sh.queue[q].nt;
         const long long start = p.trace ? globaltimer_ns() : 0;
-        for (int i = 0;; ++i) {
-            tile_operands op;
-            const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
-            if (!kind) break;
-            ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red);
+        if (!stop) {
+            const mok_task_group grp = p.groups[g];
+            for (int i = 0;; ++i) {
+                tile_operands op;
+                const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
+                if (!kind) break;
+                ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red);
+            }
+            Runner::plain(p, v, grp, rt, nt);
         }
-        Runner::plain(p, v, grp, rt, nt);
-        consumer_sync();
+        consumer_sync(); /* every consumer's stores of the task are done; s_stop and entry q are read */
         if (ctid == 0) {
-            mbar_arrive(qempty + 8 * q);
-            finish_task(p, grp, rt, MOK_ROLE_COMPUTE, start);
+            if (!stop) mbar_arrive(sh.qempty + 8 * q);
+            const int c = (int)(ncq % WS_CQ);
+            mbar_wait(sh.cempty + 8 * c, (uint32_t)((ncq / WS_CQ) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
+            sh.cq[c].g = g;
+            sh.cq[c].rt = rt;
+            sh.cq[c].start = start;
+            sh.cq[c].end = p.trace ? globaltimer_ns() : 0;
+            sh.cq[c].stop = stop;
+            mbar_arrive(sh.cfull + 8 * c);
+            ++ncq;
         }
+        if (stop) break;
+    }
+}
+
+/* Warp 3 of the producer warpgroup, lane 0: releases the done counters of finished tasks. */
+static __device__ void ws_completer_loop(const pass_params &p, const ws_ring &r, const ws_shared &sh) {
+    if ((threadIdx.x & 31) != 0) return;
+    for (long long n = 0;; ++n) {
+        const int c = (int)(n % WS_CQ);
+        mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / WS_CQ) & 1), r.abort, r.error, r.timeout_ns);
+        if (sh.cq[c].stop || *(volatile unsigned long long *)r.abort) break;
+        const long long g = sh.cq[c].g, rt = sh.cq[c].rt, start = sh.cq[c].start, end = sh.cq[c].end;
+        mbar_arrive(sh.cempty + 8 * c);
+        finish_task(p, p.groups[g], rt, MOK_ROLE_COMPUTE, start, end);
     }
 }
 
@@ -213,27 +288,38 @@ static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_vie
     r.error = p.error;
     r.timeout_ns = p.timeout_ns;
     r.maps = maps;
-    const uint32_t qfull = r.empty + 8 * WS_STAGES, qempty = qfull + 16;
-    volatile ws_task *queue = (volatile ws_task *)(aligned + WS_QUEUE_OFF);
+    ws_shared sh;
+    sh.qfull = r.empty + 8 * WS_STAGES;
+    sh.qempty = sh.qfull + 16;
+    sh.cfull = sh.qempty + 16;
+    sh.cempty = sh.cfull + 8 * WS_CQ;
+    sh.queue = (volatile ws_task *)(aligned + WS_QUEUE_OFF);
+    sh.cq = (volatile ws_done *)(aligned + WS_CQ_OFF);
     if (threadIdx.x == 0) {
         for (int s = 0; s < WS_STAGES; ++s) {
-            mbar_init(r.full + 8 * s, WS_PRODUCERS);
+            mbar_init(r.full + 8 * s, WS_LOADERS);
             mbar_init(r.empty + 8 * s, WS_CONSUMERS / 32);
         }
         for (int q = 0; q < 2; ++q) {
-            mbar_init(qfull + 8 * q, 1);
-            mbar_init(qempty + 8 * q, 1);
+            mbar_init(sh.qfull + 8 * q, 1);
+            mbar_init(sh.qempty + 8 * q, 1);
+        }
+        for (int c = 0; c < WS_CQ; ++c) {
+            mbar_init(sh.cfull + 8 * c, 1);
+            mbar_init(sh.cempty + 8 * c, 1);
         }
         mbar_init_fence();
     }
     __syncthreads(); /* the last CTA-wide barrier: the roles part here */
-    /* The warpgroup index through a shuffle: the compiler then knows the branch is warp-uniform and
+    /* Warp indices through a shuffle: the compiler then knows the branches are warp-uniform and
        keeps the consumers' wgmmas asynchronous. */
-    const int warpgroup = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
-    if (warpgroup == 0) {
-        ws_producer_loop<Runner>(p, v, r, qfull, qempty, queue);
+    const int warp = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 32), 0);
+    if (warp < WS_LOADERS / 32) {
+        ws_producer_loop<Runner>(p, v, r, sh);
+    } else if (warp < WS_PRODUCERS / 32) {
+        ws_completer_loop(p, r, sh);
     } else {
-        ws_consumer_loop<Runner>(p, v, r, qfull, qempty, queue, (uint16_t *)(aligned + WS_STAGING_OFF), red);
+        ws_consumer_loop<Runner>(p, v, r, sh, (uint16_t *)(aligned + WS_STAGING_OFF), red);
     }
 }
 

@@ -11,14 +11,14 @@
  *                  half 8 KB further (LBO); +16 k = +2048 B. wgmma reads it with imm-trans = 1.
  * Consumer warpgroup c owns rows 64c .. 64c + 63 of C, i.e. A's half c.
  *
- * NOTE (ring protocol): full[s] counts the 128 producer threads, each arriving through
+ * NOTE (ring protocol): full[s] counts the WS_LOADERS producer threads, each arriving through
  * cp.async.mbarrier.arrive.noinc once its copies into stage s have landed; empty[s] counts the 8
  * consumer warps, each arriving (lane 0) once wgmma.wait_group shows the wgmmas that read stage
  * s complete. Both sides walk the stages in one order, the phase bit flipping at each wrap; the
  * producer waits on empty with the opposite parity (a fresh barrier passes at once). cp.async
  * writes are generic-proxy writes and wgmma reads through the async proxy, so consumers fence
  * the proxies after each full wait. A TMA stage (tma.cuh) keeps the count: thread 0 arms the
- * barrier with the byte count, the other 127 arrive plainly.
+ * barrier with the byte count, the other loaders arrive plainly.
  *
  * NOTE (faults): every mbarrier wait is bounded. A wait that outlives the pass's timeout sets
  * MOK_KERR_STALL and the abort flag; once the flag is up every wait returns at once, so all
@@ -33,7 +33,8 @@
 #define WS_HALF_BYTES (64 * 128)
 #define WS_A_BYTES (TILE_BM * TILE_BK * 2)
 #define WS_STAGE_BYTES (WS_A_BYTES + TILE_BN * TILE_BK * 2)
-#define WS_PRODUCERS 128
+#define WS_PRODUCERS 128 /* the producer warpgroup: warps 0-2 load (WS_LOADERS), warp 3 completes tasks */
+#define WS_LOADERS 96
 #define WS_CONSUMERS 256
 #define WS_THREADS (WS_PRODUCERS + WS_CONSUMERS)
 #define WS_ACC 64 /* fp32 accumulators per consumer thread: m64n128 */
@@ -67,9 +68,9 @@ static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t pari
 static __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-/* Named barriers: 1 for the consumer warpgroups, 2 for the producer warpgroup. */
+/* Named barriers: 1 for the consumer warpgroups, 2 for the producer warpgroup's loading warps. */
 static __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(WS_CONSUMERS) : "memory"); }
-static __device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(WS_PRODUCERS) : "memory"); }
+static __device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(WS_LOADERS) : "memory"); }
 
 /* Waits for the phase of `bar` with this parity, bounded (see the NOTE on faults). */
 static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, unsigned long long *abort, int *error,
@@ -149,14 +150,18 @@ static __device__ __forceinline__ void ring_advance(ws_ring &r) {
 
 static __device__ __forceinline__ int ws_ktiles(const tile_operands &op) { return (int)((op.k + TILE_BK - 1) / TILE_BK); }
 
-/* Producer, one stage: 128 threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's layout). */
+/* Producer, one stage: the WS_LOADERS threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's
+ * layout): 1024 16-byte chunks each. */
+#define WS_LOAD_ITERS ((1024 + WS_LOADERS - 1) / WS_LOADERS)
 template <bool A_MN, bool B_MN>
 static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile_operands &op, long long k0, int tid) {
     const uint32_t b_base = a_base + WS_A_BYTES;
     if (A_MN) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int idx = tid + i * WS_PRODUCERS, krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
+        for (int i = 0; i < WS_LOAD_ITERS; ++i) {
+            int idx = tid + i * WS_LOADERS;
+            if (idx >= 1024) break;
+            int krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
             long long k = k0 + krow;
             bool valid = k < op.k_valid && half * 64 < op.a_rows;
             const uint16_t *src = valid ? op.a + k * op.lda + half * 64 + chunk * 8 : op.a;
@@ -164,8 +169,10 @@ static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int idx = tid + i * WS_PRODUCERS, row = idx >> 3, chunk = idx & 7;
+        for (int i = 0; i < WS_LOAD_ITERS; ++i) {
+            int idx = tid + i * WS_LOADERS;
+            if (idx >= 1024) break;
+            int row = idx >> 3, chunk = idx & 7;
             bool valid = row < op.a_rows;
             const uint16_t *src = op.a + (valid ? row * op.lda : 0) + k0 + chunk * 8;
             cp_async_16(a_base + swizzle(row, chunk), src, valid);
@@ -173,8 +180,10 @@ static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile
     }
     if (B_MN) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int idx = tid + i * WS_PRODUCERS, krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
+        for (int i = 0; i < WS_LOAD_ITERS; ++i) {
+            int idx = tid + i * WS_LOADERS;
+            if (idx >= 1024) break;
+            int krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
             long long k = k0 + krow;
             bool valid = k < op.k_valid && half * 64 < op.n_valid;
             const uint16_t *src = op.b_lo;
@@ -183,8 +192,10 @@ static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int idx = tid + i * WS_PRODUCERS, row = idx >> 3, chunk = idx & 7;
+        for (int i = 0; i < WS_LOAD_ITERS; ++i) {
+            int idx = tid + i * WS_LOADERS;
+            if (idx >= 1024) break;
+            int row = idx >> 3, chunk = idx & 7;
             const uint16_t *half = row < 64 ? op.b_lo : op.b_hi;
             bool valid = half != nullptr;
             const uint16_t *src = valid ? half + (long long)(row & 63) * op.ldb + k0 + chunk * 8 : op.b_lo;
@@ -206,17 +217,22 @@ static __device__ void ws_produce_gemm(ws_ring &r, const tile_operands &op, int 
 }
 
 /* Producer, TMA: thread 0 arms full[s] with the stage's byte count and issues the boxes; the
- * other 127 threads arrive plainly, so full[s] keeps its count of 128 on both paths. */
+ * other loaders arrive plainly, so full[s] keeps its count of WS_LOADERS on both paths. */
 static __device__ void ws_produce_tma(ws_ring &r, const tile_operands &op, int tid) {
     const int ktiles = ws_ktiles(op);
-    const uint32_t bytes = WS_A_BYTES + op.b_halves * WS_HALF_BYTES;
+    const uint32_t bytes = (op.a_halves + op.b_halves) * WS_HALF_BYTES;
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
         const uint32_t a = r.stages + r.stage * WS_STAGE_BYTES, full = r.full + 8 * r.stage;
         if (tid == 0) {
             const int k0 = kt * TILE_BK;
             mbar_arrive_expect_tx(full, bytes);
-            tma_load_2d(a, r.maps + op.a_map, k0, op.a_row, full);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (h >= op.a_halves) break;
+                if (!op.a_mmajor) tma_load_2d(a + h * WS_HALF_BYTES, r.maps + op.a_map, k0, op.a_row + 64 * h, full);
+                else tma_load_2d(a + h * WS_HALF_BYTES, r.maps + op.a_map, op.a_col + 64 * h, op.a_row + k0, full);
+            }
             /* (the arrays are indexed by constants or selects only: no local memory) */
             const bool second = k0 >= op.k_split;
             const int map_n = second ? op.b_map[1] : op.b_map[0];
@@ -289,6 +305,25 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
         *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = hi;
     }
     consumer_sync();
+}
+
+/* A down tile straight from the accumulators: rows < rows, columns < cols, bf16 pairs. */
+static __device__ void store_regs(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out, long long ld,
+                                  long long n0) {
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
+    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = row0 + 8 * half;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < WS_ACC / 4; ++j) {
+            const int col = 8 * j + col0;
+            if (col >= cols) continue;
+            *(uint32_t *)(out + r * ld + n0 + col) = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
+                                                     ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
+        }
+    }
 }
 
 #endif
