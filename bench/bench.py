@@ -228,7 +228,10 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             ev = timeline.load(path)
             timeline.draw(ev, path[:-5] + ".png", title=f"{name}, EP{ranks}, {tokens} tokens/GPU: {phase}")
             span = (max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)) / 1e3
-            print(f"trace {name} EP{ranks} skew {skew} {phase}: span {span:.3f} ms", flush=True)
+            kb = timeline.kernel_bounds(timeline.load(path, resident=True), ev)
+            extra = (f"; kernel {kb['kernel_us'] / 1e3:.3f} ms on the GPU, {kb['lead_us'] / 1e3:.3f} ms before the "
+                     f"first task, {kb['tail_us'] / 1e3:.3f} ms after the last" if kb else "")
+            print(f"trace {name} EP{ranks} skew {skew} {phase}: span {span:.3f} ms{extra}", flush=True)
             per = {}
             for e in ev:
                 if e["pid"] != 0:

@@ -40,12 +40,15 @@ KIND_ORDER = list(KIND_COLORS)
 _FALLBACK = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#1f77b4", "#ff7f0e", "#2ca02c"]
 
 
-def load(path):
-    """The complete ("X") events of a trace file, as dicts, sorted by (pid, tid, ts)."""
+def load(path, resident=False):
+    """The complete ("X") task events of a trace file, as dicts, sorted by (pid, tid, ts).
+    resident=True: instead the GPU CTAs' residency events (category "resident", one per CTA, from
+    the kernel's start on that CTA to its end)."""
     with open(path) as f:
         data = json.load(f)
     raw = data["traceEvents"] if isinstance(data, dict) else data  # the bare-array form is valid too
-    events = [e for e in raw if e.get("ph", "X") == "X" and "ts" in e and "dur" in e]
+    events = [e for e in raw if e.get("ph", "X") == "X" and "ts" in e and "dur" in e
+              and (e.get("cat") == "resident") == resident]
     events.sort(key=lambda e: (e.get("pid", 0), e.get("tid", 0), e["ts"]))
     return events
 
@@ -106,6 +109,18 @@ def summary(events_or_path):
     return s
 
 
+def kernel_bounds(residents, tasks):
+    """From the residency events of one pass: the kernel's span on the GPU (first CTA start to last
+    CTA end) and the time before the first task and after the last one, in us; None without them."""
+    if not residents or not tasks:
+        return None
+    k0 = min(e["ts"] for e in residents)
+    k1 = max(e["ts"] + e["dur"] for e in residents)
+    t0 = min(e["ts"] for e in tasks)
+    t1 = max(e["ts"] + e["dur"] for e in tasks)
+    return {"kernel_us": k1 - k0, "lead_us": t0 - k0, "tail_us": k1 - t1}
+
+
 def format_summary(s, wall_us=None):
     if not s.get("events"):
         return "empty trace (no events: was the workspace made with Config(trace=True), and did a pass run?)"
@@ -132,6 +147,7 @@ def draw(events_or_path, out_png, title=None, width=14.0, row_height=0.42, min_w
     min_width: bars shorter than this fraction of the span are drawn that wide so that short tasks
     (the cpu backend's copies take microseconds) stay visible; the subtitle says when that happened."""
     events = _events(events_or_path)
+    residents = load(events_or_path, resident=True) if isinstance(events_or_path, (str, os.PathLike)) else []
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -150,8 +166,9 @@ def draw(events_or_path, out_png, title=None, width=14.0, row_height=0.42, min_w
         fig.savefig(out_png, dpi=120)
         plt.close(fig)
         return s
-    t0 = min(e["ts"] for e in events)
+    t0 = min(e["ts"] for e in events + residents)
     min_ms = s["span_us"] / 1e3 * min_width
+    resident_of = {(e.get("pid", 0), e.get("tid", 0)): e for e in residents}
     widened = sum(1 for e in events if e["dur"] / 1e3 < min_ms)
     colors = dict(KIND_COLORS)
     extra = iter(_FALLBACK * 8)
@@ -160,6 +177,10 @@ def draw(events_or_path, out_png, title=None, width=14.0, row_height=0.42, min_w
         y = len(keys) - 1 - i  # first row on top
         if rows[key]["cat"] == "comm":
             ax.axhspan(y - 0.5, y + 0.5, color="#fff1e0", zorder=0)
+        if key in resident_of:  # the CTA's life in the kernel, behind its tasks
+            r = resident_of[key]
+            ax.broken_barh([((r["ts"] - t0) / 1e3, r["dur"] / 1e3)], (y - 0.45, 0.9), facecolors="#d9d9d9",
+                           edgecolors="none", zorder=1)
         by_kind = defaultdict(list)
         for e in rows[key]["events"]:
             by_kind[e["name"]].append(((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, min_ms)))
@@ -182,13 +203,16 @@ def draw(events_or_path, out_png, title=None, width=14.0, row_height=0.42, min_w
             label.set_fontweight("bold")
     ax.set_ylim(-0.6, len(keys) - 0.4)
     span_ms = s["span_us"] / 1e3
-    ax.set_xlim(0, span_ms * 1.01)
-    ax.set_xlabel("time (ms) from the first task")
+    end_ms = max([span_ms] + [(e["ts"] + e["dur"] - t0) / 1e3 for e in events + residents])
+    ax.set_xlim(0, end_ms * 1.01)
+    ax.set_xlabel("time (ms) from the kernel's start" if residents else "time (ms) from the first task")
     ax.grid(axis="x", alpha=0.3, zorder=0)
     order = sorted(seen, key=lambda k: KIND_ORDER.index(k) if k in KIND_ORDER else len(KIND_ORDER))
     handles = [Patch(facecolor=colors[k], edgecolor="black", linewidth=0.3, label=f"{k} ({s['kinds'][k]})")
                for k in order]
     handles.append(Patch(facecolor="#fff1e0", edgecolor="none", label="comm worker row"))
+    if residents:
+        handles.append(Patch(facecolor="#d9d9d9", edgecolor="none", label="CTA resident, no task"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False,
               title="task kind (count)", title_fontsize=8)
     head = title or (os.path.basename(str(events_or_path)) if isinstance(events_or_path, (str, os.PathLike)) else None)

@@ -44,6 +44,8 @@ typedef struct mok_trace_event {
     int32_t rank, comm; /* comm: 1 for a data-moving worker */
     int64_t start_ns, end_ns;
 } mok_trace_event;
+/* The kind of a worker's residency event (entry to exit of a GPU CTA), beside the task kinds. */
+#define MOK_TRACE_RESIDENT 64
 
 /* trace.c: writes events of every local rank as Chrome trace JSON (opens in Perfetto). */
 mok_status mok__trace_write_json(const char *path, const mok_trace_event *const *events, const int64_t *counts,

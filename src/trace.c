@@ -1,6 +1,7 @@
 /* trace.c — the kernel timeline as Chrome trace JSON: one process per rank, one thread per
  * worker (cpu thread or GPU CTA), one complete event per task, times in microseconds from the
- * earliest task. Opens in Perfetto or chrome://tracing; bench/timeline.py draws it as a PNG. */
+ * earliest event. GPU CTAs add one "resident" event each (category "resident"), from the kernel's
+ * start on that CTA to its end: what lies outside the tasks. Opens in Perfetto or chrome://tracing; bench/timeline.py draws it as a PNG. */
 #include <stdio.h>
 
 #include "core/tasks.h"
@@ -22,7 +23,8 @@ mok_status mok__trace_write_json(const char *path, const mok_trace_event *const 
             fprintf(f,
                     "%s{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
                     "\"args\":{\"minibatch\":%d}}",
-                    first ? "" : ",\n", mok__task_kind_name(e->kind), e->comm ? "comm" : "compute", e->rank, e->worker,
+                    first ? "" : ",\n", e->kind == MOK_TRACE_RESIDENT ? "resident" : mok__task_kind_name(e->kind),
+                    e->kind == MOK_TRACE_RESIDENT ? "resident" : e->comm ? "comm" : "compute", e->rank, e->worker,
                     (double)(e->start_ns - origin) / 1e3, (double)(e->end_ns - e->start_ns) / 1e3, e->minibatch);
             first = 0;
         }

@@ -757,8 +757,9 @@ MOK_TEST(cuda_trace) {
     CHECK(f != NULL, "no trace file");
     if (f) {
         char line[512];
-        int dispatch = 0, gateup = 0, down = 0, combine = 0, shared = 0;
+        int dispatch = 0, gateup = 0, down = 0, combine = 0, shared = 0, resident = 0;
         while (fgets(line, sizeof line, f)) {
+            resident += strstr(line, "\"resident\"") != NULL;
             dispatch += strstr(line, "\"dispatch\"") != NULL;
             gateup += strstr(line, "\"gateup\"") != NULL;
             down += strstr(line, "\"down\"") != NULL;
@@ -773,6 +774,10 @@ MOK_TEST(cuda_trace) {
               combine, (long long)tiles);
         CHECK(gateup == tiles * (128 / 64) && down == tiles * (256 / 128), "gateup %d, down %d events", gateup, down);
         CHECK(shared == 5 * 2, "shared_up %d events for 5 token tiles x 2", shared);
+        int sms = 0, device = 0;
+        cudaGetDevice(&device);
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        CHECK(resident == sms, "%d residency events for a kernel on %d SMs", resident, sms);
     }
     gpu_close(&G);
     layer_free(&L);

@@ -15,53 +15,55 @@
  * and the weight gradients of its previous occupant. One CTA owns a weight-gradient tile for a
  * macrobatch and carries the fp32 accumulator to the next one through the caller's fp32 buffer
  * (accumulate) or a carry slot, so sums run over an expert's rows in schedule order. */
+#include "comm_rows.cuh"
 #include "walk_ws.cuh"
 
-static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt) {
-    tile_info t = row_tile(p, v, rt);
-    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
+/* Per ring row: x and dy of its (peer, token) pair (items 2r, 2r + 1), with w·dy beside dy and
+ * the router weight; the tile's padding rows of x and w·dy are written as zeros, which the
+ * weight gradients' 64-row slices add as nothing. */
+static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt, comm_ring &cr) {
+    const tile_info t = row_tile(p, v, rt);
+    for (int r = threadIdx.x; r < t.nreal; r += blockDim.x) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r], token = slot / p.topk, ring = t.ring0 + r;
         const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
-        const int4 *dy = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden);
-        const int4 *x = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden);
-        int4 *dy_out = (int4 *)(p.ring_dy + ring * p.hidden), *dyw_out = (int4 *)(p.ring_dyw + ring * p.hidden);
-        int4 *x_out = (int4 *)(p.ring_x + ring * p.hidden);
-        for (int c = lane; c < n; c += 32) {
-            int4 a = dy[c], b = x[c];
-            dy_out[c] = a;
-            x_out[c] = b;
-            uint16_t e[8], f[8];
-            *(int4 *)e = a;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = mok__bf16_from_f32(w * mok__bf16_to_f32(e[i]));
-            dyw_out[c] = *(int4 *)f;
-        }
-        if (lane == 0) p.ring_w[ring] = w;
+        cr.src[2 * r] = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden);
+        cr.dst[2 * r] = (int4 *)(p.ring_x + ring * p.hidden);
+        cr.dst_w[2 * r] = nullptr;
+        cr.src[2 * r + 1] = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden);
+        cr.dst[2 * r + 1] = (int4 *)(p.ring_dy + ring * p.hidden);
+        cr.dst_w[2 * r + 1] = (int4 *)(p.ring_dyw + ring * p.hidden);
+        cr.w[2 * r + 1] = w;
+        p.ring_w[ring] = w;
     }
-    /* The tile's padding rows: zeros, which the weight gradients' 64-row slices add as nothing. */
+    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
     const int4 zero = make_int4(0, 0, 0, 0);
     for (int r = t.nreal + (threadIdx.x >> 5); r < MOK_ROW_TILE; r += blockDim.x / 32) {
         int4 *x_out = (int4 *)(p.ring_x + (t.ring0 + r) * p.hidden);
         int4 *dyw_out = (int4 *)(p.ring_dyw + (t.ring0 + r) * p.hidden);
         for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = zero;
     }
+    __syncthreads();
+    cr_move(cr, p, 2 * t.nreal);
 }
 
-static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt) {
-    tile_info t = row_tile(p, v, rt);
+/* Each ring row's dx part into its owner's (token, slot) row, and its d_router_w (the sum of the
+ * dh tiles' partial dot products, in column order). */
+static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_ring &cr) {
+    const tile_info t = row_tile(p, v, rt);
     const long long nI = p.inter / p.n_tile;
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
+    for (int r = threadIdx.x; r < t.nreal; r += blockDim.x) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r], ring = t.ring0 + r;
-        copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
-        if ((threadIdx.x & 31) == 0) {
-            float sum = 0.0f;
-            for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
-            ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
-        }
+        cr.src[r] = (const int4 *)(p.ring_y + ring * p.hidden);
+        cr.dst[r] = (int4 *)((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden);
+        cr.dst_w[r] = nullptr;
+        float sum = 0.0f;
+        for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
+        ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
     }
+    __syncthreads();
+    cr_move(cr, p, t.nreal);
 }
 
 /* ---- compute tasks (consumer side of walk_ws.cuh) ------------------------------------------ */
@@ -422,10 +424,10 @@ static __device__ void run_wgrad_zero(const pass_params &p, int e) {
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
 struct backward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, uint16_t *smem) {
+                               long long, comm_ring &cr) {
         switch (grp.kind) {
-        case MOK_TASK_PULL: run_pull(p, v, rt); break;
-        case MOK_TASK_PUSH: run_push(p, v, rt); break;
+        case MOK_TASK_PULL: run_pull(p, v, rt, cr); break;
+        case MOK_TASK_PUSH: run_push(p, v, rt, cr); break;
         default: break;
         }
     }
@@ -453,10 +455,18 @@ struct backward_ws {
 
 __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
+    const long long entry = p.trace ? globaltimer_ns() : 0;
     if (*(volatile int *)p.error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
-    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
+    if (blockIdx.x < p.comm_ctas) {
+        comm_ring cr;
+        cr_init(cr, (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023), WS_SMEM_BYTES - 1024, p);
+        walk_tasks<backward_runner>(p, v, cr);
+    } else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
+    if (p.trace) {
+        __syncthreads();
+        if (threadIdx.x == 0) trace_resident(p, entry);
+    }
 }
 
 /* The tensor maps of a backward pass. The weight-gradient tiles read the ring's activations
@@ -546,6 +556,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         }
         pass_maps maps;
         p.tma_mask = backward_maps(R, &p, &maps);
+        p.bulk_rows = tma_available();
         if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens,
                               &maps)) != MOK_OK)
             return st;

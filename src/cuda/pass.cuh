@@ -32,6 +32,7 @@ struct pass_params {
     int *error;
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
+    int bulk_rows;     /* comm tasks may stream rows with bulk copies (comm_rows.cuh) */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -80,19 +81,6 @@ static __device__ bool wait_counter(const pass_params &p, long long c, long long
     bool ok = *s_flag;
     __syncthreads();
     return ok;
-}
-
-/* Copies `rows` rows of H bf16 between two places, one warp per row, 16 bytes per lane. */
-static __device__ __forceinline__ void copy_row(uint16_t *dst, const uint16_t *src, long long h) {
-    const int4 *s = (const int4 *)src;
-    int4 *d = (int4 *)dst;
-    const int lane = threadIdx.x & 31, n = (int)(h / 8);
-    int c = lane;
-    for (; c + 96 < n; c += 128) {
-        int4 v0 = s[c], v1 = s[c + 32], v2 = s[c + 64], v3 = s[c + 96];
-        d[c] = v0; d[c + 32] = v1; d[c + 64] = v2; d[c + 96] = v3;
-    }
-    for (; c < n; c += 32) d[c] = s[c];
 }
 
 static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, mok_plan *plan) {
@@ -188,9 +176,26 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
     if (grp.done[1] >= 0) red_release_gpu(p.counters + grp.done[1], 1ull);
 }
 
-/* The CTA loop: claim a ticket of this CTA's role, find its group and task, wait, run, bump. */
-template <typename Runner>
-static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
+/* Thread 0 of a CTA, at its end (config.trace): its residency from `entry`, as one event. */
+static __device__ void trace_resident(const pass_params &p, long long entry) {
+    if (!p.trace) return;
+    unsigned long long n = atomicAdd(p.trace_count, 1ull);
+    if ((long long)n >= p.trace_cap) return;
+    mok_trace_event e;
+    e.kind = MOK_TRACE_RESIDENT;
+    e.worker = (int16_t)blockIdx.x;
+    e.minibatch = -1;
+    e.rank = p.rank;
+    e.comm = blockIdx.x < p.comm_ctas;
+    e.start_ns = entry;
+    e.end_ns = globaltimer_ns();
+    p.trace[n] = e;
+}
+
+/* The CTA loop: claim a ticket of this CTA's role, find its group and task, wait, run, bump.
+ * `ctx` is what the Runner's tasks share across the CTA's tasks (the comm CTAs' slot ring). */
+template <typename Runner, typename Ctx>
+static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, Ctx &ctx) {
     __shared__ long long s_ticket;
     __shared__ int s_flag;
     const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
@@ -209,7 +214,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
         if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
         const long long start = p.trace ? globaltimer_ns() : 0;
-        Runner::run(p, v, grp, rt, nt, smem);
+        Runner::run(p, v, grp, rt, nt, ctx);
         __syncthreads();
         if (threadIdx.x == 0) finish_task(p, grp, rt, role, start, p.trace ? globaltimer_ns() : 0);
     }

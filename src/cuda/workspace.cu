@@ -203,7 +203,7 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     R->carry_slots = max_macro > 1 ? max_macro - 1 : 0;
     ALLOC(R->carry, (size_t)R->carry_slots * 3 * I * H * 4);
     if (ws->config.trace) {
-        R->trace_cap = mok__tasks_max(&worst, ws->sched_layout.max_rows, s->max_tokens) + 16;
+        R->trace_cap = mok__tasks_max(&worst, ws->sched_layout.max_rows, s->max_tokens) + 16 + R->num_sms;
         ALLOC(R->trace, sizeof(mok_trace_event) * (size_t)R->trace_cap);
         ALLOC(R->trace_count, sizeof(unsigned long long));
         CUDA_TRY(cudaMemset(R->trace_count, 0, sizeof(unsigned long long)));
