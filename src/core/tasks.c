@@ -225,14 +225,26 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
     }
 }
 
-static MOK_HD int64_t wgrad_tasks_in(const mok_plan *p, int64_t m) {
-    int64_t n = 0;
-    for (int e = 0; e < p->num_local_experts; ++e) {
+/* The experts with rows in macrobatch m form one run [*lo, *hi) of expert indices (their segments
+ * are laid out in expert order, so segment ends never decrease): *lo only moves forward, so calls
+ * with non-decreasing m walk the experts once in all. The run may hold experts with no rows. */
+static MOK_HD void experts_in(const mok_plan *p, int64_t m, int *lo, int *hi) {
+    const int64_t first = m * p->ring_rows, end = first + p->ring_rows;
+    while (*lo < p->num_local_experts && p->expert_start[*lo] + p->expert_rows[*lo] <= first) ++*lo;
+    *hi = *lo;
+    while (*hi < p->num_local_experts && p->expert_start[*hi] < end) ++*hi;
+}
+
+/* Weight-gradient tasks of macrobatch m (experts with rows in it), for non-decreasing m. */
+static MOK_HD int64_t wgrad_tasks_in(const mok_plan *p, int64_t m, int *lo) {
+    int hi, n = 0;
+    experts_in(p, m, lo, &hi);
+    for (int e = *lo; e < hi; ++e) {
         int64_t f, t;
         mok__expert_rows_in(p, e, m, &f, &t);
-        if (t > f) n += mok__wgrad_tiles(p, p->intermediate);
+        n += t > f;
     }
-    return n;
+    return n * mok__wgrad_tiles(p, p->intermediate);
 }
 
 static MOK_HD int64_t dh_tasks_in(const mok_plan *p, int64_t m) {
@@ -252,7 +264,8 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
     const int64_t rows = p->padded_rows;
     const int64_t nmb = ceil_div(rows, p->minibatch_rows);
     const int64_t ring_mbs = p->ring_rows / p->minibatch_rows, ahead = lookahead(p);
-    int64_t next = 0;
+    int64_t next = 0, counted_m = -1, counted = 0;
+    int pull_lo = 0, wgrad_lo = 0; /* experts_in cursors */
     for (int64_t b = 0; b < nmb; ++b) {
         /* A pull into macrobatch M waits for macrobatch M-1's weight gradients, emitted after
            M-1's last minibatch: only pull minibatches whose macrobatch has started. */
@@ -265,7 +278,11 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
                 w0 = L->pushed + prev;
                 g0 = q1 - q0;
                 w1 = L->wgrad_done + m;
-                g1 = wgrad_tasks_in(p, m);
+                if (m != counted_m) {
+                    counted = wgrad_tasks_in(p, m, &pull_lo);
+                    counted_m = m;
+                }
+                g1 = counted;
             }
             emit(em, MOK_TASK_PULL, MOK_ROLE_COMM, next, t0, t1 - t0, 1, L->pulled + next, 0, -1, w0, g0, 0, w1, g1);
             ++next;
@@ -280,7 +297,9 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
         emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_tile + t0, nH, 1, -1, 0);
         if ((b + 1) % ring_mbs == 0 || b == nmb - 1) {
             const int64_t per_expert = mok__wgrad_tiles(p, p->intermediate);
-            for (int e = 0; e < p->num_local_experts; ++e) {
+            int hi;
+            experts_in(p, m, &wgrad_lo, &hi);
+            for (int e = wgrad_lo; e < hi; ++e) {
                 int64_t f, t;
                 mok__expert_rows_in(p, e, m, &f, &t);
                 if (t > f)
