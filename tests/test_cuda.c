@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/schedule.h"
 #include "layer.h"
 #include "test.h"
 
@@ -402,6 +403,225 @@ MOK_TEST(cuda_create_destroy_cycles) {
     /* One workspace of this shape holds tens of MiB: a leak per cycle would show as GiBs. */
     CHECK(free_last + (64u << 20) >= free_first, "device memory fell by %.1f MiB over 99 cycles",
           ((double)free_first - (double)free_last) / (1 << 20));
+}
+
+/* ---- the schedule built on the device against core/schedule.c, byte for byte ------------- */
+
+enum { IDS_UNIFORM, IDS_SKEWED, IDS_ONE_EXPERT, IDS_HOLES };
+
+static uint64_t ids_rng(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Ids of T tokens: uniform; skewed (e = E u^3: low ids hot); every slot to expert E - 1 (the last
+ * rank's); uniform with a quarter of the slots -1 and every fifth token all -1. */
+static void make_ids(int32_t *ids, int64_t T, int64_t k, int64_t E, int mode, uint64_t *rng) {
+    for (int64_t s = 0; s < T * k; ++s) {
+        double u = (double)(ids_rng(rng) >> 11) / 9007199254740992.0;
+        int32_t e = (int32_t)(ids_rng(rng) % (uint64_t)E);
+        if (mode == IDS_SKEWED) e = (int32_t)(E * u * u * u);
+        if (mode == IDS_ONE_EXPERT) e = (int32_t)(E - 1);
+        if (mode == IDS_HOLES && (u < 0.25 || (s / k) % 5 == 0)) e = -1;
+        ids[s] = e;
+    }
+}
+
+/* The first difference between two schedules in every byte core/schedule.c defines (the header
+ * but its padding, counts, segments, row_peer / row_slot below padded_rows, own_ids); 0 when none. */
+static int sched_differs(const mok_sched_layout *lay, void *got_buf, void *want_buf, char *what, size_t size) {
+    mok_sched_view got = mok__sched_view(lay, got_buf), want = mok__sched_view(lay, want_buf);
+    const mok_sched_header *g = got.header, *w = want.header;
+#define FIELD(f)                                                                                   \
+    if (g->f != w->f) return snprintf(what, size, "header." #f " %lld, want %lld", (long long)g->f, (long long)w->f), 1
+    FIELD(magic);
+    FIELD(nranks);
+    FIELD(rank);
+    FIELD(num_local_experts);
+    FIELD(topk);
+    FIELD(max_rows);
+    FIELD(routed_rows);
+    FIELD(padded_rows);
+    FIELD(max_expert_rows);
+    FIELD(error);
+#undef FIELD
+    for (int q = 0; q < MOK_MAX_RANKS; ++q)
+        if (g->num_tokens[q] != w->num_tokens[q])
+            return snprintf(what, size, "header.num_tokens[%d] %lld, want %lld", q, (long long)g->num_tokens[q],
+                            (long long)w->num_tokens[q]), 1;
+    const int64_t L = lay->num_local_experts, rows = w->padded_rows;
+    struct {
+        const char *name;
+        const void *got, *want;
+        int64_t count;
+        int wide;
+    } arrays[] = {
+        {"counts", got.counts, want.counts, L * lay->nranks, 1},
+        {"expert_start", got.expert_start, want.expert_start, L + 1, 1},
+        {"expert_rows", got.expert_rows, want.expert_rows, L, 1},
+        {"row_peer", got.row_peer, want.row_peer, rows, 0},
+        {"row_slot", got.row_slot, want.row_slot, rows, 0},
+        {"own_ids", got.own_ids, want.own_ids, lay->max_tokens * lay->topk, 0},
+    };
+    for (size_t a = 0; a < sizeof arrays / sizeof arrays[0]; ++a) {
+        const size_t bytes = (size_t)arrays[a].count * (arrays[a].wide ? 8 : 4);
+        if (!memcmp(arrays[a].got, arrays[a].want, bytes)) continue;
+        for (int64_t i = 0; i < arrays[a].count; ++i) {
+            long long x = arrays[a].wide ? ((const int64_t *)arrays[a].got)[i] : ((const int32_t *)arrays[a].got)[i];
+            long long y = arrays[a].wide ? ((const int64_t *)arrays[a].want)[i] : ((const int32_t *)arrays[a].want)[i];
+            if (x != y) return snprintf(what, size, "%s[%lld] %lld, want %lld", arrays[a].name, (long long)i, x, y), 1;
+        }
+    }
+    return 0;
+}
+
+typedef struct sched_case {
+    const char *tag;
+    int mode;
+    int64_t tokens[8]; /* per rank; past the case's ranks: the first entry */
+} sched_case;
+
+/* One group of P ranks and one workspace for every case, in order (so a build after a larger
+ * one shows stale state); each case's schedules are built on the device into poisoned buffers
+ * and compared with core/schedule.c's on the same ids, rank by rank. Then an id = E on the last
+ * rank: reported, the header's error is core/schedule.c's, and the first case, built again,
+ * still matches. */
+static void check_schedules(const char *tag, int P, int64_t E, int64_t k, int64_t max_tokens,
+                            const sched_case *cases, int num_cases) {
+    mok_shape shape = small_shape(128, 64, E, k, 0);
+    shape.max_tokens = max_tokens;
+    mok_sched_layout lay;
+    mok__sched_layout(&lay, P, E / P, k, max_tokens);
+    int devices[MOK_MAX_RANKS];
+    for (int p = 0; p < P; ++p) devices[p] = p;
+    mok_group *group = NULL;
+    mok_workspace *ws = NULL;
+    mok_sizes sizes;
+    mok_status st = mok_group_create_local(&group, MOK_BACKEND_CUDA, P, devices, NULL);
+    if (st == MOK_OK) st = mok_workspace_create(&ws, group, &shape, NULL);
+    if (st == MOK_OK) st = mok_workspace_sizes(ws, &sizes);
+    CHECK(st == MOK_OK, "%s: open: %s", tag, mok_last_error());
+    if (st == MOK_OK) CHECK(sizes.schedule_bytes == lay.bytes, "%s: schedule_bytes %zu, layout %zu", tag,
+                            sizes.schedule_bytes, lay.bytes);
+    const size_t id_bytes = (size_t)(max_tokens * k) * 4 + 16;
+    void *dev_ids[MOK_MAX_RANKS] = {0}, *dev_sched[MOK_MAX_RANKS] = {0};
+    int32_t *ids[MOK_MAX_RANKS] = {0};
+    for (int p = 0; p < P && st == MOK_OK; ++p) {
+        st = mok_memory_alloc(group, p, id_bytes, &dev_ids[p]);
+        if (st == MOK_OK) st = mok_memory_alloc(group, p, lay.bytes, &dev_sched[p]);
+        ids[p] = (int32_t *)malloc(id_bytes);
+    }
+    CHECK(st == MOK_OK, "%s: buffers: %s", tag, mok_last_error());
+    char *poison = (char *)malloc(lay.bytes), *got = (char *)malloc(lay.bytes), *want = (char *)malloc(lay.bytes);
+    memset(poison, 0xa5, lay.bytes);
+    for (int c = 0; c <= num_cases + 1 && st == MOK_OK; ++c) {
+        const int bad_id = c == num_cases;
+        const sched_case *sc = &cases[c < num_cases ? c : 0];
+        int64_t tokens[MOK_MAX_RANKS];
+        uint64_t rng = mok_test_seed() ^ ((uint64_t)c * 0x9e37u + (uint64_t)P * 0x51u + (uint64_t)E);
+        mok_schedule_args args[MOK_MAX_RANKS];
+        for (int p = 0; p < P && st == MOK_OK; ++p) {
+            tokens[p] = p < 8 ? sc->tokens[p] : sc->tokens[0];
+            make_ids(ids[p], tokens[p], k, E, sc->mode, &rng);
+            if (bad_id && p == P - 1) ids[p][tokens[p] * k / 2] = (int32_t)E;
+            st = mok_memory_copy(group, p, dev_ids[p], ids[p], (size_t)(tokens[p] * k) * 4, MOK_COPY_HOST_TO_RANK);
+            if (st == MOK_OK) st = mok_memory_copy(group, p, dev_sched[p], poison, lay.bytes, MOK_COPY_HOST_TO_RANK);
+            args[p] = (mok_schedule_args){tokens[p], (const int32_t *)dev_ids[p], dev_sched[p], NULL};
+        }
+        if (st == MOK_OK) st = mok_schedule_build(ws, args);
+        if (st == MOK_OK) st = mok_synchronize(ws);
+        if (bad_id) {
+            CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "topk_ids"), "%s, id = E: got %s (%s)",
+                  tag, mok_status_string(st), mok_last_error());
+            st = MOK_OK;
+        } else {
+            CHECK(st == MOK_OK, "%s, %s: build: %s", tag, sc->tag, mok_last_error());
+        }
+        for (int p = 0; p < P && st == MOK_OK; ++p) {
+            st = mok_memory_copy(group, p, got, dev_sched[p], lay.bytes, MOK_COPY_RANK_TO_HOST);
+            CHECK(st == MOK_OK, "%s, %s: download: %s", tag, sc->tag, mok_last_error());
+            memset(want, 0x5a, lay.bytes);
+            int err = mok__sched_build(&lay, want, p, E, tokens, (const int32_t *const *)ids);
+            const mok_sched_header *h = (const mok_sched_header *)got;
+            char what[256];
+            if (bad_id) {
+                /* On an error the device leaves the rows unset (padded_rows 0); the code is the same. */
+                CHECK(err == MOK_SCHED_ERR_EXPERT_ID && h->error == err && h->padded_rows == 0,
+                      "%s, id = E: rank %d: error %d, padded_rows %lld; core/schedule.c: error %d", tag, p, h->error,
+                      (long long)h->padded_rows, err);
+                continue;
+            }
+            CHECK(err == 0, "%s, %s: core/schedule.c reports error %d", tag, sc->tag, err);
+            if (st == MOK_OK && sched_differs(&lay, got, want, what, sizeof what))
+                CHECK(0, "%s, %s: rank %d of %d: %s", tag, sc->tag, p, P, what);
+        }
+    }
+    free(poison);
+    free(got);
+    free(want);
+    for (int p = 0; p < P; ++p) {
+        if (dev_ids[p]) mok_memory_free(group, p, dev_ids[p]);
+        if (dev_sched[p]) mok_memory_free(group, p, dev_sched[p]);
+        free(ids[p]);
+    }
+    mok_workspace_destroy(ws);
+    mok_group_destroy(group);
+}
+
+/* The device builds its schedule in chunks of a peer's slots (1024 times a power of two, chosen
+ * from T_max * k, P and the SM count); the cases cover one chunk and many, a last chunk cut short,
+ * chunks of several 1024-slot steps (T_max * k = 2^19 on one rank, below 256 SMs), more local
+ * experts than the scan's 1024 threads, T = 0 on a rank, and larger T before smaller on the same
+ * workspace. */
+MOK_TEST(cuda_schedule_matches_cpu) {
+    if (skip(1, "cuda_schedule_matches_cpu")) return;
+    const sched_case many_chunks[] = {
+        {"uniform, 12000 slots", IDS_UNIFORM, {3000}},
+        {"skewed, 11996 slots", IDS_SKEWED, {2999}},
+        {"one expert", IDS_ONE_EXPERT, {3000}},
+        {"holes", IDS_HOLES, {1777}},
+        {"T = 0", IDS_UNIFORM, {0}},
+        {"one token", IDS_SKEWED, {1}},
+        {"exactly one chunk", IDS_UNIFORM, {256}},
+    };
+    check_schedules("ep1 E16 k4", 1, 16, 4, 3000, many_chunks, 7);
+    const sched_case one_chunk[] = {
+        {"uniform", IDS_UNIFORM, {100}},
+        {"holes", IDS_HOLES, {37}},
+        {"one expert", IDS_ONE_EXPERT, {99}},
+    };
+    check_schedules("ep1 E8 k2, T_max * k < 1024", 1, 8, 2, 100, one_chunk, 3);
+    const sched_case long_chunks[] = {
+        {"skewed, full", IDS_SKEWED, {65536}},
+        {"uniform, 400000 slots", IDS_UNIFORM, {50000}},
+        {"one expert, a few chunks", IDS_ONE_EXPERT, {700}},
+        {"holes", IDS_HOLES, {65535}},
+    };
+    check_schedules("ep1 E64 k8, T_max = 65536", 1, 64, 8, 65536, long_chunks, 4);
+    const sched_case wide[] = {
+        {"uniform", IDS_UNIFORM, {700}},
+        {"skewed", IDS_SKEWED, {699}},
+    };
+    check_schedules("ep1 E1500 k2", 1, 1500, 2, 700, wide, 2);
+    /* Two ranks where two GPUs exist, then every GPU (up to 8) where there are more. */
+    const int rank_counts[2] = {2, all_ranks()};
+    for (int r = 0; r < 2; ++r) {
+        const int P = rank_counts[r];
+        if (P < 2 || (r == 1 && P == 2)) continue;
+        const sched_case ranks[] = {
+            {"uniform", IDS_UNIFORM, {2500, 2500, 2500, 2500, 2500, 2500, 2500, 2500}},
+            {"skewed, uneven", IDS_SKEWED, {2500, 1234, 17, 2500, 999, 2048, 1, 2200}},
+            {"one expert", IDS_ONE_EXPERT, {2500, 2500, 2000, 300, 2500, 2500, 2500, 2500}},
+            {"holes", IDS_HOLES, {1777, 2500, 2500, 0, 1024, 2500, 333, 2500}},
+            {"T = 0 on rank 0", IDS_UNIFORM, {0, 2500, 2500, 2500, 2500, 2500, 2500, 2500}},
+            {"T = 0 on the last rank", IDS_SKEWED, {2500, 0, 2500, 2500, 2500, 2500, 2500, 0}},
+        };
+        char tag[64];
+        snprintf(tag, sizeof tag, "ep%d E%d k8", P, 16 * P);
+        check_schedules(tag, P, 16 * P, 8, 2500, ranks, 6);
+    }
 }
 
 /* Schedule + forward captured once in a CUDA graph, replayed with new x, router weights and

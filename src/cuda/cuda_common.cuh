@@ -76,6 +76,18 @@ typedef struct cuda_sym_layout {
     size_t bytes;
 } cuda_sym_layout;
 
+/* Scratch of one rank's schedule build (schedule.cu says which kernel writes what, and when).
+ * Each peer's T * k slots are cut into chunks of chunk_slots; num_chunks covers T_max * k. Every
+ * build writes all it later reads, so nothing carries over from one build to the next. */
+typedef struct cuda_sched_scratch {
+    long long chunk_slots; /* slots of one peer per count / place block: PLACE_THREADS * 2^j */
+    long long num_chunks;  /* ceil(T_max * k / chunk_slots); 0 when the build cannot run at all */
+    int32_t *chunk_counts; /* [num_chunks][P][E_local]: rows of each (chunk, peer) per local expert,
+                              then (after the scan) the rows of that peer in the chunks before */
+    int32_t *chunk_error;  /* [num_chunks][P]: MOK_SCHED_ERR_* a count block found, or 0 */
+    int16_t *slot_expert;  /* [P][T_max * k]: each slot's local expert, -1 for none */
+} cuda_sched_scratch;
+
 typedef struct cuda_rank {
     int device, rank, num_sms;
     char *sym;             /* ncclMemAlloc'd, registered as window `win` */
@@ -102,7 +114,8 @@ typedef struct cuda_rank {
     long long *num_groups;
     int *error_host;                    /* mapped pinned: the error word */
     int *error_dev;
-    void *sched_tmp;                    /* device scratch of the schedule build */
+    char *sched_mem;                    /* device: backs `sched` */
+    cuda_sched_scratch sched;
 } cuda_rank;
 
 typedef struct cuda_workspace {
@@ -139,5 +152,8 @@ static __device__ __forceinline__ long long globaltimer_ns() {
 /* Host side, defined in the .cu files. */
 mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish);
 mok_status mok__cuda_check_error_word(mok_workspace *ws);
+/* Sizes one rank's schedule scratch for the workspace's maxima and a device of num_sms SMs; with
+ * base (device memory of the returned bytes) set, also points out's arrays into it. */
+size_t mok__cuda_sched_scratch(const mok_workspace *ws, int num_sms, char *base, cuda_sched_scratch *out);
 
 #endif

@@ -1,7 +1,7 @@
 /* workspace.cu — the cuda backend's memory per rank: the symmetric region (ncclMemAlloc,
  * registered once as a window; peer pointers fetched once into a device table), the ring, the
- * shared expert's buffers, counters, the barrier epoch and the mapped error word; and the
- * cross-GPU barrier kernel. */
+ * shared expert's buffers, counters, the barrier epoch, the schedule build's scratch and the
+ * mapped error word; and the cross-GPU barrier kernel. */
 #include <string.h>
 #include <time.h>
 
@@ -151,6 +151,9 @@ static void rank_release(cuda_rank *R) {
     R->ring_dy = R->ring_dyw = R->ring_gu = R->ring_dgu = R->sh_dgu = NULL;
     R->ring_w = R->ring_rdot = R->carry = NULL;
     cudaFree(R->epoch);
+    cudaFree(R->sched_mem);
+    R->sched_mem = NULL;
+    memset(&R->sched, 0, sizeof R->sched);
     cudaFree(R->groups);
     cudaFree(R->num_groups);
     R->groups = NULL;
@@ -209,6 +212,8 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
         CUDA_TRY(cudaMemset(R->trace_count, 0, sizeof(unsigned long long)));
     }
     ALLOC(R->epoch, sizeof(unsigned long long));
+    ALLOC(R->sched_mem, mok__cuda_sched_scratch(ws, R->num_sms, NULL, &R->sched));
+    mok__cuda_sched_scratch(ws, R->num_sms, R->sched_mem, &R->sched);
     R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
     ALLOC(R->num_groups, sizeof(long long));
