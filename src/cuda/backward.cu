@@ -556,7 +556,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         }
         pass_maps maps;
         p.tma_mask = backward_maps(R, &p, &maps);
-        p.bulk_rows = tma_available();
+        p.bulk_rows = bulk_rows_available();
         if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens,
                               &maps)) != MOK_OK)
             return st;

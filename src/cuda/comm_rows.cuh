@@ -7,7 +7,8 @@
  *
  * A task first fills the item tables (src, dst, dst_w, w) for its n items, all threads at once,
  * then calls cr_move. Without bulk copies (rows not 16-byte multiples, a row larger than the
- * slots allow, or MOK_CUDA_TMA=0) the same tables are walked by warps copying global to global.
+ * slots allow, MOK_CUDA_TMA=0 or MOK_CUDA_BULK=0) the same tables are walked by warps copying
+ * global to global.
  *
  * NOTE (slot ring): CR_WARPS - 1 consumer warps (warps 1..), each with `per_warp` private slots.
  * Item g (the CTA's running item count `seq` plus the item's index in the task; the same on

@@ -142,6 +142,12 @@ static __device__ __forceinline__ void st_release_sys(unsigned long long *p, uns
 static __device__ __forceinline__ void red_release_gpu(unsigned long long *p, unsigned long long v) {
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+/* Sets the rank's error word to `code` unless an earlier error is there. The word is mapped host
+ * memory that the host reads and clears between passes: the atomic is system-scope, so that it is
+ * performed where the host sees it (a device-scope one may complete in the GPU's L2 and reach
+ * host memory later, after the host has cleared the word). */
+static __device__ __forceinline__ void set_error(int *error, int code) { atomicCAS_system(error, 0, code); }
+
 static __device__ __forceinline__ long long globaltimer_ns() {
     long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -285,7 +285,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                      cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;
         p.tma_mask = forward_maps(R, &p, &maps);
-        p.bulk_rows = tma_available();
+        p.bulk_rows = bulk_rows_available();
         if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, WS_THREADS, smem, stream, a->num_tokens,
                               &maps)) != MOK_OK)
             return st;

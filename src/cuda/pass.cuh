@@ -65,7 +65,7 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
     while ((long long)ld_acquire_gpu(p.counters + c) < target) {
         if (*(volatile unsigned long long *)abort) return false;
         if (globaltimer_ns() - start > p.timeout_ns) {
-            atomicCAS(p.error, 0, MOK_KERR_STALL);
+            set_error(p.error, MOK_KERR_STALL);
             atomicExch(abort, 1ull);
             return false;
         }
@@ -114,14 +114,14 @@ static __global__ void groups_kernel(pass_params p) {
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     *p.num_groups = 0;
     if (!schedule_ok(p, v)) {
-        atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+        set_error(p.error, MOK_KERR_SCHEDULE);
         return;
     }
     mok_plan plan;
     make_plan(p, v, &plan);
     long long n = mok__groups_build(&plan, p.groups, p.groups_cap);
     if (n < 0) {
-        atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+        set_error(p.error, MOK_KERR_SCHEDULE);
         n = 0;
     }
     *p.num_groups = n;

@@ -136,8 +136,8 @@ __global__ void __launch_bounds__(COUNT_THREADS) sched_count_kernel(sched_params
     if (threadIdx.x == 0) {
         p.scratch.chunk_error[(long long)chunk * p.nranks + peer] =
             !tokens_ok ? MOK_SCHED_ERR_TOKENS : bad_id ? MOK_SCHED_ERR_EXPERT_ID : 0;
-        if (!tokens_ok && chunk == 0) atomicCAS(p.error, 0, MOK_KERR_TOKENS);
-        if (bad_id) atomicCAS(p.error, 0, MOK_KERR_EXPERT_ID);
+        if (!tokens_ok && chunk == 0) set_error(p.error, MOK_KERR_TOKENS);
+        if (bad_id) set_error(p.error, MOK_KERR_EXPERT_ID);
     }
 }
 
@@ -280,7 +280,9 @@ __global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p
         h->topk = p.topk;
         h->max_rows = p.max_rows;
         h->error = error;
-        if (error) atomicCAS(p.error, 0, MOK_KERR_SCHEDULE);
+        /* id and T errors were set by the count kernel; the host may have reported and cleared
+           them already, so only the error found here goes into the word */
+        if (error == MOK_SCHED_ERR_CAPACITY) set_error(p.error, MOK_KERR_SCHEDULE);
         v.expert_start[L] = error ? 0 : rows;
         h->routed_rows = error ? 0 : routed_all;
         h->padded_rows = error ? 0 : rows;

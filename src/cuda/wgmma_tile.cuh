@@ -82,7 +82,7 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, 
         if ((spins & 255) == 0) {
             if (*(volatile unsigned long long *)abort) return;
             if (globaltimer_ns() - start > timeout_ns) {
-                atomicCAS(error, 0, MOK_KERR_STALL);
+                set_error(error, MOK_KERR_STALL);
                 atomicExch(abort, 1ull);
                 return;
             }

@@ -52,7 +52,7 @@ __global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_
         while (ld_acquire_sys(mine + p) < e) {
             if (*(volatile int *)error) break;
             if (globaltimer_ns() - start > timeout_ns) {
-                atomicCAS(error, 0, MOK_KERR_TIMEOUT);
+                set_error(error, MOK_KERR_TIMEOUT);
                 __threadfence_system();
                 break;
             }
