@@ -253,6 +253,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="build/bench")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated layer names: run only their cases")
     ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
     ap.add_argument("--sweep-mb", default="512,1024,2048", help="minibatch rows the sweep tries (comma-separated)")
     ap.add_argument("--trace", action="store_true",
@@ -267,6 +268,8 @@ def main():
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
     rows = []
     cases = LY.cases(a.ranks)
+    if a.only:
+        cases = [c for c in cases if c[0] in a.only.split(",")]
     if SMOKE:
         cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5 if a.ranks > 1 else 0.0)]
     base = F.Config()

@@ -5,8 +5,8 @@
  * Each of `ctas` CTAs (384 threads, as in the megakernel) runs `tasks` tasks of 128 rows: the
  * rows come from random places of a large source and go to consecutive destination rows, as a
  * dispatch does. Methods:
- *   warp4     each warp copies a row, 4 x 16 bytes per lane in flight (the library's old copy)
- *   warp16    the same with 16 x 16 bytes per lane in flight
+ *   warp4     each warp copies a row, 4 x 16 bytes per lane in flight (as the library's copy_row)
+ *   warp8, warp16  the same with 8 and 16 x 16 bytes per lane in flight
  *   slots     one thread bulk-loads rows into private slots of 11 storing warps, which store them
  *             with 16-byte stores (src/cuda/comm_rows.cuh), fence.proxy.async once per task
  *   slots-nf  the same without the proxy fence
@@ -76,18 +76,19 @@ struct job {
     uint32_t row_bytes;
 };
 
+/* One warp, a row: N 16-byte loads per lane in flight (predicated at the row's end), then N stores. */
 template <int N>
 __device__ void warp_copy(int4 *d, const int4 *s, int n16) {
     const int lane = threadIdx.x & 31;
-    int c = lane;
-    for (; c + 32 * (N - 1) < n16; c += 32 * N) {
+    for (int c0 = 0; c0 < n16; c0 += 32 * N) {
         int4 v[N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) v[i] = s[c + 32 * i];
+        for (int i = 0; i < N; ++i)
+            if (c0 + 32 * i + lane < n16) v[i] = s[c0 + 32 * i + lane];
 #pragma unroll
-        for (int i = 0; i < N; ++i) d[c + 32 * i] = v[i];
+        for (int i = 0; i < N; ++i)
+            if (c0 + 32 * i + lane < n16) d[c0 + 32 * i + lane] = v[i];
     }
-    for (; c < n16; c += 32) d[c] = s[c];
 }
 
 template <int N>
@@ -208,6 +209,9 @@ __global__ void __launch_bounds__(THREADS, 1) k_bulk(job j) {
 
 int main(int argc, char **argv) {
     const int ctas = argc > 1 ? atoi(argv[1]) : 8, tasks = argc > 2 ? atoi(argv[2]) : 64;
+    CK(cudaFuncSetAttribute(k_slots<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    CK(cudaFuncSetAttribute(k_slots<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+    CK(cudaFuncSetAttribute(k_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
     const long long src_rows = 65536;
     int passed = 0, failed = 0;
     printf("%d CTAs x %d tasks x %d rows\n", ctas, tasks, ROWS);
@@ -228,8 +232,8 @@ int main(int argc, char **argv) {
         CK(cudaMemcpy(src, h_src.data(), src_rows * row_bytes, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(d_rows, rows.data(), nrows * 4, cudaMemcpyHostToDevice));
         job j{src, dst, d_rows, tasks, n16, row_bytes};
-        const char *names[] = {"warp4", "warp16", "slots", "slots-nf", "bulk"};
-        for (int m = 0; m < 5; ++m) {
+        const char *names[] = {"warp4", "warp16", "slots", "slots-nf", "bulk", "warp8"};
+        for (int m = 0; m < 6; ++m) {
             auto launch = [&]() {
                 switch (m) {
                 case 0: k_warp<4><<<ctas, THREADS>>>(j); break;
@@ -237,11 +241,9 @@ int main(int argc, char **argv) {
                 case 2: k_slots<true><<<ctas, THREADS, SMEM>>>(j); break;
                 case 3: k_slots<false><<<ctas, THREADS, SMEM>>>(j); break;
                 case 4: k_bulk<<<ctas, THREADS, SMEM>>>(j); break;
+                case 5: k_warp<8><<<ctas, THREADS>>>(j); break;
                 }
             };
-            CK(cudaFuncSetAttribute(k_slots<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
-            CK(cudaFuncSetAttribute(k_slots<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
-            CK(cudaFuncSetAttribute(k_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
             CK(cudaMemset(dst, 0, nrows * row_bytes));
             launch();
             CK(cudaGetLastError());

@@ -18,23 +18,19 @@
 #include "comm_rows.cuh"
 #include "walk_ws.cuh"
 
-/* Per ring row: x and dy of its (peer, token) pair (items 2r, 2r + 1), with w·dy beside dy and
- * the router weight; the tile's padding rows of x and w·dy are written as zeros, which the
- * weight gradients' 64-row slices add as nothing. */
-static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt, comm_ring &cr) {
+/* Per ring row, one warp: x and dy of its (peer, token) pair, w·dy beside dy and the router
+ * weight; the tile's padding rows of x and w·dy are written as zeros, which the weight
+ * gradients' 64-row slices add as nothing. */
+static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt) {
     const tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x; r < t.nreal; r += blockDim.x) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r], token = slot / p.topk, ring = t.ring0 + r;
         const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
-        cr.src[2 * r] = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden);
-        cr.dst[2 * r] = (int4 *)(p.ring_x + ring * p.hidden);
-        cr.dst_w[2 * r] = nullptr;
-        cr.src[2 * r + 1] = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden);
-        cr.dst[2 * r + 1] = (int4 *)(p.ring_dy + ring * p.hidden);
-        cr.dst_w[2 * r + 1] = (int4 *)(p.ring_dyw + ring * p.hidden);
-        cr.w[2 * r + 1] = w;
-        p.ring_w[ring] = w;
+        pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
+                 (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden,
+                 (const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden, w, p.hidden);
+        if ((threadIdx.x & 31) == 0) p.ring_w[ring] = w;
     }
     const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
     const int4 zero = make_int4(0, 0, 0, 0);
@@ -43,27 +39,23 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
         int4 *dyw_out = (int4 *)(p.ring_dyw + (t.ring0 + r) * p.hidden);
         for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = zero;
     }
-    __syncthreads();
-    cr_move(cr, p, 2 * t.nreal);
 }
 
 /* Each ring row's dx part into its owner's (token, slot) row, and its d_router_w (the sum of the
- * dh tiles' partial dot products, in column order). */
-static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_ring &cr) {
+ * dh tiles' partial dot products, in column order), one warp per row. */
+static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt) {
     const tile_info t = row_tile(p, v, rt);
     const long long nI = p.inter / p.n_tile;
-    for (int r = threadIdx.x; r < t.nreal; r += blockDim.x) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r], ring = t.ring0 + r;
-        cr.src[r] = (const int4 *)(p.ring_y + ring * p.hidden);
-        cr.dst[r] = (int4 *)((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden);
-        cr.dst_w[r] = nullptr;
-        float sum = 0.0f;
-        for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
-        ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
+        copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
+        if ((threadIdx.x & 31) == 0) {
+            float sum = 0.0f;
+            for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
+            ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
+        }
     }
-    __syncthreads();
-    cr_move(cr, p, t.nreal);
 }
 
 /* ---- compute tasks (consumer side of walk_ws.cuh) ------------------------------------------ */
@@ -424,10 +416,10 @@ static __device__ void run_wgrad_zero(const pass_params &p, int e) {
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
 struct backward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long, comm_ring &cr) {
+                               long long, uint16_t *) {
         switch (grp.kind) {
-        case MOK_TASK_PULL: run_pull(p, v, rt, cr); break;
-        case MOK_TASK_PUSH: run_push(p, v, rt, cr); break;
+        case MOK_TASK_PULL: run_pull(p, v, rt); break;
+        case MOK_TASK_PUSH: run_push(p, v, rt); break;
         default: break;
         }
     }
@@ -456,13 +448,15 @@ struct backward_ws {
 __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = p.trace ? globaltimer_ns() : 0;
-    if (*(volatile int *)p.error) return;
+    /* The error word is mapped host memory: one read per CTA, not one per thread (~50,000 reads
+       across the PCIe bus at the kernel's start). */
+    __shared__ int s_error;
+    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
+    __syncthreads();
+    if (s_error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < p.comm_ctas) {
-        comm_ring cr;
-        cr_init(cr, (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023), WS_SMEM_BYTES - 1024, p);
-        walk_tasks<backward_runner>(p, v, cr);
-    } else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
+    if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
+    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
     if (p.trace) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry);
@@ -556,7 +550,6 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         }
         pass_maps maps;
         p.tma_mask = backward_maps(R, &p, &maps);
-        p.bulk_rows = bulk_rows_available();
         if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens,
                               &maps)) != MOK_OK)
             return st;

@@ -17,32 +17,26 @@
 #include "walk_ws.cuh"
 
 
-/* x rows of the tile's (peer, token) pairs into the ring. */
-static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &v, long long rt, comm_ring &cr) {
+/* x rows of the tile's (peer, token) pairs into the ring, one warp per row. */
+static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &v, long long rt) {
     const tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x; r < t.nreal; r += blockDim.x) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         const int peer = v.row_peer[t.row0 + r];
         const long long token = v.row_slot[t.row0 + r] / p.topk;
-        cr.src[r] = (const int4 *)((const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden);
-        cr.dst[r] = (int4 *)(p.ring_x + (t.ring0 + r) * p.hidden);
-        cr.dst_w[r] = nullptr;
+        const uint16_t *src = (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden;
+        copy_row(p.ring_x + (t.ring0 + r) * p.hidden, src, p.hidden);
     }
-    __syncthreads();
-    cr_move(cr, p, t.nreal);
 }
 
-/* The tile's expert outputs into their owners' (token, slot) rows. */
-static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt, comm_ring &cr) {
+/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. */
+static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt) {
     const tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x; r < t.nreal; r += blockDim.x) {
+    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
         const int peer = v.row_peer[t.row0 + r];
         const long long slot = v.row_slot[t.row0 + r];
-        cr.src[r] = (const int4 *)(p.ring_y + (t.ring0 + r) * p.hidden);
-        cr.dst[r] = (int4 *)((uint16_t *)(p.peers[peer] + p.off_comb) + slot * p.hidden);
-        cr.dst_w[r] = nullptr;
+        uint16_t *dst = (uint16_t *)(p.peers[peer] + p.off_comb) + slot * p.hidden;
+        copy_row(dst, p.ring_y + (t.ring0 + r) * p.hidden, p.hidden);
     }
-    __syncthreads();
-    cr_move(cr, p, t.nreal);
 }
 
 /* The one GEMM of a compute task: gate|up (64 columns of each) or down, routed or shared. */
@@ -172,10 +166,10 @@ static __device__ void fwd_epilogue(const pass_params &p, const mok_sched_view &
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised (walk_ws.cuh). */
 struct forward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long, comm_ring &cr) {
+                               long long, uint16_t *) {
         switch (grp.kind) {
-        case MOK_TASK_DISPATCH: run_dispatch(p, v, rt, cr); break;
-        case MOK_TASK_COMBINE: run_combine(p, v, rt, cr); break;
+        case MOK_TASK_DISPATCH: run_dispatch(p, v, rt); break;
+        case MOK_TASK_COMBINE: run_combine(p, v, rt); break;
         default: break;
         }
     }
@@ -203,13 +197,15 @@ struct forward_ws {
 __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = p.trace ? globaltimer_ns() : 0;
-    if (*(volatile int *)p.error) return;
+    /* The error word is mapped host memory: one read per CTA, not one per thread (~50,000 reads
+       across the PCIe bus at the kernel's start). */
+    __shared__ int s_error;
+    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
+    __syncthreads();
+    if (s_error) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < p.comm_ctas) {
-        comm_ring cr;
-        cr_init(cr, (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023), WS_SMEM_BYTES - 1024, p);
-        walk_tasks<forward_runner>(p, v, cr);
-    } else walk_compute_ws<forward_ws>(p, v, smem_raw, nullptr, maps.m);
+    if (blockIdx.x < p.comm_ctas) walk_tasks<forward_runner>(p, v, nullptr);
+    else walk_compute_ws<forward_ws>(p, v, smem_raw, nullptr, maps.m);
     if (p.trace) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry);
@@ -285,7 +281,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                      cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;
         p.tma_mask = forward_maps(R, &p, &maps);
-        p.bulk_rows = bulk_rows_available();
         if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, WS_THREADS, smem, stream, a->num_tokens,
                               &maps)) != MOK_OK)
             return st;

@@ -32,7 +32,6 @@ struct pass_params {
     int *error;
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
-    int bulk_rows;     /* comm tasks may stream rows with bulk copies (comm_rows.cuh) */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -192,10 +191,9 @@ static __device__ void trace_resident(const pass_params &p, long long entry) {
     p.trace[n] = e;
 }
 
-/* The CTA loop: claim a ticket of this CTA's role, find its group and task, wait, run, bump.
- * `ctx` is what the Runner's tasks share across the CTA's tasks (the comm CTAs' slot ring). */
-template <typename Runner, typename Ctx>
-static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, Ctx &ctx) {
+/* The CTA loop: claim a ticket of this CTA's role, find its group and task, wait, run, bump. */
+template <typename Runner>
+static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
     __shared__ long long s_ticket;
     __shared__ int s_flag;
     const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
@@ -214,7 +212,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
         if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
         const long long start = p.trace ? globaltimer_ns() : 0;
-        Runner::run(p, v, grp, rt, nt, ctx);
+        Runner::run(p, v, grp, rt, nt, smem);
         __syncthreads();
         if (threadIdx.x == 0) finish_task(p, grp, rt, role, start, p.trace ? globaltimer_ns() : 0);
     }

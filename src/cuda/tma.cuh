@@ -69,13 +69,6 @@ static int tma_available(void) {
     return tma_encode_fn != NULL && !(env && env[0] == '0');
 }
 
-/* Whether the comm tasks may stream rows with bulk copies (comm_rows.cuh): the TMA is available
- * and MOK_CUDA_BULK is not 0 (read at every pass, for comparisons in one process). */
-static int bulk_rows_available(void) {
-    const char *env = getenv("MOK_CUDA_BULK");
-    return tma_available() && !(env && env[0] == '0');
-}
-
 /* Encodes `map` for bf16 [rows, cols] at ptr with boxes of box_rows x 64. Returns 1 when the map
  * is usable, 0 when the matrix is absent (NULL, no rows), not 16-byte aligned, or the encoder
  * refused it: the tasks reading it then take the cp.async path. */
