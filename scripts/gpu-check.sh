@@ -64,7 +64,7 @@ if [ $sanitize -eq 1 ]; then
     # leave API errors out, report memory, race and sync errors. The sanitizers slow a pass
     # past the default 10 s peer timeout; the tests take a longer one from the environment.
     for tool in memcheck racecheck synccheck; do
-        for t in cuda_recompute_context cuda_backward_ep2; do
+        for t in cuda_sanitize_ep1 cuda_sanitize_ep2; do
             step "compute-sanitizer $tool $t" env MOK_TEST_PEER_TIMEOUT_MS=300000 timeout 600 compute-sanitizer --tool $tool --report-api-errors no \
                 --error-exitcode 9 ./build/mok_tests $t
         done
