@@ -2,6 +2,7 @@
 
     python3 bench/bench.py --ranks 1 --out build/bench        # one H200: both layers, sweeps
     python3 bench/bench.py --ranks 2 --out build/bench        # two H200s, one process drives both
+    python3 bench/bench.py --ranks 1 --no-sweep --compare-env MOK_CUDA_RASTER=8   # an A/B in one run
 
 For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
 on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
