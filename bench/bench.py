@@ -2,7 +2,7 @@
 
     python3 bench/bench.py --ranks 1 --out build/bench        # one H200: both layers, sweeps
     python3 bench/bench.py --ranks 2 --out build/bench        # two H200s, one process drives both
-    python3 bench/bench.py --ranks 1 --no-sweep --compare-env MOK_CUDA_RASTER=8   # an A/B in one run
+    python3 bench/bench.py --ranks 1 --no-sweep --compare-env MOK_CUDA_RASTER=8   # an A/B in one run (repeatable)
 
 For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
 on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
@@ -126,7 +126,9 @@ class MokRun:
         self.ws.close()
 
 
-def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
+def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, baseline=None):
+    """One case: mok's forward and backward times (and, with check on one rank, the error against
+    PyTorch and PyTorch's times, or those of `baseline`, an earlier row of the same case)."""
     layer = LAYERS[name]
     inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
     row = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew,
@@ -146,9 +148,13 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check):
             y0 = y[0] if isinstance(y, list) else y
             err = ((y0.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
             row["max_rel_err_vs_torch"] = err
-            row["baseline_forward_ms"] = time_ranks(lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1,
-                                                    reps)
-            row["baseline_forward_backward_ms"] = time_ranks(baseline_step(i), 1, max(3, reps // 2))
+            if baseline:
+                row["baseline_forward_ms"] = baseline["baseline_forward_ms"]
+                row["baseline_forward_backward_ms"] = baseline["baseline_forward_backward_ms"]
+            else:
+                row["baseline_forward_ms"] = time_ranks(
+                    lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1, reps)
+                row["baseline_forward_backward_ms"] = time_ranks(baseline_step(i), 1, max(3, reps // 2))
         row["forward_ms"] = time_ranks(run.forward, ranks, reps)
         try:
             row["backward_ms"] = time_ranks(run.backward, ranks, max(3, reps // 2))
@@ -255,9 +261,10 @@ def main():
     ap.add_argument("--out", default="build/bench")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated layer names: run only their cases")
-    ap.add_argument("--compare-env", default="",
-                    help="VAR=VALUE: each case runs again with this in the environment (the library reads its "
-                         "MOK_CUDA_* switches at every pass), an A/B in one process; the table shows both rows")
+    ap.add_argument("--compare-env", action="append", default=[],
+                    help="VAR=VALUE (repeatable): each case runs again with this in the environment (the library "
+                         "reads its MOK_CUDA_* switches at every pass), an A/B in one process; the table shows a "
+                         "row per variant, and the variants reuse the first row's baseline times")
     ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
     ap.add_argument("--sweep-mb", default="512,1024,2048", help="minibatch rows the sweep tries (comma-separated)")
     ap.add_argument("--trace", action="store_true",
@@ -278,11 +285,12 @@ def main():
         cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5 if a.ranks > 1 else 0.0)]
     base = F.Config()
     variants = [None]
-    if a.compare_env:
-        if "=" not in a.compare_env:
+    for spec in a.compare_env:
+        if "=" not in spec:
             ap.error("--compare-env takes VAR=VALUE")
-        variants.append(tuple(a.compare_env.split("=", 1)))
+        variants.append(tuple(spec.split("=", 1)))
     for name, experts, tokens, skew in cases:
+        first = None
         for variant in variants:
             saved = None
             if variant:
@@ -290,7 +298,8 @@ def main():
                 os.environ[variant[0]] = variant[1]
             try:
                 t0 = time.time()
-                row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True)
+                row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True,
+                               baseline=first)
                 row["wall_s"] = time.time() - t0
                 row["env"] = "=".join(variant) if variant else ""
             finally:
@@ -300,6 +309,7 @@ def main():
                     else:
                         os.environ[variant[0]] = saved
             rows.append(row)
+            first = first or row
             print(json.dumps(row), flush=True)
     if a.profile:
         for name, experts, tokens, skew in cases:
