@@ -243,13 +243,16 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             for e in ev:
                 if e["pid"] != 0:
                     continue
-                c = per.setdefault(e["name"], [0, 0.0, e["cat"]])
+                c = per.setdefault(e["name"], [0, 0.0, e["cat"], []])
                 c[0] += 1
                 c[1] += e["dur"] / 1e3
-            for kind, (n, busy, cat) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+                c[3].append(e["dur"])
+            for kind, (n, busy, cat, durs) in sorted(per.items(), key=lambda kv: -kv[1][1]):
                 tf = f"{flops[kind] / (busy * 1e-3) / 1e12:6.2f} TFLOP/s per busy SM" if kind in flops else ""
-                print(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  {tf}",
-                      flush=True)
+                durs.sort()
+                pct = "/".join(f"{durs[min(len(durs) - 1, int(q * len(durs)))]:.1f}" for q in (0.0, 0.1, 0.5, 0.9))
+                print(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  "
+                      f"min/p10/p50/p90 {pct} us  {tf}", flush=True)
     finally:
         run.close()
 

@@ -19,6 +19,11 @@
  * It prints one line per self-test (shape, tile, max abs/rel error), then the timings, and
  * ends with `N passed, N failed`. Exit code 0 only if every self-test passed.
  *
+ * Operand layouts (the backward's question: do transposed shared-memory operands cost?): besides
+ * the K-major pair, B may be N-major (Bt[K, N], read with imm-trans-b, as dx and dh read the
+ * weights) and A M-major (At[K, M], imm-trans-a, as the weight gradients read the activations).
+ * The same reference checks every layout: Bt and At are transposed copies of B and A.
+ *
  * Limits of v1: N % 8 == 0 and K % 8 == 0 (TMA row strides are multiples of 16 bytes, and C is
  * stored two columns at a time); any M >= 1. The epilogue stores straight from registers. */
 #include <cuda.h>  // CUtensorMap and its enums only: the driver entry point comes through cudart
@@ -217,6 +222,7 @@ static __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr) {
 
 /* D[64 x N] (+)= A[64 x 16] · B[16 x N]; A and B from shared memory, both K-major (no transpose).
  * scale_d == 0 overwrites D, which saves zeroing the accumulators at the start of a tile. */
+template <int TA, int TB>
 static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                         int scale_d) {
 #define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
@@ -234,14 +240,15 @@ static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, 0;\n"
+        "%128, %129, p, 1, 1, %131, %132;\n"
         "}\n"
         : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
           ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
         : "memory");
 }
 
+template <int TA, int TB>
 static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                         int scale_d) {
     asm volatile(
@@ -253,20 +260,32 @@ static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n"
+        "%64, %65, p, 1, 1, %67, %68;\n"
         "}\n"
         : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
         : "memory");
 #undef ACC8
 }
 
-template <int ACC>
+template <int ACC, int TA, int TB>
 static __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     if constexpr (ACC == 128)
-        wgmma_m64n256k16(d, desc_a, desc_b, scale_d);
+        wgmma_m64n256k16<TA, TB>(d, desc_a, desc_b, scale_d);
     else
-        wgmma_m64n128k16(d, desc_a, desc_b, scale_d);
+        wgmma_m64n128k16<TA, TB>(d, desc_a, desc_b, scale_d);
+}
+
+/* Descriptor of an MN-major operand: 64-wide (128-byte) rows of the M or N dimension, one per k,
+ * in the 128B swizzle; 8-k groups 1024 bytes apart (stride offset), consecutive 64-wide halves of
+ * M or N 8 KB apart (leading offset); 16 more k is +2048 bytes. */
+static __device__ __forceinline__ uint64_t make_smem_desc_mn(uint32_t addr) {
+    uint64_t desc = 0;
+    desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+    desc |= (uint64_t)(8192 >> 4) << 16;
+    desc |= (uint64_t)(SWIZZLE_ATOM_BYTES >> 4) << 32;
+    desc |= (uint64_t)1 << 62;
+    return desc;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -300,7 +319,7 @@ static __device__ __forceinline__ TilePos tile_at(int tile, int num_m, int num_n
  * wgmma.wait_group shows the wgmma that read slot s as complete). Both sides walk the slots in
  * the same order; the phase bit flips at each wrap, and the producer waits on empty with the
  * opposite parity, which a fresh barrier satisfies at once. */
-template <int BN_>
+template <int BN_, int TA, int TB>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       bf16 *__restrict__ C, int M, int N, int K, int *err) {
@@ -346,8 +365,17 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (!mbar_wait(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
                 const uint32_t a_dst = ring + stage * Cfg::STAGE_BYTES;
                 mbar_arrive_expect_tx(full_bar + 8 * stage, Cfg::STAGE_BYTES);
-                tma_load_2d(a_dst, &map_a, kb * BK, pos.m0, full_bar + 8 * stage);
-                tma_load_2d(a_dst + Cfg::A_BYTES, &map_b, kb * BK, pos.n0, full_bar + 8 * stage);
+                if (TA) /* At[K, M]: two boxes of 64 m x 64 k */
+                    for (int h = 0; h < BM / 64; ++h)
+                        tma_load_2d(a_dst + h * 8192, &map_a, pos.m0 + 64 * h, kb * BK, full_bar + 8 * stage);
+                else
+                    tma_load_2d(a_dst, &map_a, kb * BK, pos.m0, full_bar + 8 * stage);
+                if (TB) /* Bt[K, N]: BN / 64 boxes of 64 n x 64 k */
+                    for (int h = 0; h < Cfg::BN / 64; ++h)
+                        tma_load_2d(a_dst + Cfg::A_BYTES + h * 8192, &map_b, pos.n0 + 64 * h, kb * BK,
+                                    full_bar + 8 * stage);
+                else
+                    tma_load_2d(a_dst + Cfg::A_BYTES, &map_b, kb * BK, pos.n0, full_bar + 8 * stage);
                 if (++stage == STAGES) {
                     stage = 0;
                     phase ^= 1;
@@ -362,8 +390,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4;  // warp within the warpgroup: rows 16·warp..+15
     const int lane = threadIdx.x % 32;
-    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128);
-    const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    const uint64_t desc_a0 = TA ? make_smem_desc_mn(ring + consumer * 8192) : make_smem_desc(ring + consumer * 64 * 128);
+    const uint64_t desc_b0 = TB ? make_smem_desc_mn(ring + Cfg::A_BYTES) : make_smem_desc(ring + Cfg::A_BYTES);
+    /* 16 more k: +32 bytes along a K-major row, +2048 bytes (16 rows) in an MN-major operand */
+    constexpr uint64_t step_a = TA ? 2048 >> 4 : 2, step_b = TB ? 2048 >> 4 : 2;
 
     float acc[Cfg::ACC];
     int stage = 0, prev_stage = 0;
@@ -383,7 +413,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < BK / 16; ++k)
-                wgmma_tile<Cfg::ACC>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+                wgmma_tile<Cfg::ACC, TA, TB>(acc, desc_a + step_a * k, desc_b + step_b * k, (kb | k) != 0);
             wgmma_commit();
             // Keep one wgmma group in flight: when this returns, the group that read the previous
             // slot is complete and that slot can be refilled.
@@ -499,24 +529,59 @@ static CUtensorMap make_kmajor_map(const bf16 *ptr, int rows, int K, int box_row
     return map;
 }
 
+/* An MN-major bf16 matrix Xt[K, cols] (cols contiguous) as a 2-D tensor map with boxes of 64
+ * columns x 64 k, 128B swizzle. */
+static CUtensorMap make_mn_map(const bf16 *ptr, int K, int cols, const char *what) {
+    CHECK(((uintptr_t)ptr & 15) == 0, "%s: base address must be 16-byte aligned", what);
+    CHECK(((size_t)cols * sizeof(bf16)) % 16 == 0, "%s: row stride (%d columns) must be a multiple of 16 bytes", what,
+          cols);
+    CUtensorMap map;
+    memset(&map, 0, sizeof(map));
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)K};
+    const cuuint64_t strides[1] = {(cuuint64_t)cols * sizeof(bf16)};
+    const cuuint32_t box[2] = {64, (cuuint32_t)BK};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = g_encode_tiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(ptr), dims, strides,
+                                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled(%s: K %d, cols %d) failed with CUresult %d", what, K, cols,
+          (int)r);
+    return map;
+}
+
+/* dst[c, r] = src[r, c] for src [rows, cols]: the MN-major copies At and Bt. */
+__global__ void transpose(const bf16 *__restrict__ src, bf16 *__restrict__ dst, int rows, int cols) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * cols;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / cols, c = i % cols;
+        dst[c * rows + r] = src[i];
+    }
+}
+
+/* The operands of one run: K-major A[M, K] and B[N, K], and their MN-major copies (At[K, M],
+ * Bt[K, N]) for the transposed layouts. */
+struct Operands {
+    const bf16 *A, *B, *At, *Bt;
+};
+
 /* Everything one GEMM launch needs, built once outside any timing loop. */
-template <int BN>
+template <int BN, int TA, int TB>
 struct GemmPlan {
     CUtensorMap map_a, map_b;
     bf16 *C;
     int M, N, K, grid;
 };
 
-template <int BN>
-static GemmPlan<BN> make_plan(const bf16 *A, const bf16 *B, bf16 *C, int M, int N, int K) {
+template <int BN, int TA, int TB>
+static GemmPlan<BN, TA, TB> make_plan(const Operands &o, bf16 *C, int M, int N, int K) {
     using Cfg = TileConfig<BN>;
     CHECK(M >= 1 && N >= 8 && K >= 8, "shape M %d N %d K %d: need M >= 1, N >= 8, K >= 8", M, N, K);
     CHECK(N % 8 == 0 && K % 8 == 0, "shape M %d N %d K %d: N and K must be multiples of 8", M, N, K);
     const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
     CHECK(tiles < (1ll << 31), "too many tiles (%lld)", tiles);
-    GemmPlan<BN> p;
-    p.map_a = make_kmajor_map(A, M, K, BM, "A");
-    p.map_b = make_kmajor_map(B, N, K, BN, "B");
+    GemmPlan<BN, TA, TB> p;
+    p.map_a = TA ? make_mn_map(o.At, K, M, "At") : make_kmajor_map(o.A, M, K, BM, "A");
+    p.map_b = TB ? make_mn_map(o.Bt, K, N, "Bt") : make_kmajor_map(o.B, N, K, BN, "B");
     p.C = C;
     p.M = M;
     p.N = N;
@@ -524,16 +589,16 @@ static GemmPlan<BN> make_plan(const bf16 *A, const bf16 *B, bf16 *C, int M, int 
     p.grid = (int)std::min<long long>(tiles, g_num_sms);
     static bool attribute_set = false;  // once per template instance
     if (!attribute_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel<BN, TA, TB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Cfg::SMEM_BYTES));
         attribute_set = true;
     }
     return p;
 }
 
-template <int BN>
-static void launch(const GemmPlan<BN> &p, int *d_err) {
-    gemm_wgmma_kernel<BN><<<p.grid, THREADS, TileConfig<BN>::SMEM_BYTES>>>(p.map_a, p.map_b, p.C, p.M, p.N, p.K,
+template <int BN, int TA, int TB>
+static void launch(const GemmPlan<BN, TA, TB> &p, int *d_err) {
+    gemm_wgmma_kernel<BN, TA, TB><<<p.grid, THREADS, TileConfig<BN>::SMEM_BYTES>>>(p.map_a, p.map_b, p.C, p.M, p.N, p.K,
                                                                            d_err);
     CUDA_CHECK(cudaGetLastError());
 }
@@ -626,16 +691,17 @@ struct Shape {
     int M, N, K;
 };
 
-template <int BN>
-static bool self_test_one(const bf16 *d_A, const bf16 *d_B, bf16 *d_C, size_t c_capacity, const float *d_ref,
-                          const Shape &s, int *d_err) {
+template <int BN, int TA, int TB>
+static bool self_test_one(const Operands &o, bf16 *d_C, size_t c_capacity, const float *d_ref, const Shape &s,
+                          int *d_err) {
     const size_t count = (size_t)s.M * s.N;
     const size_t guard = std::min<size_t>(c_capacity - count, 1 << 16);
     CUDA_CHECK(cudaMemset(d_C, 0xFF, (count + guard) * sizeof(bf16)));
-    GemmPlan<BN> plan = make_plan<BN>(d_A, d_B, d_C, s.M, s.N, s.K);
+    GemmPlan<BN, TA, TB> plan = make_plan<BN, TA, TB>(o, d_C, s.M, s.N, s.K);
     launch(plan, d_err);
     char what[96];
-    snprintf(what, sizeof(what), "M %d N %d K %d tile 128x%d", s.M, s.N, s.K, BN);
+    snprintf(what, sizeof(what), "M %d N %d K %d tile 128x%d %s%s", s.M, s.N, s.K, BN, TA ? "At" : "A",
+             TB ? "Bt" : "B");
     if (!check_kernel_error(d_err, what)) {
         printf("FAIL  %-36s kernel error (see stderr)\n", what);
         return false;
@@ -743,11 +809,22 @@ int main(int argc, char **argv) {
         c_elems = std::max(c_elems, (size_t)s.M * s.N);
     }
     const size_t c_capacity = c_elems + (1 << 16);  // room for the past-the-end guard
-    bf16 *d_A, *d_B, *d_C, *d_C2;
+    bf16 *d_A, *d_B, *d_At, *d_Bt, *d_C, *d_C2;
     float *d_ref;
     int *d_err;
     CUDA_CHECK(cudaMalloc(&d_A, a_elems * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d_B, b_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_At, a_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_Bt, b_elems * sizeof(bf16)));
+    const Operands ops = {d_A, d_B, d_At, d_Bt};
+    /* At, Bt: the MN-major copies of the shape's A[M, K] and B[N, K] prefixes */
+    auto make_transposed = [&](const Shape &s) {
+        transpose<<<1024, 256>>>(d_A, d_At, s.M, s.K);
+        CUDA_CHECK(cudaGetLastError());
+        transpose<<<1024, 256>>>(d_B, d_Bt, s.N, s.K);
+        CUDA_CHECK(cudaGetLastError());
+        CUDA_CHECK(cudaDeviceSynchronize());
+    };
     CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d_C2, c_elems * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
@@ -768,8 +845,15 @@ int main(int argc, char **argv) {
         reference_gemm<<<grid, block>>>(d_A, d_B, d_ref, s.M, s.N, s.K);
         CUDA_CHECK(cudaGetLastError());
         CUDA_CHECK(cudaDeviceSynchronize());
-        (self_test_one<256>(d_A, d_B, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
-        (self_test_one<128>(d_A, d_B, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        make_transposed(s);
+        (self_test_one<256, 0, 0>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        (self_test_one<128, 0, 0>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        (self_test_one<256, 0, 1>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        (self_test_one<128, 0, 1>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        if (s.M % 8 == 0) { /* At's rows are M elements: TMA strides are multiples of 16 bytes */
+            (self_test_one<256, 1, 1>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+            (self_test_one<128, 1, 1>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
+        }
     }
 
     printf("\ntiming: median of %d runs after %d warm-up runs, CUDA events, same inputs each run\n", TIMED_RUNS,
@@ -780,15 +864,30 @@ int main(int argc, char **argv) {
 #endif
     for (const Shape &s : timed) {
         const double flops = 2.0 * s.M * s.N * s.K;
-        GemmPlan<256> p256 = make_plan<256>(d_A, d_B, d_C, s.M, s.N, s.K);
-        GemmPlan<128> p128 = make_plan<128>(d_A, d_B, d_C, s.M, s.N, s.K);
+        make_transposed(s);
+        GemmPlan<256, 0, 0> p256 = make_plan<256, 0, 0>(ops, d_C, s.M, s.N, s.K);
+        GemmPlan<128, 0, 0> p128 = make_plan<128, 0, 0>(ops, d_C, s.M, s.N, s.K);
         const double ms256 = time_median_ms([&] { launch(p256, d_err); });
         bool ok = check_kernel_error(d_err, "timing 128x256");
         const double ms128 = time_median_ms([&] { launch(p128, d_err); });
         ok = check_kernel_error(d_err, "timing 128x128") && ok;
+        /* the backward's layouts: B N-major (dx, dh), A M-major and B N-major (weight gradients) */
+        GemmPlan<256, 0, 1> q256 = make_plan<256, 0, 1>(ops, d_C, s.M, s.N, s.K);
+        GemmPlan<128, 0, 1> q128 = make_plan<128, 0, 1>(ops, d_C, s.M, s.N, s.K);
+        GemmPlan<256, 1, 1> r256 = make_plan<256, 1, 1>(ops, d_C, s.M, s.N, s.K);
+        GemmPlan<128, 1, 1> r128 = make_plan<128, 1, 1>(ops, d_C, s.M, s.N, s.K);
+        const double qs256 = time_median_ms([&] { launch(q256, d_err); });
+        const double qs128 = time_median_ms([&] { launch(q128, d_err); });
+        const double rs256 = time_median_ms([&] { launch(r256, d_err); });
+        const double rs128 = time_median_ms([&] { launch(r128, d_err); });
+        ok = check_kernel_error(d_err, "timing transposed layouts") && ok;
         if (!ok) ++failed;
         printf("M %5d N %5d K %5d  wgmma 128x256: %8.3f ms %7.1f TFLOP/s   wgmma 128x128: %8.3f ms %7.1f TFLOP/s\n",
                s.M, s.N, s.K, ms256, flops / ms256 * 1e-9, ms128, flops / ms128 * 1e-9);
+        printf("              A, Bt      128x256: %8.3f ms %7.1f TFLOP/s           128x128: %8.3f ms %7.1f TFLOP/s\n",
+               qs256, flops / qs256 * 1e-9, qs128, flops / qs128 * 1e-9);
+        printf("              At, Bt     128x256: %8.3f ms %7.1f TFLOP/s           128x128: %8.3f ms %7.1f TFLOP/s\n",
+               rs256, flops / rs256 * 1e-9, rs128, flops / rs128 * 1e-9);
 #ifdef WITH_CUBLAS
         const double ms_cublas = time_median_ms([&] { cublas_gemm(handle, d_A, d_B, d_C2, s.M, s.N, s.K); });
         CUDA_CHECK(cudaDeviceSynchronize());
@@ -811,6 +910,8 @@ int main(int argc, char **argv) {
 
     CUDA_CHECK(cudaFree(d_A));
     CUDA_CHECK(cudaFree(d_B));
+    CUDA_CHECK(cudaFree(d_At));
+    CUDA_CHECK(cudaFree(d_Bt));
     CUDA_CHECK(cudaFree(d_C));
     CUDA_CHECK(cudaFree(d_C2));
     CUDA_CHECK(cudaFree(d_ref));
