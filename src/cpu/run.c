@@ -53,8 +53,14 @@ static void *worker_main(void *arg) {
         if (R->trace) {
             int64_t n = atomic_fetch_add(&R->trace_count, 1);
             if (n < R->trace_cap)
-                R->trace[n] = (mok_trace_event){t->kind, (int16_t)job->worker, t->minibatch, R->rank,
-                                                job->role == MOK_ROLE_COMM, start, mok__cpu_now_ns()};
+                R->trace[n] = (mok_trace_event){.kind = t->kind,
+                                                .worker = (int16_t)job->worker,
+                                                .minibatch = t->minibatch,
+                                                .rank = (int16_t)R->rank,
+                                                .comm = job->role == MOK_ROLE_COMM,
+                                                .gemm_ns = 0,
+                                                .start_ns = start,
+                                                .end_ns = mok__cpu_now_ns()};
         }
         /* NOTE: release: the tile's writes are visible to whoever acquires this counter. */
         for (int d = 0; d < 2; ++d)
