@@ -93,8 +93,16 @@ MOK_CORE void mok__wgrad_tile(const mok_plan *p, int64_t inter, int64_t t, int *
         wgrad_dims(p, m, inter, &r, &c);
         if (t < r * c || m == 2) {
             *matrix = m;
-            *row_tile = t / c;
-            *col_tile = t % c;
+            if (p->raster <= 1) {
+                *row_tile = t / c;
+                *col_tile = t % c;
+                return;
+            }
+            /* rows of tiles in runs of `raster`, as mok__group_tile walks row tiles */
+            const int64_t run = t / ((int64_t)p->raster * c), in = t % ((int64_t)p->raster * c);
+            const int64_t left = r - run * p->raster, rows = left < p->raster ? left : p->raster;
+            *row_tile = run * p->raster + in % rows;
+            *col_tile = in / rows;
             return;
         }
         t -= r * c;
