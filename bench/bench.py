@@ -2,6 +2,7 @@
 
     python3 bench/bench.py --ranks 1 --out build/bench        # one H200: both layers, sweeps
     python3 bench/bench.py --ranks 2 --out build/bench        # two H200s, one process drives both
+    python3 bench/bench.py --ranks 1 --no-sweep --compare-env MOK_CUDA_RASTER=8   # an A/B in one run
 
 For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
 on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
@@ -254,6 +255,9 @@ def main():
     ap.add_argument("--out", default="build/bench")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated layer names: run only their cases")
+    ap.add_argument("--compare-env", default="",
+                    help="VAR=VALUE: each case runs again with this in the environment (the library reads its "
+                         "MOK_CUDA_* switches at every pass), an A/B in one process; the table shows both rows")
     ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
     ap.add_argument("--sweep-mb", default="512,1024,2048", help="minibatch rows the sweep tries (comma-separated)")
     ap.add_argument("--trace", action="store_true",
@@ -273,12 +277,30 @@ def main():
     if SMOKE:
         cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5 if a.ranks > 1 else 0.0)]
     base = F.Config()
+    variants = [None]
+    if a.compare_env:
+        if "=" not in a.compare_env:
+            ap.error("--compare-env takes VAR=VALUE")
+        variants.append(tuple(a.compare_env.split("=", 1)))
     for name, experts, tokens, skew in cases:
-        t0 = time.time()
-        row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True)
-        row["wall_s"] = time.time() - t0
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for variant in variants:
+            saved = None
+            if variant:
+                saved = os.environ.get(variant[0])
+                os.environ[variant[0]] = variant[1]
+            try:
+                t0 = time.time()
+                row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True)
+                row["wall_s"] = time.time() - t0
+                row["env"] = "=".join(variant) if variant else ""
+            finally:
+                if variant:
+                    if saved is None:
+                        del os.environ[variant[0]]
+                    else:
+                        os.environ[variant[0]] = saved
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if a.profile:
         for name, experts, tokens, skew in cases:
             profile_case(group, a.ranks, name, experts, tokens, skew, base)
@@ -313,7 +335,8 @@ def main():
         json.dump(dict(cases=rows, sweeps=sweeps), f, indent=1)
     print()
     print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} {'skew':>4} | {'mok fwd ms':>10} {'TFLOP/s':>7} | {'torch ms':>8} "
-          f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | {'torch f+b':>9} {'speedup':>7} | err")
+          f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | {'torch f+b':>9} {'speedup':>7} | err | env | "
+          f"ws GiB | link GB/s")
     for r in rows:
         print(f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} {r['skew']:>4} | {r['forward_ms']:>10.3f} "
               f"{r['forward_tflops']:>7.1f} | {r.get('baseline_forward_ms', float('nan')):>8.3f} "
@@ -321,6 +344,7 @@ def main():
               f"{r.get('backward_tflops', float('nan')):>7.1f} | "
               f"{r.get('baseline_forward_backward_ms', float('nan')):>9.3f} {r.get('speedup_forward_backward', float('nan')):>7.2f} | "
               f"{r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
+              f"{r.get('env', '')} | "
               f"{r['workspace_bytes'] / 2**30:6.2f} | {r.get('forward_link_GBps', float('nan')):9.1f}")
     if sweeps:
         print("\nsweep (forward ms): layer, comm SMs x minibatch rows")
