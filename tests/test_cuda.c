@@ -840,28 +840,26 @@ MOK_TEST(cuda_backward_ep2) {
  * as small as a layer gets while it still takes every path: several macrobatches, replay of
  * rows the context does not keep, -1 slots, router weights <= 0, the shared expert; and for EP2
  * both directions of every transfer and a rank with fewer tokens. */
-MOK_TEST(cuda_sanitize_ep1) {
-    if (skip(1, "cuda_sanitize_ep1")) return;
-    int64_t t[1] = {150};
+static void sanitize_case(const char *tag, int P, const int64_t *tokens) {
     mok_shape a = small_shape(128, 128, 4, 2, 128);
     mok_config ring = mok_config_default();
     ring.minibatch_rows = 128;
     ring.ring_rows = 256;
     ring.context_rows = 128;
     ring.fwd_comm_sms = ring.bwd_comm_sms = 2;
-    check_backward("sanitize ep1", &a, 1, t, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &ring, 0);
+    check_backward(tag, &a, P, tokens, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &ring, 0);
+}
+
+MOK_TEST(cuda_sanitize_ep1) {
+    if (skip(1, "cuda_sanitize_ep1")) return;
+    int64_t t[1] = {150};
+    sanitize_case("sanitize ep1", 1, t);
 }
 
 MOK_TEST(cuda_sanitize_ep2) {
     if (skip(2, "cuda_sanitize_ep2")) return;
     int64_t t[2] = {150, 97};
-    mok_shape a = small_shape(128, 128, 4, 2, 128);
-    mok_config ring = mok_config_default();
-    ring.minibatch_rows = 128;
-    ring.ring_rows = 256;
-    ring.context_rows = 128;
-    ring.fwd_comm_sms = ring.bwd_comm_sms = 2;
-    check_backward("sanitize ep2", &a, 2, t, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &ring, 0);
+    sanitize_case("sanitize ep2", 2, t);
 }
 
 /* EP4 and EP8 where the machine has the GPUs: every output and gradient against the reference,

@@ -156,7 +156,23 @@ def backend_available(backend):
     return _lib.lib.mok_backend_available(int(_backend(backend)))
 
 
-class Group:
+class _Closing:
+    """`with` and garbage collection both end in close()."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Group(_Closing):
     """An expert-parallel group (mok_group). Made by Group.create_local (one process drives every
     rank) or Group.create (one process or thread per rank; collective). close() it after every
     workspace made on it; closing the group closes them first."""
@@ -225,18 +241,6 @@ class Group:
         handle, self._handle = self._handle, None
         _lib.call("mok_group_destroy", handle)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
     def __repr__(self):
         return (f"mok.Group(backend={self.backend!r}, nranks={self.nranks}, num_local_ranks={self.num_local_ranks}, "
                 f"first_rank={self.first_rank})")
@@ -287,7 +291,7 @@ class ScheduleInfo:
     max_expert_rows: int
 
 
-class Workspace:
+class Workspace(_Closing):
     """The buffers of one layer shape on one group (mok_workspace). Collective: every rank makes it
     with the same shape and config. config=None takes the group's. One workspace serves many layer
     calls of its shape; the schedule and context of each call are separate buffers."""
@@ -343,18 +347,6 @@ class Workspace:
     def close(self):
         """Frees the workspace (on a group of one rank per process, a barrier with the peers)."""
         _destroy_workspace(self.group, _Box(self._box))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         return (f"mok.Workspace(hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "

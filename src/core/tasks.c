@@ -93,16 +93,8 @@ MOK_CORE void mok__wgrad_tile(const mok_plan *p, int64_t inter, int64_t t, int *
         wgrad_dims(p, m, inter, &r, &c);
         if (t < r * c || m == 2) {
             *matrix = m;
-            if (p->raster <= 1) {
-                *row_tile = t / c;
-                *col_tile = t % c;
-                return;
-            }
-            /* rows of tiles in runs of `raster`, as mok__group_tile walks row tiles */
-            const int64_t run = t / ((int64_t)p->raster * c), in = t % ((int64_t)p->raster * c);
-            const int64_t left = r - run * p->raster, rows = left < p->raster ? left : p->raster;
-            *row_tile = run * p->raster + in % rows;
-            *col_tile = in / rows;
+            *row_tile = t / c;
+            *col_tile = t % c;
             return;
         }
         t -= r * c;
@@ -135,11 +127,7 @@ static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int6
     g.done[1] = (int32_t)done1;
     g.wait_per_tile = (int8_t)wait_per_tile;
     g.done_per_tile = (int8_t)done_per_tile;
-    /* runs only pay for GEMMs with several sub-tiles per tile (compute role, not weight gradients) */
-    g.raster = (int16_t)(role == MOK_ROLE_COMPUTE && n_tiles > 1 && num_tiles > 1 && kind != MOK_TASK_WGRAD &&
-                                 kind != MOK_TASK_SHARED_WGRAD && em->plan->raster > 1
-                             ? em->plan->raster
-                             : 0);
+    g.pad_ = 0;
     if (num_tiles * n_tiles == 0) return;
     if (em->groups) {
         if (em->count < em->cap) em->groups[em->count] = g;
@@ -151,8 +139,7 @@ static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int6
 }
 
 MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *g, int64_t t, mok_task *task) {
-    int64_t tile, sub;
-    mok__group_tile(g, t, &tile, &sub);
+    const int64_t tile = g->first_tile + t / g->n_tiles, sub = t % g->n_tiles;
     task->kind = g->kind;
     task->role = g->role;
     task->minibatch = g->minibatch;

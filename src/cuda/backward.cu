@@ -199,7 +199,6 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         mok_plan plan = {};
         plan.hidden = p.hidden;
         plan.wgrad_tile = CUDA_WGRAD_TILE;
-        plan.raster = p.raster;
         const long long Is = p.shared_inter;
         mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
         w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;
