@@ -256,6 +256,27 @@ MOK_TEST(cuda_forward_full_size) {
     }
 }
 
+/* The tiles' walk order (MOK_CUDA_RASTER, read at every pass): set for the next passes, or
+ * restored to the environment's value with r = 0. Results must not depend on it. */
+static void set_raster(int r) {
+    static char saved[16];
+    static int have_saved = -1;
+    if (have_saved < 0) {
+        const char *v = getenv("MOK_CUDA_RASTER");
+        have_saved = v != NULL;
+        if (v) snprintf(saved, sizeof saved, "%s", v);
+    }
+    if (r > 0) {
+        char v[16];
+        snprintf(v, sizeof v, "%d", r);
+        setenv("MOK_CUDA_RASTER", v, 1);
+    } else if (have_saved) {
+        setenv("MOK_CUDA_RASTER", saved, 1);
+    } else {
+        unsetenv("MOK_CUDA_RASTER");
+    }
+}
+
 /* Bitwise equality across repeated runs and across fwd_comm_sms, minibatch_rows, ring_rows. */
 MOK_TEST(cuda_forward_deterministic) {
     if (skip(1, "cuda_forward_deterministic")) return;
@@ -270,14 +291,15 @@ MOK_TEST(cuda_forward_deterministic) {
         bytes[p] = (size_t)tokens[p] * 512 * 2;
         first[p] = malloc(bytes[p] ? bytes[p] : 1);
     }
-    struct { int comm, mb, ring; } cfgs[] = {{32, 1024, 16384}, {8, 1024, 16384}, {16, 256, 16384},
-                                             {16, 128, 256}, {24, 512, 1024}};
+    struct { int comm, mb, ring, raster; } cfgs[] = {{32, 1024, 16384, 1}, {8, 1024, 16384, 8},
+                                                     {16, 256, 16384, 3}, {16, 128, 256, 16}, {24, 512, 1024, 1}};
     int runs = 0;
     for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; ++c) {
         mok_config cfg = mok_config_default();
         cfg.fwd_comm_sms = cfgs[c].comm;
         cfg.minibatch_rows = cfgs[c].mb;
         cfg.ring_rows = cfgs[c].ring;
+        set_raster(cfgs[c].raster);
         gpu_run G;
         if (gpu_open(&G, &L, &cfg) != MOK_OK) {
             CHECK(0, "open: %s", G.message);
@@ -301,6 +323,7 @@ MOK_TEST(cuda_forward_deterministic) {
         }
         gpu_close(&G);
     }
+    set_raster(0);
     for (int p = 0; p < P; ++p) free(first[p]);
     layer_free(&L);
 }
@@ -896,7 +919,8 @@ MOK_TEST(cuda_backward_deterministic) {
     mok_shape s = small_shape(512, 256, 8, 4, 256);
     layer L;
     layer_make(&L, &s, P, tokens, mok_test_seed() + 3, LAYER_ROUTE_SKEWED);
-    struct { int comm, mb, ring; } cfgs[] = {{32, 1024, 16384}, {8, 256, 16384}, {16, 128, 256}, {24, 128, 512}};
+    struct { int comm, mb, ring, raster; } cfgs[] = {{32, 1024, 16384, 1}, {8, 256, 16384, 8}, {16, 128, 256, 3},
+                                                     {24, 128, 512, 16}};
     layer_result first = {0};
     int have_first = 0;
     for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; ++c) {
@@ -904,6 +928,7 @@ MOK_TEST(cuda_backward_deterministic) {
         cfg.bwd_comm_sms = cfgs[c].comm;
         cfg.minibatch_rows = cfgs[c].mb;
         cfg.ring_rows = cfgs[c].ring;
+        set_raster(cfgs[c].raster);
         gpu_run G;
         if (gpu_open(&G, &L, &cfg) != MOK_OK) {
             CHECK(0, "open: %s", G.message);
@@ -929,6 +954,7 @@ MOK_TEST(cuda_backward_deterministic) {
         }
         gpu_close(&G);
     }
+    set_raster(0);
     if (have_first) layer_result_free(&first);
     layer_free(&L);
 }

@@ -550,6 +550,36 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
     return bad;
 }
 
+static int task_cmp(const void *a, const void *b) { return memcmp(a, b, sizeof(mok_task)); }
+
+/* With raster > 1 the list must hold the same tasks as the tile-major one, each group's tasks in
+ * the same group positions (only their order inside a group differs). */
+static int check_raster_permutes(const mok_plan *p, const mok_task *tasks, int64_t n, const char *what) {
+    mok_plan flat = *p;
+    flat.raster = 1;
+    mok_task *ref = malloc(sizeof(mok_task) * (size_t)(n + 1));
+    int bad = mok__tasks_build(&flat, ref, n + 1) != n;
+    CHECK(!bad, "%s: the tile-major list has another length", what);
+    int64_t g0 = 0;
+    while (!bad && g0 < n) { /* a group: a run of tasks of one kind and minibatch */
+        int64_t g1 = g0 + 1;
+        while (g1 < n && ref[g1].kind == ref[g0].kind && ref[g1].minibatch == ref[g0].minibatch) ++g1;
+        mok_task *x = malloc(sizeof(mok_task) * (size_t)(g1 - g0)), *y = malloc(sizeof(mok_task) * (size_t)(g1 - g0));
+        memcpy(x, tasks + g0, sizeof(mok_task) * (size_t)(g1 - g0));
+        memcpy(y, ref + g0, sizeof(mok_task) * (size_t)(g1 - g0));
+        qsort(x, (size_t)(g1 - g0), sizeof(mok_task), task_cmp);
+        qsort(y, (size_t)(g1 - g0), sizeof(mok_task), task_cmp);
+        bad = memcmp(x, y, sizeof(mok_task) * (size_t)(g1 - g0)) != 0;
+        CHECK(!bad, "%s: raster %d: tasks %lld..%lld are not a reordering of the tile-major group", what, p->raster,
+              (long long)g0, (long long)g1 - 1);
+        free(x);
+        free(y);
+        g0 = g1;
+    }
+    free(ref);
+    return bad;
+}
+
 /* Builds the list of one plan and runs every check on it; returns 0 when all pass. */
 static int check_plan(const mok_plan *p, int64_t max_rows, int64_t T_max, rng *r, int random_sims, const char *what) {
     int bad = 0;
@@ -580,6 +610,7 @@ static int check_plan(const mok_plan *p, int64_t max_rows, int64_t T_max, rng *r
     bad += first_bad != 0;
     free(scratch);
     bad += check_coverage(p, &CL, tasks, n, what);
+    if (p->raster > 1) bad += check_raster_permutes(p, tasks, n, what);
 
     const int one[2] = {1, 1};
     int64_t executed = 0;
@@ -621,13 +652,15 @@ static int check_all_plans(const routing *rt, const mok_sched_layout *lay, void 
                 c.context_rows = rng_unit(r) < 0.4 ? lay->max_rows
                                                    : rng_range(r, 1, lay->max_rows / MOK_ROW_TILE) * MOK_ROW_TILE;
                 mok_plan p = plan_from(&c, &v, rt->L, rt->T[rank], H, I, Is);
+                static const int rasters[] = {1, 2, 3, 8};
+                p.raster = rasters[rng_range(r, 0, 3)];
                 char what[256];
                 snprintf(what, sizeof what,
                          "P %d rank %d E_local %d k %d T %lld padded %lld: %s mb %d ring %d shared %d (H %lld/%d I %lld "
-                         "I_s %lld ctx %lld)",
+                         "I_s %lld ctx %lld raster %d)",
                          rt->P, rank, rt->L, rt->k, (long long)rt->T[rank], (long long)p.padded_rows, plan_name(&c), mb,
                          c.ring_rows, shared, (long long)H, p.n_tile_h, (long long)I, (long long)Is,
-                         (long long)c.context_rows);
+                         (long long)c.context_rows, p.raster);
                 bad += check_plan(&p, lay->max_rows, rt->T_max, r, random_sims, what);
                 if (bad > 8) return bad;
             }

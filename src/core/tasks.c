@@ -93,8 +93,16 @@ MOK_CORE void mok__wgrad_tile(const mok_plan *p, int64_t inter, int64_t t, int *
         wgrad_dims(p, m, inter, &r, &c);
         if (t < r * c || m == 2) {
             *matrix = m;
-            *row_tile = t / c;
-            *col_tile = t % c;
+            if (p->raster <= 1) {
+                *row_tile = t / c;
+                *col_tile = t % c;
+                return;
+            }
+            /* rows of tiles in runs of `raster`, as mok__group_tile walks row tiles */
+            const int64_t run = t / ((int64_t)p->raster * c), in = t % ((int64_t)p->raster * c);
+            const int64_t left = r - run * p->raster, rows = left < p->raster ? left : p->raster;
+            *row_tile = run * p->raster + in % rows;
+            *col_tile = in / rows;
             return;
         }
         t -= r * c;
@@ -127,7 +135,11 @@ static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int6
     g.done[1] = (int32_t)done1;
     g.wait_per_tile = (int8_t)wait_per_tile;
     g.done_per_tile = (int8_t)done_per_tile;
-    g.pad_ = 0;
+    /* runs only pay for GEMMs with several sub-tiles per tile (compute role, not weight gradients) */
+    g.raster = (int16_t)(role == MOK_ROLE_COMPUTE && n_tiles > 1 && num_tiles > 1 && kind != MOK_TASK_WGRAD &&
+                                 kind != MOK_TASK_SHARED_WGRAD && em->plan->raster > 1
+                             ? em->plan->raster
+                             : 0);
     if (num_tiles * n_tiles == 0) return;
     if (em->groups) {
         if (em->count < em->cap) em->groups[em->count] = g;
@@ -139,7 +151,8 @@ static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int6
 }
 
 MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *g, int64_t t, mok_task *task) {
-    const int64_t tile = g->first_tile + t / g->n_tiles, sub = t % g->n_tiles;
+    int64_t tile, sub;
+    mok__group_tile(g, t, &tile, &sub);
     task->kind = g->kind;
     task->role = g->role;
     task->minibatch = g->minibatch;

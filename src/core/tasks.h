@@ -73,6 +73,7 @@ typedef struct mok_plan {
     int n_tile;         /* columns of I (or I_s) per gate/up, SwiGLU-backward task */
     int n_tile_h;       /* columns of H per down, dx task */
     int wgrad_tile;
+    int raster;         /* GEMM groups walk their tiles in runs of `raster` (mok__group_tile); 0, 1: tile-major */
     const int64_t *expert_start; /* [E_local + 1] padded row offsets */
     const int64_t *expert_rows;  /* [E_local] */
 } mok_plan;
@@ -106,8 +107,25 @@ typedef struct mok_task_group {
     int32_t done[2];               /* counters bumped per task (-1 none) */
     int8_t wait_per_tile;          /* wait[0] + (tile - first_tile) */
     int8_t done_per_tile;          /* done[0] + (tile - first_tile) */
-    int16_t pad_;
+    int16_t raster;                /* tiles per run of the walk (mok__group_tile); 0, 1: tile-major */
 } mok_task_group;
+
+/* Task t of a group: its tile and sub-tile. Tile-major by default (all sub-tiles of a tile, then the
+ * next tile). With raster r > 1 the tiles go in runs of r, and within a run each sub-tile visits
+ * every tile of the run before the next sub-tile: the CTAs that run neighbouring tickets at once
+ * then share a sub-tile's operand (a block of weights) in L2 instead of each streaming its own.
+ * Any order within a group is deadlock-free: a task waits only on counters of earlier groups. */
+static inline MOK_HD void mok__group_tile(const mok_task_group *g, int64_t t, int64_t *tile, int64_t *sub) {
+    if (g->raster <= 1) {
+        *tile = g->first_tile + t / g->n_tiles;
+        *sub = t % g->n_tiles;
+        return;
+    }
+    const int64_t run = t / ((int64_t)g->raster * g->n_tiles), in = t % ((int64_t)g->raster * g->n_tiles);
+    const int64_t left = g->num_tiles - run * g->raster, rows = left < g->raster ? left : g->raster;
+    *tile = g->first_tile + run * g->raster + in % rows;
+    *sub = in / rows;
+}
 
 /* Upper bounds, for sizing buffers at workspace creation. */
 MOK_CORE int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);

@@ -81,11 +81,14 @@ static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int 
 #pragma unroll
     for (int hc = 0; hc < 2; ++hc) {
         if (hc * 64 >= n_valid) break;
+        /* cp.async: a thread's 8 loads of g|u are in flight together (a load-then-store loop
+           through generic pointers runs them one after another) */
         for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) {
             const int r = idx >> 4, c8 = (idx & 15) * 8;
             const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
-            *(int4 *)(c + r * TILE_C_LD + c8) = *(const int4 *)src;
+            cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
         }
+        cp_async_wait_all();
         consumer_sync();
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -196,6 +199,7 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         mok_plan plan = {};
         plan.hidden = p.hidden;
         plan.wgrad_tile = CUDA_WGRAD_TILE;
+        plan.raster = p.raster;
         const long long Is = p.shared_inter;
         mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
         w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;

@@ -32,6 +32,7 @@ struct pass_params {
     int *error;
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
+    int raster;        /* GEMM groups' walk (mok__group_tile): MOK_CUDA_RASTER, default 1 */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -99,6 +100,7 @@ static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, 
     plan->n_tile = p.n_tile;
     plan->n_tile_h = p.n_tile_h;
     plan->wgrad_tile = CUDA_WGRAD_TILE;
+    plan->raster = p.raster;
     plan->expert_start = v.expert_start;
     plan->expert_rows = v.expert_rows;
 }
@@ -147,8 +149,10 @@ static __device__ bool cursor_seek(const pass_params &p, int role, long long num
 /* Task `local` of a group: its row tile, sub-tile and the counter it waits on first. */
 static __device__ __forceinline__ void task_decode(const mok_task_group &grp, long long local, long long *rt,
                                                    long long *nt, long long *wait) {
-    *rt = grp.first_tile + local / grp.n_tiles;
-    *nt = local % grp.n_tiles;
+    int64_t tile, sub;
+    mok__group_tile(&grp, local, &tile, &sub);
+    *rt = tile;
+    *nt = sub;
     *wait = grp.wait[0] < 0 ? -1 : grp.wait[0] + (grp.wait_per_tile ? *rt - grp.first_tile : 0);
 }
 
@@ -271,6 +275,10 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace = R->trace;
     p->trace_cap = R->trace_cap;
     p->trace_count = R->trace_count;
+    /* an experiment's switch, read at every pass: tiles per run of the GEMM groups' walk */
+    const char *raster = getenv("MOK_CUDA_RASTER");
+    p->raster = raster ? atoi(raster) : 1;
+    if (p->raster < 1 || p->raster > 64) p->raster = 1;
 }
 
 /* Comm CTAs of a pass: the config's count, or for 0 the measured choice (docs/perf.md, 2×H200
