@@ -267,7 +267,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated layer names: run only their cases")
     ap.add_argument("--compare-env", action="append", default=[],
-                    help="VAR=VALUE (repeatable): each case runs again with this in the environment (the library "
+                    help="VAR=VALUE[,VAR=VALUE...] (repeatable): each case runs again with this in the environment (the library "
                          "reads its MOK_CUDA_* switches at every pass), an A/B in one process; the table shows a "
                          "row per variant, and the variants reuse the first row's baseline times")
     ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
@@ -291,28 +291,29 @@ def main():
     base = F.Config()
     variants = [None]
     for spec in a.compare_env:
-        if "=" not in spec:
-            ap.error("--compare-env takes VAR=VALUE")
-        variants.append(tuple(spec.split("=", 1)))
+        pairs = [kv.split("=", 1) for kv in spec.split(",")]
+        if any(len(kv) != 2 for kv in pairs):
+            ap.error("--compare-env takes VAR=VALUE[,VAR=VALUE...]")
+        variants.append([tuple(kv) for kv in pairs])
     for name, experts, tokens, skew in cases:
         first = None
         for variant in variants:
-            saved = None
-            if variant:
-                saved = os.environ.get(variant[0])
-                os.environ[variant[0]] = variant[1]
+            saved = {}
+            for var, value in variant or []:
+                saved[var] = os.environ.get(var)
+                os.environ[var] = value
             try:
                 t0 = time.time()
                 row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True,
                                baseline=first)
                 row["wall_s"] = time.time() - t0
-                row["env"] = "=".join(variant) if variant else ""
+                row["env"] = ",".join("=".join(kv) for kv in variant) if variant else ""
             finally:
-                if variant:
-                    if saved is None:
-                        del os.environ[variant[0]]
+                for var, value in saved.items():
+                    if value is None:
+                        del os.environ[var]
                     else:
-                        os.environ[variant[0]] = saved
+                        os.environ[var] = value
             rows.append(row)
             first = first or row
             print(json.dumps(row), flush=True)
