@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# ab-run.sh [--tests] [--ep2] [--trace] — on a GPU machine, after scripts/ab-export.sh: builds
-# the checkout and every tree under ab/, then for each (checkout first): with --tests the quick
-# GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_), the EP1 benchmark beside PyTorch
+# ab-run.sh [--tests] [--ep2] [--trace] [--nccl] — on a GPU machine, after scripts/ab-export.sh:
+# builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
+# quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_), the EP1 benchmark beside PyTorch
 # (bench.py --ranks 1 --no-sweep), with --ep2 the EP2 benchmark, with --trace the per-kind
-# trace summary. Logs go to $OUT (or build/ab); the table at the end has one row per tree and
+# trace summary; with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
+# torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 ep2=0 trace=0
+tests=0 ep2=0 trace=0 nccl=0
 for a in "$@"; do
     case $a in
     --tests) tests=1 ;;
     --ep2) ep2=1 ;;
     --trace) trace=1 ;;
+    --nccl) nccl=1 ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
 done
@@ -46,3 +48,10 @@ for t in "${trees[@]}"; do
     echo "==== $t ($(grep -h "passed," "$log" | tail -1))"
     grep -E "^(deepseek|qwen)" "$log" | cut -c1-150
 done
+if [ $nccl -eq 1 ]; then
+    echo "==== EP2 baseline: NCCL all-to-all + grouped GEMM (torchrun, 2 processes)"
+    python3 bench/layers.py 2 2>/dev/null | grep -E "^(deepseek-v3|qwen3-30b-a3b) " | while read -r name experts tokens skew; do
+        timeout 300 torchrun --nproc-per-node 2 bench/torch_baseline.py --layer "$name" --experts "$experts" \
+            --tokens "$tokens" --skew "$skew" --backward 2>&1 | grep '^{'
+    done | tee "$out/nccl_baseline_ep2.txt"
+fi
