@@ -1,32 +1,39 @@
 #!/usr/bin/env bash
-# ab-run.sh [--tests] [--ep2] [--trace] [--nccl] — on a GPU machine, after scripts/ab-export.sh:
+# ab-run.sh [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--env VAR=V,...]... — on a GPU machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
 # --base-tests: the checkout's GPU code is what gpu-check.sh tests), the EP1 benchmark beside PyTorch
 # (bench.py --ranks 1 --no-sweep), with --ep2 the EP2 benchmark, with --trace the per-kind
 # trace summary; with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
-# torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Logs go to $OUT (or build/ab); the table at the end has one row per tree and
+# torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
+# --env adds a row per case to the EP1 benchmark with those variables set (bench.py
+# --compare-env, one build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 base_tests=0 ep2=0 trace=0 nccl=0
-for a in "$@"; do
+tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 envs=()
+while [ $# -gt 0 ]; do
+    a=$1
+    shift
     case $a in
     --tests) tests=1 ;;
     --base-tests) base_tests=1 ;;
     --ep2) ep2=1 ;;
     --trace) trace=1 ;;
     --nccl) nccl=1 ;;
+    --no-base) base=0 ;;
+    --env) envs+=(--compare-env "$1"); shift ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
 done
 nccl_home=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
 args=(CUDA=1)
 [ -n "$nccl_home" ] && args+=(NCCL_HOME="$nccl_home")
-trees=(.)
+trees=()
+[ $base -eq 1 ] && trees+=(.)
 for d in ab/*/; do [ -d "$d" ] && trees+=("${d%/}"); done
 for t in "${trees[@]}"; do # build side by side
     (cd "$t" && mkdir -p build && make -j"$(nproc)" "${args[@]}" all build/mok_tests >build/ab-build.log 2>&1 ||
@@ -41,7 +48,7 @@ for t in "${trees[@]}"; do
         cd "$t" || exit 1
         export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
         [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,"
-        timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 --out "/tmp/ab$name" 2>&1 | grep -A6 "^layer"
+        timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A6 "^layer"
         [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 \
             --only deepseek-v3,qwen3-30b-a3b --out "/tmp/ab$name" 2>&1 | grep -A6 "^layer"
         [ $trace -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
