@@ -1,4 +1,5 @@
-# mok — build: `make` (libmok.so, libmok.a, build/mok), `make test`, `make sanitize`, `make run`.
+# mok — build: `make` (libmok.so, libmok.a, build/mok, build/mok_mp_rank), `make test`, `make sanitize`,
+# `make run`.
 # The CUDA backend is compiled in when nvcc is on PATH (override with CUDA=0 or CUDA=1).
 
 BUILD    ?= build
@@ -17,7 +18,9 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
 LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c)
 LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu),)
 TOOL_C   := $(wildcard tools/*.c)
-TEST_C   := $(wildcard tests/*.c)
+# tests/mp_rank.c is a program of its own (one rank of a multi-process group), not part of the suite.
+MP_C     := tests/mp_rank.c
+TEST_C   := $(filter-out $(MP_C),$(wildcard tests/*.c))
 
 # NCCL_HOME: a folder with include/nccl.h and lib/libnccl.so.2 (e.g. PyTorch's nvidia/nccl); the
 # device API must be compiled against the NCCL that runs. Empty: the CUDA toolkit's copy.
@@ -34,9 +37,10 @@ endif
 LIB_OBJ  := $(LIB_C:%.c=$(BUILD)/obj/%.o) $(LIB_CU:%.cu=$(BUILD)/obj/%.o)
 TOOL_OBJ := $(TOOL_C:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_C:%.c=$(BUILD)/obj/%.o)
+MP_OBJ   := $(MP_C:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/tests/layer.o
 
 .PHONY: all test sanitize run clean
-all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok
+all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok $(BUILD)/mok_mp_rank
 
 $(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
@@ -58,6 +62,11 @@ $(BUILD)/mok: $(TOOL_OBJ) $(BUILD)/libmok.a
 
 $(BUILD)/mok_tests: $(TEST_OBJ) $(BUILD)/libmok.a
 	$(CC) $(SAN) -o $@ $(TEST_OBJ) $(BUILD)/libmok.a $(LDLIBS)
+
+# One rank of a multi-process group (scripts/gpu-check.sh runs EP2 under compute-sanitizer as two);
+# in a build without CUDA it says so and exits 3.
+$(BUILD)/mok_mp_rank: $(MP_OBJ) $(BUILD)/libmok.a
+	$(CC) $(SAN) -o $@ $(MP_OBJ) $(BUILD)/libmok.a $(LDLIBS)
 
 # The test command of the README: every C test, then the command's own checks, then the Python
 # binding's tests when numpy is importable. Closing line: `N passed, N failed`.

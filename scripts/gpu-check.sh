@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # gpu-check.sh [--quick] [--sanitize] [--bench] [--dev] [--train] — on a GPU machine: build against the NCCL that
-# runs (PyTorch's, when python3 has it), run every GPU test, optionally compute-sanitizer and the
-# benchmark, write the full log to $OUT/gpu-check.log (or build/gpu-check.log) and end with a
-# short table. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
+# runs (PyTorch's, when python3 has it), run every GPU test, the command's and the binding's tests,
+# optionally the training example, compute-sanitizer (EP1 in the test process; EP2 as two processes,
+# one per GPU, through build/mok_mp_rank), the dev kernels and the benchmark, in that order; write
+# the full log to $OUT/gpu-check.log (or build/gpu-check.log) and end with a short table. Keep
+# NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -59,15 +61,62 @@ step "mok command (tests/cli.sh, cuda cases)" timeout 600 bash tests/cli.sh buil
 step "Python binding on GPUs" env MOK_LIBRARY="$PWD/build/libmok.so" PYTHONPATH="$PWD/python" timeout 600 \
     python3 -m pytest -q -x python/tests
 grep -E '(passed|failed).* in ' "$log" | tail -n 1 >>"$out/gpu-tests.txt"
+# Before the sanitizers: their runs are the longest steps, and a job's time limit should cut them,
+# not this.
+if [ $train -eq 1 ]; then
+    # mok's layer and its PyTorch twin trained from the same weights; exits non-zero if the loss
+    # curves differ by more than bf16 noise
+    step "train example on the GPU (examples/train_moe.py)" env MOK_LIBRARY="$PWD/build/libmok.so" \
+        PYTHONPATH="$PWD/python" timeout 600 python3 examples/train_moe.py --device cuda --steps 300 --out "$out/train_moe"
+    grep -E "within bf16 noise|relative: max|time per step" "$log" | tail -n 3 >>"$out/gpu-tests.txt"
+fi
+
+# sanitize_ep2 TOOL: sanitize_case's EP2 layer as two processes, rank r on GPU r, each under
+# compute-sanitizer TOOL (build/mok_mp_rank, tests/mp_rank.c). One process driving both GPUs cannot
+# run under a sanitizer: it runs the process's kernels one at a time, and the first cross-GPU
+# barrier needs both GPUs' kernels at once. Rank 0 writes the unique id to a fresh file that rank 1
+# waits for. Both ranks' output goes into the log; one row for the pair.
+sanitize_ep2() {
+    local tool=$1 t0=$SECONDS dir r
+    local -a pids=() rcs=()
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/mok-ep2-$tool.XXXXXX")
+    echo "== compute-sanitizer $tool, EP2 as two processes: build/mok_mp_rank --ranks 2 --id-file $dir/id" >>"$log"
+    for r in 0 1; do
+        timeout 300 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
+            ./build/mok_mp_rank --rank $r --ranks 2 --id-file "$dir/id" --timeout-ms 250000 >"$dir/rank$r.log" 2>&1 &
+        pids+=($!)
+    done
+    for r in 0 1; do
+        wait "${pids[$r]}"
+        rcs+=($?)
+    done
+    for r in 0 1; do
+        echo "-- rank $r (exit ${rcs[$r]})" >>"$log"
+        cat "$dir/rank$r.log" >>"$log"
+    done
+    rm -rf "$dir"
+    local name="compute-sanitizer $tool ep2 (2 processes)" dt=$((SECONDS - t0))
+    if [ "${rcs[0]}" -eq 0 ] && [ "${rcs[1]}" -eq 0 ]; then
+        row "$name" "ok (${dt}s)"
+    else
+        row "$name" "FAILED rc=${rcs[0]},${rcs[1]} (${dt}s)"
+    fi
+}
+
 if [ $sanitize -eq 1 ]; then
     # NCCL probes for kernel images at init and gets "no kernel image" API errors by design:
     # leave API errors out, report memory, race and sync errors. The sanitizers slow a pass
-    # past the default 10 s peer timeout; the tests take a longer one from the environment.
+    # past the default 10 s peer timeout: the runs take a longer one (EP1 from the environment,
+    # EP2 from --timeout-ms), short enough that a real hang is reported before `timeout` kills it.
+    # cuda_sanitize_ep2 stays out of this loop (it is one of the GPU tests above).
     for tool in memcheck racecheck synccheck; do
-        for t in cuda_sanitize_ep1 cuda_sanitize_ep2; do
-            step "compute-sanitizer $tool $t" env MOK_TEST_PEER_TIMEOUT_MS=300000 timeout 600 compute-sanitizer --tool $tool --report-api-errors no \
-                --error-exitcode 9 ./build/mok_tests $t
-        done
+        step "compute-sanitizer $tool cuda_sanitize_ep1" env MOK_TEST_PEER_TIMEOUT_MS=200000 timeout 240 \
+            compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 ./build/mok_tests cuda_sanitize_ep1
+        if [ "$ngpu" -ge 2 ]; then
+            sanitize_ep2 $tool
+        else
+            row "compute-sanitizer $tool ep2 (2 processes)" "skipped ($ngpu GPU)"
+        fi
     done
 fi
 if [ $dev -eq 1 ]; then
@@ -75,13 +124,6 @@ if [ $dev -eq 1 ]; then
     step "dev: wgmma tile (self-test + timing)" bash -c 'nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
         -DWITH_CUBLAS dev/gemm_wgmma_v1.cu -lcublas -o build/gemm_wgmma_v1 && timeout 300 ./build/gemm_wgmma_v1'
     grep -E 'TFLOP|passed, ' "$log" | tail -n 12 >>"$out/gpu-tests.txt"
-fi
-if [ $train -eq 1 ]; then
-    # mok's layer and its PyTorch twin trained from the same weights; exits non-zero if the loss
-    # curves differ by more than bf16 noise
-    step "train example on the GPU (examples/train_moe.py)" env MOK_LIBRARY="$PWD/build/libmok.so" \
-        PYTHONPATH="$PWD/python" timeout 600 python3 examples/train_moe.py --device cuda --steps 300 --out "$out/train_moe"
-    grep -E "within bf16 noise|relative: max|time per step" "$log" | tail -n 3 >>"$out/gpu-tests.txt"
 fi
 if [ $bench -eq 1 ] && [ -x bench/run.sh ]; then
     step "benchmark" timeout 900 bash bench/run.sh "$out"

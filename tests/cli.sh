@@ -3,7 +3,9 @@
 # cpu ranks against the reference, a few configurations that stress the protocol, the report's
 # options (--no-backward, --check-tokens, link bandwidth), the cuda backend (checked against the
 # reference where nvidia-smi lists GPUs, else it must be refused cleanly), and bad input (each
-# must exit 2 with a message: the command's own, or the library's "mok: <function>: ...").
+# must exit 2 with a message: the command's own, or the library's "mok: <function>: ..."); and
+# build/mok_mp_rank, the one-rank driver of tests/mp_rank.c (its arguments, its run on the cpu
+# backend, its refusal where there is no GPU for its rank).
 # Usage: tests/cli.sh BUILD_DIR. Prints PASS/FAIL per check and closes with `N passed, N failed`.
 set -u
 
@@ -124,6 +126,37 @@ else
     fi
     expect cuda-too-few-gpus 2 "ranks on the cuda backend need $((gpus + 1)) GPUs" \
         run --preset olmoe-1b-7b --scale 16 --ranks $((gpus + 1)) --backend cuda
+fi
+
+# ---- build/mok_mp_rank (tests/mp_rank.c) -------------------------------------------------------
+mp="$build/mok_mp_rank"
+if [ -x "$mp" ]; then
+    mpdir=$(mktemp -d)
+    trap 'rm -f "$out"; rm -rf "$mpdir"' EXIT
+    expect_mp() { # expect_mp NAME STATUS TEXT ARGS...: expect, for mok_mp_rank instead of mok
+        local saved=$mok
+        mok=$mp
+        expect "$@"
+        mok=$saved
+    }
+    expect_mp mp-rank-help 0 "usage: mok_mp_rank" --help
+    expect_mp mp-rank-cpu 0 "5 passed, 0 failed" --rank 0 --ranks 1 --id-file "$mpdir/id" --backend cpu
+    if [ -e "$mpdir/id" ]; then
+        echo "FAIL mp-rank-cpu-id-removed: rank 0 left $mpdir/id behind after every rank joined"
+        failed=$((failed + 1))
+    else
+        echo "PASS mp-rank-cpu-id-removed"
+        passed=$((passed + 1))
+    fi
+    : >"$mpdir/stale"
+    expect_mp mp-rank-stale-id-file 1 "exists already" --rank 0 --ranks 1 --id-file "$mpdir/stale" --backend cpu
+    expect_mp mp-rank-missing-args 2 "--rank, --ranks and --id-file are required" --ranks 2
+    expect_mp mp-rank-rank-too-large 2 "--rank 2 is not below --ranks 2" --rank 2 --ranks 2 --id-file "$mpdir/x"
+    expect_mp mp-rank-bad-number 2 "--ranks expects an integer" --rank 0 --ranks 2x --id-file "$mpdir/x"
+    expect_mp mp-rank-cpu-one-rank 2 "--backend cpu runs --ranks 1 only" --rank 0 --ranks 2 --id-file "$mpdir/x" \
+        --backend cpu
+    # A rank without its GPU is refused before it touches the id file (exit 3).
+    expect_mp mp-rank-no-gpu 3 "mok_mp_rank: " --rank "$gpus" --ranks $((gpus + 1)) --id-file "$mpdir/x"
 fi
 
 # ---- bad input: the command's own rules --------------------------------------------------------

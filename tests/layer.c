@@ -697,12 +697,15 @@ static void describe(const layer *L, int tensor, const tensor_cmp *c, char *out,
     }
 }
 
-double layer_compare(const layer *L, const layer_result *got, const layer_result *ref, const char *tag) {
+/* layer_compare over the ranks [first, end) of got; ref holds every rank (the d_router_w scale is
+ * taken over all of them, so a rank is judged as it is in a comparison of the whole layer). */
+static double compare_ranks(const layer *L, const layer_result *got, const layer_result *ref, int first, int end,
+                            const char *tag) {
     const int P = L->nranks;
     const int64_t H = L->shape.hidden, k = L->shape.topk, El = local_experts(L), per = L->shape.intermediate * H;
     const int has_shared = L->shape.shared_intermediate > 0;
     int has_backward = 0;
-    for (int p = 0; p < P; ++p) has_backward |= got->dw[0][p] != NULL;
+    for (int p = first; p < end; ++p) has_backward |= got->dw[0][p] != NULL;
     double worst = 0.0, drw_scale = 0.0; /* d_router_w: max |ref| over every rank */
     for (int p = 0; has_backward && p < P; ++p)
         for (int64_t s = 0; s < L->num_tokens[p] * k; ++s)
@@ -713,7 +716,7 @@ double layer_compare(const layer *L, const layer_result *got, const layer_result
         if (tensor >= T_DS_GATE && !has_shared) break;
         tensor_cmp c = {0};
         c.worst_index = -1;
-        for (int p = 0; p < P; ++p) {
+        for (int p = first; p < end; ++p) {
             const int64_t T = L->num_tokens[p];
             if (tensor == T_Y && T > 0) compare_block(&c, tensor, p, 0, T * H, got->y[p], 0, NULL, ref->y[p], 0, -1.0);
             if (tensor == T_DX && T > 0) compare_block(&c, tensor, p, 0, T * H, got->dx[p], 0, NULL, ref->dx[p], 0, -1.0);
@@ -765,6 +768,15 @@ double layer_compare(const layer *L, const layer_result *got, const layer_result
         }
     }
     return worst;
+}
+
+double layer_compare(const layer *L, const layer_result *got, const layer_result *ref, const char *tag) {
+    return compare_ranks(L, got, ref, 0, L->nranks, tag);
+}
+
+double layer_compare_rank(const layer *L, const layer_result *got, const layer_result *ref, int rank,
+                          const char *tag) {
+    return compare_ranks(L, got, ref, rank, rank + 1, tag);
 }
 
 static int bytes_equal(const void *a, const void *b, size_t bytes, int64_t elem, int64_t *index) {

@@ -154,6 +154,12 @@ mok_status layer_run_reference_forward(const layer *L, layer_result *ref);
  * (<= 1 passes). */
 double layer_compare(const layer *L, const layer_result *got, const layer_result *ref, const char *tag);
 
+/* layer_compare of one rank: only got's arrays of `rank` are read (the others may be NULL), and
+ * they are judged as layer_compare judges them (d_router_w's scale is still every rank's of ref).
+ * For a process that ran one rank of a group against the reference of the whole layer. */
+double layer_compare_rank(const layer *L, const layer_result *got, const layer_result *ref, int rank,
+                          const char *tag);
+
 /* 1 when every output of a and b (y, dx, d_router_w, gradients) is bitwise equal; else 0 and
  * what names the first difference. Both must come from the same layer and gradient type. */
 int layer_equal(const layer *L, const layer_result *a, const layer_result *b, char *what, size_t what_size);

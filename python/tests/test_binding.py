@@ -2,7 +2,8 @@
 (version, struct sizes, status strings), the cpu backend's forward and backward for 1, 2 and 3
 ranks (local mode and one thread per rank), bad inputs, the bf16 helpers, determinism, accumulate
 mode, the recomputed context, and mok.torch.MoE against a float32 PyTorch MoE (skipped without
-torch). Random inputs are fresh per run; the seed is printed (MOK_PY_SEED=N replays a run).
+torch); on GPUs also CUDA-graph capture and replay of MoE, the trace, and EP2 over torch.distributed.
+Random inputs are fresh per run; the seed is printed (MOK_PY_SEED=N replays a run).
 """
 import ctypes
 import os
@@ -655,6 +656,115 @@ def test_cuda_torch_moe_matches_float32_pytorch(shared):
     x = torch.randn(4, 100, 256, device="cuda", requires_grad=True)
     _check_moe(torch, m, x)
     assert m.mok_workspace(x.device).backend == "cuda"
+
+
+def test_cuda_graph_capture_replay_moe():
+    """mok.torch.MoE forward + backward captured once in a CUDA graph (torch.cuda.graph), replayed
+    with fresh inputs copied into the static ones, against an eager run on those inputs. The graph
+    holds the router (PyTorch), mok's schedule, forward and backward; the fresh inputs route
+    differently, so the replayed schedule is new too (built on the device, no host sync inside).
+    mok is deterministic, so y and the experts' gradients (mok's alone, from the same ids, router
+    weights and dy) must match bit for bit. x.grad and router.weight.grad also carry the router's
+    backward in PyTorch (cuBLAS GEMMs, issued on the capture stream in one run and the default stream
+    in the other), whose bits this test does not pin down: those two are held to TOL."""
+    torch = _cuda(1)
+    torch.manual_seed(SEED)
+    import mok.torch as mt
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    H, T = 256, 300
+    m = mt.MoE(H, 128, 8, 2, shared_intermediate=128, max_tokens=512, config=CUDA_CONFIG, device=dev)
+    static_x = torch.randn(T, H, device=dev).to(torch.bfloat16).requires_grad_(True)
+    static_dy = torch.randn(T, H, device=dev).to(torch.bfloat16)
+
+    def clear_grads():
+        m.zero_grad(set_to_none=True)
+        static_x.grad = None
+
+    # Warm up on a side stream (PyTorch's recipe for capturing autograd); this also makes the workspace,
+    # which must exist before the capture.
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            clear_grads()
+            m(static_x).backward(static_dy)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    clear_grads()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = m(static_x)
+        static_y.backward(static_dy)
+    # the graph's outputs: y and the gradients that the captured backward assigned
+    static = {"y": static_y, "x": static_x.grad, **{name: p.grad for name, p in m.named_parameters()}}
+    assert all(v is not None for v in static.values()), [k for k, v in static.items() if v is None]
+    for _ in range(2):  # replays on the capture's inputs must leave the workspace fit for more
+        graph.replay()
+    fresh_x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    fresh_dy = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    with torch.no_grad():
+        static_x.copy_(fresh_x)
+        static_dy.copy_(fresh_dy)
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    m.mok_workspace(dev).synchronize()  # raises what the kernels recorded, if anything
+    replayed = {key: v.detach().clone() for key, v in static.items()}
+
+    clear_grads()
+    x = fresh_x.clone().requires_grad_(True)
+    y = m(x)
+    y.backward(fresh_dy)
+    torch.cuda.synchronize(dev)
+    eager = {"y": y.detach(), "x": x.grad, **{name: p.grad for name, p in m.named_parameters()}}
+
+    for key, want in eager.items():
+        got = replayed[key]
+        assert got.shape == want.shape and got.dtype == want.dtype, key
+        if key in ("x", "router.weight"):
+            scale = float(want.float().abs().max())
+            err = float((got.float() - want.float()).abs().max()) / max(scale, 1e-30)
+            assert err <= TOL["dx" if key == "x" else "d_router_w"], f"{key}: replay vs eager error {err:.3g}"
+        else:
+            differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+            assert differ == 0, f"{key}: {differ} of {want.numel()} elements differ between the replay and eager"
+
+
+def test_cuda_trace_events(tmp_path):
+    """Config(trace=True) on a GPU: one forward, Workspace.trace_write, and bench/timeline.py's load
+    reads the file: compute events for gateup and down, no negative duration, one residency event
+    per SM, and every task inside the residency of the CTA that ran it (a CTA's "resident" event
+    spans the kernel on that CTA, from its start to its end)."""
+    torch = _cuda(1)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    import timeline
+
+    L = make_layer(1, [600], H=256, I=128, E=8, k=4, Is=128, seed=70)
+    dev = torch.device("cuda", 0)
+    config = CUDA_CONFIG.replace(trace=True)
+    group = mok.Group.create_local(1, backend="cuda", devices=[0], config=config)
+    with group:
+        ws = mok.Workspace(group, 256, 128, 8, 4, 128, max_tokens=600)
+        T = torch_layer(torch, L, [dev])
+        schedules = mok.build_schedule(ws, T["topk_ids"][0])
+        mok.forward(ws, schedules, T["x"][0], T["router_w"][0], T["w_gate"][0], T["w_up"][0], T["w_down"][0],
+                    T["s_gate"][0], T["s_up"][0], T["s_down"][0])
+        ws.synchronize()
+        path = str(tmp_path / "forward.json")
+        ws.trace_write(path)
+    tasks, resident = timeline.load(path), timeline.load(path, resident=True)
+    kinds = {(e["name"], e["cat"]) for e in tasks}
+    assert ("gateup", "compute") in kinds and ("down", "compute") in kinds, sorted(kinds)
+    negative = [e for e in tasks + resident if not e["dur"] >= 0]
+    assert not negative, negative[:3]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert len(resident) == sms, f"{len(resident)} residency events for a kernel on {sms} SMs"
+    span = {(e["pid"], e["tid"]): (e["ts"], e["ts"] + e["dur"]) for e in resident}
+    assert len(span) == sms, "two residency events for one CTA"
+    eps = 1e-3  # us: the file's resolution (times are whole ns written with 3 decimals of us)
+    outside = [e for e in tasks if (e["pid"], e["tid"]) not in span
+               or e["ts"] < span[(e["pid"], e["tid"])][0] - eps
+               or e["ts"] + e["dur"] > span[(e["pid"], e["tid"])][1] + eps]
+    assert not outside, f"{len(outside)} of {len(tasks)} tasks outside their CTA's residency, e.g. {outside[:2]}"
 
 
 _EP_WORKER = r"""
