@@ -41,9 +41,11 @@
 #define WS_CONSUMERS 256
 #define WS_THREADS (WS_PRODUCERS + WS_CONSUMERS)
 #define WS_ACC 128 /* fp32 accumulators per consumer thread: m64n256 */
-/* Registers per thread after the role split (setmaxnreg): 128 * 80 + 256 * 216 = 65,536, all of the
-   SM's 65,536. The consumers hold 128 accumulators; the producer only addresses and counters. */
-#define WS_PRODUCER_REGS 80
+/* Registers per thread after the role split (setmaxnreg): the CTA holds what its launch gave it,
+   168 x 384 = 64,512 (launch bounds 384, 1), and the roles share exactly that: 128 * 72 +
+   256 * 216 = 64,512. More would leave setmaxnreg.inc waiting for registers no warp releases.
+   The consumers hold 128 accumulators; the producer only addresses and counters. */
+#define WS_PRODUCER_REGS 72
 #define WS_CONSUMER_REGS 216
 
 
