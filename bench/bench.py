@@ -243,16 +243,18 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             for e in ev:
                 if e["pid"] != 0:
                     continue
-                c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0])
+                c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0, 0.0])
                 c[0] += 1
                 c[1] += e["dur"] / 1e3
                 c[3].append(e["dur"])
                 c[4] += e.get("args", {}).get("gemm_us", 0.0)
-            for kind, (n, busy, cat, durs, gemm) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+                c[5] += e.get("args", {}).get("epilogue_us", 0.0)
+            for kind, (n, busy, cat, durs, gemm, epi) in sorted(per.items(), key=lambda kv: -kv[1][1]):
                 tf = f"{flops[kind] / (busy * 1e-3) / 1e12:6.2f} TFLOP/s per busy SM" if kind in flops else ""
                 durs.sort()
                 pct = "/".join(f"{durs[min(len(durs) - 1, int(q * len(durs)))]:.1f}" for q in (0.0, 0.1, 0.5, 0.9))
-                loop = f"  main loops {gemm / n:6.1f} us/task" if gemm else ""
+                loop = (f"  main loops {gemm / n:6.1f}, epilogue {epi / n:6.1f}, before {(busy * 1e3 - gemm - epi) / n:6.1f} "
+                        f"us/task" if gemm else "")
                 print(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  "
                       f"min/p10/p50/p90 {pct} us{loop}  {tf}", flush=True)
     finally:
@@ -267,7 +269,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated layer names: run only their cases")
     ap.add_argument("--compare-env", action="append", default=[],
-                    help="VAR=VALUE (repeatable): each case runs again with this in the environment (the library "
+                    help="VAR=VALUE[,VAR=VALUE...] (repeatable): each case runs again with this in the environment (the library "
                          "reads its MOK_CUDA_* switches at every pass), an A/B in one process; the table shows a "
                          "row per variant, and the variants reuse the first row's baseline times")
     ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
@@ -291,28 +293,29 @@ def main():
     base = F.Config()
     variants = [None]
     for spec in a.compare_env:
-        if "=" not in spec:
-            ap.error("--compare-env takes VAR=VALUE")
-        variants.append(tuple(spec.split("=", 1)))
+        pairs = [kv.split("=", 1) for kv in spec.split(",")]
+        if any(len(kv) != 2 for kv in pairs):
+            ap.error("--compare-env takes VAR=VALUE[,VAR=VALUE...]")
+        variants.append([tuple(kv) for kv in pairs])
     for name, experts, tokens, skew in cases:
         first = None
         for variant in variants:
-            saved = None
-            if variant:
-                saved = os.environ.get(variant[0])
-                os.environ[variant[0]] = variant[1]
+            saved = {}
+            for var, value in variant or []:
+                saved[var] = os.environ.get(var)
+                os.environ[var] = value
             try:
                 t0 = time.time()
                 row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True,
                                baseline=first)
                 row["wall_s"] = time.time() - t0
-                row["env"] = "=".join(variant) if variant else ""
+                row["env"] = ",".join("=".join(kv) for kv in variant) if variant else ""
             finally:
-                if variant:
-                    if saved is None:
-                        del os.environ[variant[0]]
+                for var, value in saved.items():
+                    if value is None:
+                        del os.environ[var]
                     else:
-                        os.environ[variant[0]] = saved
+                        os.environ[var] = value
             rows.append(row)
             first = first or row
             print(json.dumps(row), flush=True)

@@ -149,6 +149,15 @@ static int report(int ok, const char *name, double t0, const char *why) {
     return ok;
 }
 
+/* A pass's step: waits for the rank's stream when the calls succeeded, then reports the step. */
+static int report_pass(mok_workspace *ws, mok_status st, int nranks, int rank, const char *step, double t0) {
+    char name[96], why[1200];
+    if (st == MOK_OK) st = mok_synchronize(ws);
+    snprintf(why, sizeof why, "%s: %s", mok_status_string(st), mok_last_error());
+    snprintf(name, sizeof name, "ep%d rank %d: %s", nranks, rank, step);
+    return report(st == MOK_OK, name, t0, why);
+}
+
 /* This rank's device buffers. */
 enum { B_X, B_IDS, B_RW, B_Y, B_SCHEDULE, B_CONTEXT, B_DY, B_DX, B_DRW, B_W, B_S = B_W + 3, B_DW = B_S + 3,
        B_DS = B_DW + 3, B_NUM = B_DS + 3 };
@@ -301,10 +310,7 @@ static int run_rank(mok_backend backend, int rank, int nranks, const char *id_pa
                                b[B_S], b[B_S + 1], b[B_S + 2], b[B_Y], b[B_CONTEXT], NULL};
         st = mok_schedule_build(r.ws, &sa);
         if (st == MOK_OK) st = mok_forward(r.ws, &fa);
-        if (st == MOK_OK) st = mok_synchronize(r.ws);
-        snprintf(why, sizeof why, "%s: %s", mok_status_string(st), mok_last_error());
-        snprintf(name, sizeof name, tag_fmt, nranks, rank, "forward");
-        ok = report(st == MOK_OK, name, t0, why);
+        ok = report_pass(r.ws, st, nranks, rank, "forward", t0);
     }
     /* Backward: bf16 gradients, overwritten (accumulate = 0). */
     if (ok) {
@@ -313,10 +319,7 @@ static int run_rank(mok_backend backend, int rank, int nranks, const char *id_pa
                                 b[B_W + 2], b[B_S], b[B_S + 1], b[B_S + 2], b[B_DX], b[B_DRW], 0, b[B_DW],
                                 b[B_DW + 1], b[B_DW + 2], b[B_DS], b[B_DS + 1], b[B_DS + 2], NULL};
         st = mok_backward(r.ws, &ba);
-        if (st == MOK_OK) st = mok_synchronize(r.ws);
-        snprintf(why, sizeof why, "%s: %s", mok_status_string(st), mok_last_error());
-        snprintf(name, sizeof name, tag_fmt, nranks, rank, "backward");
-        ok = report(st == MOK_OK, name, t0, why);
+        ok = report_pass(r.ws, st, nranks, rank, "backward", t0);
     }
     /* This rank's outputs against the reference of the whole layer. */
     if (ok) {
