@@ -116,10 +116,10 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                     float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * q)));
                     float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * q)));
                     float dh0 = acc[4 * j + 2 * half + q];
-                    hb[q] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
+                    float h, dg, du; /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr * dh0, g, u, limit, &h, &dg, &du);
+                    hb[q] = mok__bf16_from_f32(h);
                     dot[half] += dh0 * mok__bf16_to_f32(hb[q]);
-                    float dg, du;
-                    mok__swiglu_backward(wr * dh0, g, u, limit, &dg, &du);
                     dgb[q] = mok__bf16_from_f32(dg);
                     dub[q] = mok__bf16_from_f32(du);
                 }
