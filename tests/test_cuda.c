@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "core/schedule.h"
+#include "cuda/task_cols.h"
 #include "layer.h"
 #include "test.h"
 
@@ -1007,6 +1008,63 @@ MOK_TEST(cuda_tma_matches_cp_async) {
     else unsetenv("MOK_CUDA_TMA");
 }
 
+/* The tasks' column widths (task_cols.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and
+ * MOK_CUDA_COLS_DH): on a shape where every width can be taken, forward and backward under
+ * each cap against the reference, and bitwise equal to the uncapped run (a width changes which
+ * task computes an element, not the order of its sums). */
+MOK_TEST(cuda_task_cols) {
+    if (skip(1, "cuda_task_cols")) return;
+    int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {500, 300};
+    const mok_shape s = small_shape(512, 256, 8, 4, 256);
+    const char *caps[3] = {"256", "128", "64"}, *vars[2] = {"MOK_CUDA_COLS_H", "MOK_CUDA_COLS_DH"};
+    char saved[2][16] = {"", ""};
+    for (int v = 0; v < 2; ++v)
+        if (getenv(vars[v])) snprintf(saved[v], sizeof saved[v], "%s", getenv(vars[v]));
+    layer L;
+    layer_make(&L, &s, P, tokens, mok_test_seed() + 31, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
+    mok_config cfg = mok_config_default();
+    cfg.minibatch_rows = 128;
+    cfg.ring_rows = 256;
+    cfg.context_rows = 256;
+    layer_result ref = {0}, first = {0};
+    layer_run_reference(&L, &ref);
+    for (int c = 0; c < 3; ++c) {
+        setenv("MOK_CUDA_COLS_H", caps[c], 1);
+        setenv("MOK_CUDA_COLS_DH", caps[2 - c], 1);
+        gpu_run G;
+        layer_result got = {0};
+        mok_status st = gpu_open(&G, &L, &cfg);
+        if (st == MOK_OK) st = gpu_forward(&G, &L, 0);
+        if (st == MOK_OK) {
+            download_y(&G, &L, &got);
+            st = gpu_backward(&G, &L, 0, &got);
+        }
+        CHECK(st == MOK_OK, "H cap %s, dh cap %s: %s", caps[c], caps[2 - c], G.message);
+        if (st == MOK_OK) {
+            char tag[64], what[256] = "";
+            snprintf(tag, sizeof tag, "cols H<=%s dh<=%s", caps[c], caps[2 - c]);
+            double err = layer_compare(&L, &got, &ref, tag);
+            CHECK(err <= 1.0, "%s: cuda vs reference error %.3f", tag, err);
+            if (c == 0) {
+                first = got;
+                got = (layer_result){0};
+            } else {
+                CHECK(layer_equal(&L, &first, &got, what, sizeof what), "%s against uncapped: %s", tag, what);
+            }
+        }
+        layer_result_free(&got);
+        gpu_close(&G);
+    }
+    for (int v = 0; v < 2; ++v) { /* the environment's values back */
+        if (saved[v][0]) setenv(vars[v], saved[v], 1);
+        else unsetenv(vars[v]);
+    }
+    layer_result_free(&first);
+    layer_result_free(&ref);
+    layer_free(&L);
+}
+
 /* With config.trace, the kernels record every task; the trace file lists them. */
 MOK_TEST(cuda_trace) {
     if (skip(1, "cuda_trace")) return;
@@ -1044,8 +1102,13 @@ MOK_TEST(cuda_trace) {
         int64_t tiles = info.padded_rows / MOK_ROW_TILE;
         CHECK(dispatch == tiles && combine == tiles, "dispatch %d, combine %d events for %lld row tiles", dispatch,
               combine, (long long)tiles);
-        CHECK(gateup == tiles * (128 / 64) && down == tiles * (256 / 128), "gateup %d, down %d events", gateup, down);
-        CHECK(shared == 5 * 2, "shared_up %d events for 5 token tiles x 2", shared);
+        /* one event per task: a task covers the columns task_cols.h gives for this shape */
+        const int gu_tasks = (int)(s.intermediate / mok_cuda_cols_gateup(s.intermediate, s.shared_intermediate));
+        const int h_tasks = (int)(s.hidden / mok_cuda_cols_h(s.hidden));
+        CHECK(gateup == tiles * gu_tasks && down == tiles * h_tasks, "gateup %d, down %d events for %lld row tiles",
+              gateup, down, (long long)tiles);
+        CHECK(shared == 5 * (int)(s.shared_intermediate / mok_cuda_cols_gateup(s.intermediate, s.shared_intermediate)),
+              "shared_up %d events for 5 token tiles", shared);
 #ifdef MOK_HAVE_CUDA
         int sms = 0, device = 0;
         cudaGetDevice(&device);

@@ -540,8 +540,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 1);
         p.accumulate = a->accumulate;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
-        const int64_t I = s->intermediate, Is = s->shared_intermediate;
-        p.n_tile = I % 256 == 0 && Is % 256 == 0 ? 256 : I % 128 == 0 && Is % 128 == 0 ? 128 : 64;
+        p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
         p.comm_ctas = comm_ctas(ws, R, ws->config.bwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 
 extern "C" {
+#include "cuda/task_cols.h"
 #include "internal.h"
 }
 /* The portable core, compiled into this translation unit for host and device. */
@@ -44,9 +45,9 @@ extern "C" {
     } while (0)
 
 /* GPU tile constants (the tile is 128 x 256, tile_operands.cuh). Column counts are picked per
- * pass from the shape: gate/up tasks cover n_tile columns of gate and of up (128, or 64 when I or
- * I_s is not a multiple of 128); SwiGLU-backward tasks n_tile columns of I (256, 128 or 64);
- * down and dx tasks n_tile_h columns of H (256, 128 or 64). CUDA_N_TILE is the smallest, which
+ * pass from the shape (task_cols.h): gate/up tasks cover n_tile columns of gate and of up (128
+ * or 64); SwiGLU-backward tasks n_tile columns of I (256, 128 or 64); down and dx tasks n_tile_h
+ * columns of H (256, 128 or 64). CUDA_N_TILE is the smallest, which
  * sizes the task lists. Weight-gradient tiles are CUDA_WGRAD_M x CUDA_WGRAD_N (the last ones may
  * be narrower, in steps of 64). */
 #define CUDA_N_TILE 64

@@ -289,7 +289,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
-        p.n_tile = s->intermediate % 128 == 0 && s->shared_intermediate % 128 == 0 ? 128 : 64;
+        p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
         p.comm_ctas = comm_ctas(ws, R, ws->config.fwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 

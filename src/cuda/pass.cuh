@@ -239,7 +239,7 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->topk = (int)s->topk;
     p->rank = R->rank;
     p->backward = backward;
-    p->n_tile_h = s->hidden % 256 == 0 ? 256 : s->hidden % 128 == 0 ? 128 : 64;
+    p->n_tile_h = mok_cuda_cols_h(s->hidden);
     p->hidden = s->hidden;
     p->inter = s->intermediate;
     p->shared_inter = s->shared_intermediate;
