@@ -4,7 +4,10 @@
  * The tile is 128 rows by up to 256 columns (tile_operands.cuh); a task covers the widest of
  * 256, 128, 64 columns that divides its matrices' widths:
  *   gate|up  n_tile of I (and I_s) each of gate and up, so at most 128 (2 x 128 = 256);
- *   dh       n_tile of I (and I_s): the SwiGLU backward;
+ *   dh       n_tile of I (and I_s): the SwiGLU backward, 256 only where I >= 2048. Measured on
+ *            2xH200 (docs/perf.md, 2026-11-30): DeepSeek-V3 (I = 2048) backward 32.4 ms at 256
+ *            against 33.9 at 128; Qwen3-30B-A3B (I = 768) 13.9 at 256 against 11.5 at 128;
+ *            its epilogue, 72 us of a 97 us task at 256, is what the wider task stretches;
  *   down, dx n_tile_h of H.
  * MOK_CUDA_COLS_DH and MOK_CUDA_COLS_H (experiments' switches, read at every pass) cap the
  * last two at 128 or 64 for A/B runs within one build. */
@@ -30,7 +33,8 @@ static inline int mok_cuda_cols_cap(const char *var) {
 
 static inline int mok_cuda_cols_gateup(int64_t I, int64_t Is) { return mok_cuda_cols(I, Is, 128); }
 static inline int mok_cuda_cols_dh(int64_t I, int64_t Is) {
-    return mok_cuda_cols(I, Is, mok_cuda_cols_cap("MOK_CUDA_COLS_DH"));
+    const int cap = mok_cuda_cols_cap("MOK_CUDA_COLS_DH");
+    return mok_cuda_cols(I, Is, I >= 2048 ? cap : cap < 128 ? cap : 128);
 }
 static inline int mok_cuda_cols_h(int64_t H) { return mok_cuda_cols(H, 0, mok_cuda_cols_cap("MOK_CUDA_COLS_H")); }
 
