@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "core/schedule.h"
+#include "cuda/task_cols.h"
 #include "layer.h"
 #include "test.h"
 
@@ -1007,6 +1008,59 @@ MOK_TEST(cuda_tma_matches_cp_async) {
     else unsetenv("MOK_CUDA_TMA");
 }
 
+/* The tasks' column widths (task_cols.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and
+ * MOK_CUDA_COLS_DH): forward and backward under each cap against the reference, on a shape
+ * where down and dx take every width and dh 128 and 64 (256 needs I >= 2048). Not bitwise
+ * across widths: the router weights' gradient sums one partial per dh task. */
+MOK_TEST(cuda_task_cols) {
+    if (skip(1, "cuda_task_cols")) return;
+    int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {500, 300};
+    /* down and dx at 256, 128, 64; dh at 256 (I >= 2048), 128, 64 */
+    const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(256, 2048, 4, 2, 0)};
+    const char *caps[3] = {"256", "128", "64"}, *vars[2] = {"MOK_CUDA_COLS_H", "MOK_CUDA_COLS_DH"};
+    char saved[2][16] = {"", ""};
+    for (int v = 0; v < 2; ++v)
+        if (getenv(vars[v])) snprintf(saved[v], sizeof saved[v], "%s", getenv(vars[v]));
+    mok_config cfg = mok_config_default();
+    cfg.minibatch_rows = 128;
+    cfg.ring_rows = 256;
+    cfg.context_rows = 256;
+    for (int si = 0; si < 2; ++si) {
+        layer L;
+        layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 31 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
+        layer_result ref = {0};
+        layer_run_reference(&L, &ref);
+        for (int c = 0; c < 3; ++c) {
+            setenv(vars[0], caps[c], 1);
+            setenv(vars[1], caps[si == 0 ? 2 - c : c], 1);
+            char tag[64];
+            snprintf(tag, sizeof tag, "shape %d, cols H<=%s dh<=%s", si, getenv(vars[0]), getenv(vars[1]));
+            gpu_run G;
+            layer_result got = {0};
+            mok_status st = gpu_open(&G, &L, &cfg);
+            if (st == MOK_OK) st = gpu_forward(&G, &L, 0);
+            if (st == MOK_OK) {
+                download_y(&G, &L, &got);
+                st = gpu_backward(&G, &L, 0, &got);
+            }
+            CHECK(st == MOK_OK, "%s: %s", tag, G.message);
+            if (st == MOK_OK) {
+                double err = layer_compare(&L, &got, &ref, tag);
+                CHECK(err <= 1.0, "%s: cuda vs reference error %.3f", tag, err);
+            }
+            layer_result_free(&got);
+            gpu_close(&G);
+        }
+        layer_result_free(&ref);
+        layer_free(&L);
+    }
+    for (int v = 0; v < 2; ++v) { /* the environment's values back */
+        if (saved[v][0]) setenv(vars[v], saved[v], 1);
+        else unsetenv(vars[v]);
+    }
+}
+
 /* With config.trace, the kernels record every task; the trace file lists them. */
 MOK_TEST(cuda_trace) {
     if (skip(1, "cuda_trace")) return;
@@ -1044,8 +1098,13 @@ MOK_TEST(cuda_trace) {
         int64_t tiles = info.padded_rows / MOK_ROW_TILE;
         CHECK(dispatch == tiles && combine == tiles, "dispatch %d, combine %d events for %lld row tiles", dispatch,
               combine, (long long)tiles);
-        CHECK(gateup == tiles * (128 / 64) && down == tiles * (256 / 128), "gateup %d, down %d events", gateup, down);
-        CHECK(shared == 5 * 2, "shared_up %d events for 5 token tiles x 2", shared);
+        /* one event per task: a task covers the columns task_cols.h gives for this shape */
+        const int gu_tasks = (int)(s.intermediate / mok_cuda_cols_gateup(s.intermediate, s.shared_intermediate));
+        const int h_tasks = (int)(s.hidden / mok_cuda_cols_h(s.hidden));
+        CHECK(gateup == tiles * gu_tasks && down == tiles * h_tasks, "gateup %d, down %d events for %lld row tiles",
+              gateup, down, (long long)tiles);
+        CHECK(shared == 5 * (int)(s.shared_intermediate / mok_cuda_cols_gateup(s.intermediate, s.shared_intermediate)),
+              "shared_up %d events for 5 token tiles", shared);
 #ifdef MOK_HAVE_CUDA
         int sms = 0, device = 0;
         cudaGetDevice(&device);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/portable.h"
 #include "mok.h"
 #include "ref/ref.h"
 #include "test.h"
@@ -902,4 +903,34 @@ MOK_TEST(ref_rejects_bad_inputs) {
     CHECK(mok__ref_backward_ex(NULL, NULL, 1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL) == bad,
           "mok__ref_backward_ex(NULL)");
     free(b->weights), free(b->grads), free(b);
+}
+
+/* The fused SwiGLU forward-and-backward of the SwiGLU-backward tiles gives the bits of the two
+ * functions called apart, inside and outside the clamp, at its edges and for special values. */
+MOK_TEST(portable_swiglu_with_backward_matches) {
+    uint64_t s = mok_test_seed() * 6364136223846793005ull + 1442695040888963407ull;
+    const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 7.0f, -7.0f, 30.0f, -30.0f, 100.0f, INFINITY, -INFINITY, NAN};
+    const int nspecial = (int)(sizeof specials / sizeof specials[0]);
+    int bad = 0;
+    for (int i = 0; i < 200000 && bad < 5; ++i) {
+        float v[3];
+        for (int k = 0; k < 3; ++k) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            const uint32_t r = (uint32_t)(s >> 33);
+            v[k] = (r & 15) == 0 ? specials[(r >> 4) % nspecial] : ((float)(r >> 4) / (float)(1u << 27) - 0.5f) * 40.0f;
+        }
+        const float limit = (i & 1) ? 7.0f : 0.0f;
+        float h1, dg1, du1, h2, dg2, du2;
+        h1 = mok__swiglu(v[0], v[1], limit);
+        mok__swiglu_backward(v[2], v[0], v[1], limit, &dg1, &du1);
+        mok__swiglu_with_backward(v[2], v[0], v[1], limit, &h2, &dg2, &du2);
+        /* bits equal, or both NaN (a NaN's sign follows the operand order the compiler picks) */
+#define SAME(a, b) (memcmp(&(a), &(b), 4) == 0 || (isnan(a) && isnan(b)))
+        if (!SAME(h1, h2) || !SAME(dg1, dg2) || !SAME(du1, du2)) {
+            ++bad;
+            CHECK(0, "g %g u %g dh %g limit %g: apart (%a, %a, %a), fused (%a, %a, %a)", v[0], v[1], v[2], limit, h1,
+                  dg1, du1, h2, dg2, du2);
+        }
+#undef SAME
+    }
 }

@@ -298,6 +298,7 @@ static mok_plan plan_from(const plan_case *c, const mok_sched_view *v, int L, in
     p.n_tile = 64;
     p.n_tile_h = H % 128 == 0 && c->wide_h ? 128 : 64;
     p.wgrad_tile = 64;
+    p.wgrad_tile_n = c->wide_h ? 128 : 0; /* rectangular weight-gradient tiles, as the GPU's */
     p.expert_start = v->expert_start;
     p.expert_rows = v->expert_rows;
     return p;
@@ -399,8 +400,11 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
     const int64_t ntiles = rows / MOK_ROW_TILE;
     const int64_t ntt = (p->num_tokens + MOK_ROW_TILE - 1) / MOK_ROW_TILE;
     const int64_t nmacro = (p->padded_rows + p->ring_rows - 1) / p->ring_rows;
-    const int64_t w = p->wgrad_tile;
+    /* weight-gradient tiles: rows of wgrad_tile, columns of wgrad_tile_n (the last ones narrower) */
+    const int64_t w = p->wgrad_tile, wn = p->wgrad_tile_n ? p->wgrad_tile_n : w;
     const int64_t wI = p->intermediate / w, wH = p->hidden / w, wIs = p->shared_intermediate / w;
+    const int64_t cI = (p->intermediate + wn - 1) / wn, cH = (p->hidden + wn - 1) / wn;
+    const int64_t cIs = (p->shared_intermediate + wn - 1) / wn;
     const int L = p->num_local_experts;
 
     /* counts[kind][...]: flat arrays sized per kind */
@@ -519,21 +523,22 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
                 int64_t lo = m * p->ring_rows, hi = lo + p->ring_rows;
                 int has = (s > lo ? s : lo) < (end < hi ? end : hi);
                 for (int mat = 0; mat < 3; ++mat) {
-                    int64_t R = mat == MOK_WGRAD_DOWN ? wH : wI, C = mat == MOK_WGRAD_DOWN ? wI : wH;
-                    for (int64_t i = 0; i < R; ++i)
-                        for (int64_t j = 0; j < C; ++j) {
+                    int64_t R = mat == MOK_WGRAD_DOWN ? wH : wI, C = mat == MOK_WGRAD_DOWN ? cI : cH;
+                    for (int64_t i = 0; i < wmax; ++i) /* every tile of the matrix once, none outside it */
+                        for (int64_t j = 0; j < wmax; ++j) {
                             int64_t got = wgrad[(((m * L + e) * 3 + mat) * wmax + i) * wmax + j];
-                            EXPECT(got == has, "%s: WGRAD macro %lld expert %d matrix %d tile (%lld, %lld): %lld times, want %d",
-                                   what, (long long)m, e, mat, (long long)i, (long long)j, (long long)got, has);
+                            int want = i < R && j < C ? has : 0;
+                            EXPECT(got == want, "%s: WGRAD macro %lld expert %d matrix %d tile (%lld, %lld): %lld times, want %d",
+                                   what, (long long)m, e, mat, (long long)i, (long long)j, (long long)got, want);
                         }
                 }
             }
         if (nIs > 0)
             for (int mat = 0; mat < 3; ++mat) {
-                int64_t R = mat == MOK_WGRAD_DOWN ? wH : wIs, C = mat == MOK_WGRAD_DOWN ? wIs : wH;
-                for (int64_t i = 0; i < R; ++i)
-                    for (int64_t j = 0; j < C; ++j)
-                        EXPECT(swgrad[(mat * wsmax + i) * wsmax + j] == 1,
+                int64_t R = mat == MOK_WGRAD_DOWN ? wH : wIs, C = mat == MOK_WGRAD_DOWN ? cIs : cH;
+                for (int64_t i = 0; i < wsmax; ++i)
+                    for (int64_t j = 0; j < wsmax; ++j)
+                        EXPECT(swgrad[(mat * wsmax + i) * wsmax + j] == (i < R && j < C),
                                "%s: SHARED_WGRAD matrix %d tile (%lld, %lld): %lld times", what, mat, (long long)i,
                                (long long)j, (long long)swgrad[(mat * wsmax + i) * wsmax + j]);
             }

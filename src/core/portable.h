@@ -69,4 +69,16 @@ MOK_INLINE void mok__swiglu_backward(float dh, float g, float u, float limit, fl
     *du = dh * silu * mok__clamp_up_mask(u, limit);
 }
 
+/* h and the SwiGLU backward from one sigmoid: the values of mok__swiglu and
+ * mok__swiglu_backward called apart (the same expressions), for the tiles that need both. */
+MOK_INLINE void mok__swiglu_with_backward(float dh, float g, float u, float limit, float *h, float *dg, float *du) {
+    float gc = mok__clamp_gate(g, limit), uc = mok__clamp_up(u, limit);
+    float s = mok__sigmoid(gc);
+    float silu = gc * s;
+    *h = silu * uc;
+    float dsilu = s * (1.0f + gc * (1.0f - s));
+    *dg = dh * uc * dsilu * mok__clamp_gate_mask(g, limit);
+    *du = dh * silu * mok__clamp_up_mask(u, limit);
+}
+
 #endif

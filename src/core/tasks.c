@@ -66,13 +66,13 @@ MOK_CORE const char *mok__task_kind_name(int kind) {
 }
 
 static MOK_HD void wgrad_dims(const mok_plan *p, int matrix, int64_t inter, int64_t *rows, int64_t *cols) {
-    int64_t w = p->wgrad_tile;
+    int64_t w = p->wgrad_tile, wn = p->wgrad_tile_n ? p->wgrad_tile_n : p->wgrad_tile;
     if (matrix == MOK_WGRAD_DOWN) {
         *rows = ceil_div(p->hidden, w);
-        *cols = ceil_div(inter, w);
+        *cols = ceil_div(inter, wn);
     } else {
         *rows = ceil_div(inter, w);
-        *cols = ceil_div(p->hidden, w);
+        *cols = ceil_div(p->hidden, wn);
     }
 }
 

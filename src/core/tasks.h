@@ -59,7 +59,7 @@ typedef struct mok_task {
 } mok_task;
 
 /* What the list is built from. Tiles: rows MOK_ROW_TILE; n_tile columns for the routed and
- * shared GEMM outputs; wgrad tiles are wgrad_tile x wgrad_tile. */
+ * shared GEMM outputs; wgrad tiles are wgrad_tile x wgrad_tile_n (x wgrad_tile when 0). */
 typedef struct mok_plan {
     int backward;       /* 0 forward, 1 backward */
     int recompute;      /* forward only: rebuild the context (no down, no combine) */
@@ -72,7 +72,8 @@ typedef struct mok_plan {
     int minibatch_rows, ring_rows;
     int n_tile;         /* columns of I (or I_s) per gate/up, SwiGLU-backward task */
     int n_tile_h;       /* columns of H per down, dx task */
-    int wgrad_tile;
+    int wgrad_tile;     /* rows of a weight-gradient tile (and its columns when wgrad_tile_n is 0) */
+    int wgrad_tile_n;   /* columns of a weight-gradient tile; 0: wgrad_tile */
     int raster;         /* GEMM groups walk their tiles in runs of `raster` (mok__group_tile); 0, 1: tile-major */
     const int64_t *expert_start; /* [E_local + 1] padded row offsets */
     const int64_t *expert_rows;  /* [E_local] */

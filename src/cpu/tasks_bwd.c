@@ -45,9 +45,9 @@ static void shared_dh(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
         const int64_t t = t0 + r;
         for (int n = 0; n < NT; ++n) {
             float g = mok__bf16_to_f32(ctx[t * 2 * Is + n0 + n]), u = mok__bf16_to_f32(ctx[t * 2 * Is + Is + n0 + n]);
-            float dg, du;
-            pass->R->sh_h[t * Is + n0 + n] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
-            mok__swiglu_backward(dh[r * NT + n], g, u, limit, &dg, &du);
+            float h, dg, du;
+            mok__swiglu_with_backward(dh[r * NT + n], g, u, limit, &h, &dg, &du);
+            pass->R->sh_h[t * Is + n0 + n] = mok__bf16_from_f32(h);
             pass->R->sh_dgu[t * 2 * Is + n0 + n] = mok__bf16_from_f32(dg);
             pass->R->sh_dgu[t * 2 * Is + Is + n0 + n] = mok__bf16_from_f32(du);
         }

@@ -70,7 +70,7 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
  * a time with 16-byte loads (cols 0..63 g, 64..127 u). The partial sums a thread's columns in
  * order, then the 4 lanes of the row (xor 1, then 2): a fixed order. zero_pad: rows rows .. 127
  * of h and dg|du get zeros (the routed tiles' padding rows, read by the weight gradients). */
-static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
+static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
                                                 long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
@@ -79,7 +79,7 @@ static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int 
     const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
     float dot[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int hc = 0; hc < 2; ++hc) {
+    for (int hc = 0; hc < TILE_BN / 64; ++hc) {
         if (hc * 64 >= n_valid) break;
         /* cp.async: a thread's 8 loads of g|u are in flight together (a load-then-store loop
            through generic pointers runs them one after another) */
@@ -116,10 +116,10 @@ static __device__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int 
                     float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * q)));
                     float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * q)));
                     float dh0 = acc[4 * j + 2 * half + q];
-                    hb[q] = mok__bf16_from_f32(mok__swiglu(g, u, limit));
+                    float h, dg, du; /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr * dh0, g, u, limit, &h, &dg, &du);
+                    hb[q] = mok__bf16_from_f32(h);
                     dot[half] += dh0 * mok__bf16_to_f32(hb[q]);
-                    float dg, du;
-                    mok__swiglu_backward(wr * dh0, g, u, limit, &dg, &du);
                     dgb[q] = mok__bf16_from_f32(dg);
                     dub[q] = mok__bf16_from_f32(du);
                 }
@@ -157,10 +157,10 @@ struct wgrad_job {
 static __device__ void wgrad_operands(const pass_params &p, int matrix, long long inter, long long i, long long j,
                                       const uint16_t *dgu, const uint16_t *x, const uint16_t *dyw, const uint16_t *h,
                                       long long rows, bool shared, long long ring0, wgrad_job *w) {
-    const long long H = p.hidden, m0 = i * CUDA_WGRAD_TILE, c0 = j * CUDA_WGRAD_TILE;
+    const long long H = p.hidden, m0 = i * CUDA_WGRAD_M, c0 = j * CUDA_WGRAD_N;
     const long long mdim = matrix == MOK_WGRAD_DOWN ? H : inter, ndim = matrix == MOK_WGRAD_DOWN ? inter : H;
-    w->m_valid = (int)(mdim - m0 < 128 ? mdim - m0 : 128);
-    w->n_valid = (int)(ndim - c0 < 128 ? ndim - c0 : 128);
+    w->m_valid = (int)(mdim - m0 < CUDA_WGRAD_M ? mdim - m0 : CUDA_WGRAD_M);
+    w->n_valid = (int)(ndim - c0 < CUDA_WGRAD_N ? ndim - c0 : CUDA_WGRAD_N);
     tile_operands &op = w->op;
     op = tile_operands{};
     if (matrix == MOK_WGRAD_DOWN) {
@@ -198,12 +198,13 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
     if (grp.kind == MOK_TASK_SHARED_WGRAD) {
         mok_plan plan = {};
         plan.hidden = p.hidden;
-        plan.wgrad_tile = CUDA_WGRAD_TILE;
+        plan.wgrad_tile = CUDA_WGRAD_M;
+        plan.wgrad_tile_n = CUDA_WGRAD_N;
         plan.raster = p.raster;
         const long long Is = p.shared_inter;
         mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
         w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;
-        w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_TILE * w->ld + j * CUDA_WGRAD_TILE) * (p.accumulate ? 4 : 2);
+        w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : nullptr;
         w->carry_out = nullptr;
         wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
@@ -216,7 +217,7 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
         mok__wgrad_tile(&plan, I, t, &matrix, &i, &j);
         w->ld = matrix == MOK_WGRAD_DOWN ? I : H;
-        const long long ring0 = first % p.ring_rows, offset = i * CUDA_WGRAD_TILE * w->ld + j * CUDA_WGRAD_TILE;
+        const long long ring0 = first % p.ring_rows, offset = i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N;
         const long long start = v.expert_start[e];
         const bool began_before = first > start, continues = start + v.expert_rows[e] > end;
         float *carry = p.carry + (start / p.ring_rows) * 3 * mat_elems + matrix * mat_elems + offset;
@@ -255,6 +256,8 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
             op->a_rows = t.nreal;
             op->b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
             op->b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
+            op->n_valid = 128; /* 64 gate rows, then 64 up rows: columns 128.. are discarded */
+            op->b_split = 1;
             use_tma_k(p, op, MAP_RING_X, t.ring0, MAP_W_GATE, t.expert * I + n0, MAP_W_UP, t.expert * I + n0);
             return 1;
         }
@@ -326,7 +329,7 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 }
 
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
-static __device__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                   long long nt, float (&acc)[WS_ACC]) {
     wgrad_job w;
     w.init = nullptr;
@@ -342,7 +345,7 @@ static __device__ void bwd_preset(const pass_params &p, const mok_sched_view &v,
     }
 }
 
-static __device__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                     long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c) {
     const int tid = threadIdx.x - WS_PRODUCERS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
@@ -536,7 +539,8 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 1);
         p.accumulate = a->accumulate;
-        p.n_tile = s->intermediate % 128 == 0 && (s->shared_intermediate % 128 == 0) ? 128 : 64;
+        /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
+        p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
         p.comm_ctas = comm_ctas(ws, R, ws->config.bwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;

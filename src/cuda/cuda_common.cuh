@@ -16,6 +16,7 @@
 #include <stdlib.h>
 
 extern "C" {
+#include "cuda/task_cols.h"
 #include "internal.h"
 }
 /* The portable core, compiled into this translation unit for host and device. */
@@ -43,10 +44,15 @@ extern "C" {
         CUDA_TRY(cudaGetLastError());                                                                    \
     } while (0)
 
-/* GPU tile constants: gate/up tasks cover CUDA_N_TILE columns of gate and of up; down tasks
- * CUDA_N_TILE_H columns of H (64 when H is not a multiple of 128). */
+/* GPU tile constants (the tile is 128 x 256, tile_operands.cuh). Column counts are picked per
+ * pass from the shape (task_cols.h): gate/up tasks cover n_tile columns of gate and of up (128
+ * or 64); SwiGLU-backward tasks n_tile columns of I (256, 128 or 64); down and dx tasks n_tile_h
+ * columns of H (256, 128 or 64). CUDA_N_TILE is the smallest, which
+ * sizes the task lists. Weight-gradient tiles are CUDA_WGRAD_M x CUDA_WGRAD_N (the last ones may
+ * be narrower, in steps of 64). */
 #define CUDA_N_TILE 64
-#define CUDA_WGRAD_TILE 128 /* weight-gradient tiles: 128 x 128 (the last row/column may be 64) */
+#define CUDA_WGRAD_M 128
+#define CUDA_WGRAD_N 256
 #define CUDA_THREADS 256
 
 /* Error word codes (the kernel never traps; the host reports these). */

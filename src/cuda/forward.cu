@@ -39,7 +39,8 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
     }
 }
 
-/* The one GEMM of a compute task: gate|up (64 columns of each) or down, routed or shared. */
+/* The one GEMM of a compute task: gate|up (n_tile columns of each: B is n_tile gate rows, then
+ * n_tile up rows) or down (n_tile_h columns of H), routed or shared. */
 static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
                                long long nt, int i, tile_operands *op) {
     if (i > 0) return 0;
@@ -51,20 +52,24 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
     switch (grp.kind) {
     case MOK_TASK_GATEUP: {
         const tile_info t = row_tile(p, v, rt);
-        const long long n0 = nt * CUDA_N_TILE;
+        const long long n0 = nt * p.n_tile;
         op->a = p.ring_x + t.ring0 * H;
         op->a_rows = t.nreal;
         op->b_lo = p.w_gate + ((long long)t.expert * I + n0) * H;
         op->b_hi = p.w_up + ((long long)t.expert * I + n0) * H;
+        op->n_valid = 2 * p.n_tile;
+        op->b_split = p.n_tile / 64;
         use_tma_k(p, op, MAP_RING_X, t.ring0, MAP_W_GATE, t.expert * I + n0, MAP_W_UP, t.expert * I + n0);
         return 1;
     }
     case MOK_TASK_SHARED_UP: {
-        const long long t0 = rt * MOK_ROW_TILE, n0 = nt * CUDA_N_TILE;
+        const long long t0 = rt * MOK_ROW_TILE, n0 = nt * p.n_tile;
         op->a = p.x + t0 * H;
         op->a_rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
         op->b_lo = p.s_gate + n0 * H;
         op->b_hi = p.s_up + n0 * H;
+        op->n_valid = 2 * p.n_tile;
+        op->b_split = p.n_tile / 64;
         use_tma_k(p, op, MAP_X, t0, MAP_S_GATE, n0, MAP_S_UP, n0);
         return 1;
     }
@@ -76,8 +81,10 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         const long long row = t.expert * H + nt * p.n_tile_h;
         op->b_lo = p.w_down + row * I;
         op->lda = op->ldb = op->k = I;
-        use_tma_k(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row, p.n_tile_h == 128 ? MAP_W_DOWN : -1, row + 64);
-        break;
+        op->n_valid = op->b_split = p.n_tile_h;
+        op->b_split /= 64;
+        use_tma_k(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row, -1, 0);
+        return 1;
     }
     case MOK_TASK_SHARED_DOWN: {
         const long long t0 = rt * MOK_ROW_TILE;
@@ -85,21 +92,22 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         op->a_rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
         op->b_lo = p.s_down + nt * p.n_tile_h * Is;
         op->lda = op->ldb = op->k = Is;
-        use_tma_k(p, op, MAP_SH_H, t0, MAP_S_DOWN, nt * p.n_tile_h, p.n_tile_h == 128 ? MAP_S_DOWN : -1,
-                nt * p.n_tile_h + 64);
-        break;
+        op->n_valid = p.n_tile_h;
+        op->b_split = p.n_tile_h / 64;
+        use_tma_k(p, op, MAP_SH_H, t0, MAP_S_DOWN, nt * p.n_tile_h, -1, 0);
+        return 1;
     }
     default: return 0;
     }
-    op->b_hi = p.n_tile_h == 128 ? op->b_lo + 64 * op->ldb : nullptr;
-    return 1;
 }
 
 /* A gate|up tile straight from the accumulators: a thread's columns 8j + 2(lane % 4) (+1) hold
- * g for j < 8 and u, the same columns + 64, for j >= 8. g and u rounded to bf16 go into the
- * context rows (padding rows as zeros), h = bf16(silu(g) * u) into h_out for real rows: the
- * rounding of the staged path, without shared memory or barriers. */
-static __device__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long long ctx_row0, long long ctx_rows,
+ * g for j < NT / 8 and u, the same columns + NT, for the next NT / 8 (NT = n_tile: the
+ * accumulators are indexed by constants only). g and u rounded to bf16 go into the context rows
+ * (padding rows as zeros), h = bf16(silu(g) * u) into h_out for real rows: the rounding of the
+ * staged path, without shared memory or barriers. */
+template <int NT>
+static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long long ctx_row0, long long ctx_rows,
                                    uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
                                    long long h_ld, float limit) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
@@ -111,13 +119,13 @@ static __device__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long l
         const long long crow = ctx_row0 + r;
         const bool keep = ctx && crow < ctx_rows;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < NT / 8; ++j) {
             const int col = 8 * j + col0;
             uint16_t g[2], u[2], h[2];
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 g[q] = real ? mok__bf16_from_f32(acc[4 * j + 2 * half + q]) : (uint16_t)0;
-                u[q] = real ? mok__bf16_from_f32(acc[4 * (j + 8) + 2 * half + q]) : (uint16_t)0;
+                u[q] = real ? mok__bf16_from_f32(acc[4 * (j + NT / 8) + 2 * half + q]) : (uint16_t)0;
                 h[q] = mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(g[q]), mok__bf16_to_f32(u[q]), limit));
             }
             if (keep) {
@@ -131,21 +139,29 @@ static __device__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long l
 
 /* Consumers: SwiGLU (h, and g|u into the context) or the plain store of the down projection,
  * from registers (no barrier: the walk's closing barrier orders the stores before the release). */
-static __device__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                     long long rt, long long nt, float (&acc)[WS_ACC]) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     switch (grp.kind) {
     case MOK_TASK_GATEUP: {
         const tile_info t = row_tile(p, v, rt);
-        swiglu_regs(acc, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * CUDA_N_TILE, p.ring_h + t.ring0 * I,
-                    I, p.limit);
+        if (p.n_tile == 128)
+            swiglu_regs<128>(acc, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * 128, p.ring_h + t.ring0 * I,
+                             I, p.limit);
+        else
+            swiglu_regs<64>(acc, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * 64, p.ring_h + t.ring0 * I, I,
+                            p.limit);
         break;
     }
     case MOK_TASK_SHARED_UP: {
         const long long t0 = rt * MOK_ROW_TILE;
         const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-        swiglu_regs(acc, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * CUDA_N_TILE, p.sh_h + t0 * Is, Is,
-                    p.limit);
+        if (p.n_tile == 128)
+            swiglu_regs<128>(acc, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * 128, p.sh_h + t0 * Is, Is,
+                             p.limit);
+        else
+            swiglu_regs<64>(acc, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * 64, p.sh_h + t0 * Is, Is,
+                            p.limit);
         break;
     }
     case MOK_TASK_DOWN: {
@@ -272,7 +288,8 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
-        p.n_tile = CUDA_N_TILE;
+        /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
+        p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
         p.comm_ctas = comm_ctas(ws, R, ws->config.fwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 

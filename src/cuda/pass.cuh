@@ -99,7 +99,8 @@ static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, 
     plan->ring_rows = (int)p.ring_rows;
     plan->n_tile = p.n_tile;
     plan->n_tile_h = p.n_tile_h;
-    plan->wgrad_tile = CUDA_WGRAD_TILE;
+    plan->wgrad_tile = CUDA_WGRAD_M;
+    plan->wgrad_tile_n = CUDA_WGRAD_N;
     plan->raster = p.raster;
     plan->expert_start = v.expert_start;
     plan->expert_rows = v.expert_rows;
@@ -236,7 +237,7 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->topk = (int)s->topk;
     p->rank = R->rank;
     p->backward = backward;
-    p->n_tile_h = s->hidden % 128 == 0 ? 128 : 64;
+    p->n_tile_h = mok_cuda_cols_h(s->hidden);
     p->hidden = s->hidden;
     p->inter = s->intermediate;
     p->shared_inter = s->shared_intermediate;

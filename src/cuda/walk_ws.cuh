@@ -74,8 +74,8 @@ static unsigned weight_maps(const pass_params *p, pass_maps *maps) {
 }
 
 /* TMA for a GEMM with K-major B when its maps are usable (else the cp.async path runs):
- * A rows a_row.. of a_map; B halves from rows row_lo.. of b_lo and row_hi.. of b_hi (b_hi < 0:
- * one half). */
+ * A rows a_row.. of a_map; B's op->n_valid rows in 64-row blocks, the first op->b_split from
+ * rows row_lo.. of b_lo, the rest from rows row_hi.. of b_hi (b_hi < 0: none). */
 static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_operands *op, int a_map, long long a_row,
                                                  int b_lo, long long row_lo, int b_hi, long long row_hi) {
     const unsigned need = (1u << a_map) | (1u << b_lo) | (b_hi >= 0 ? 1u << b_hi : 0u);
@@ -86,10 +86,10 @@ static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_oper
     op->a_mmajor = 0;
     op->a_halves = 2;
     op->b_nmajor = 0;
-    op->b_halves = b_hi >= 0 ? 2 : 1;
+    op->b_halves = (op->n_valid + 63) / 64;
     op->b_map[0] = b_lo;
     op->b_row[0] = (int)row_lo;
-    op->b_map[1] = b_hi;
+    op->b_map[1] = b_hi >= 0 ? b_hi : b_lo;
     op->b_row[1] = (int)row_hi;
 }
 
@@ -163,7 +163,7 @@ static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_
 }
 
 template <typename Runner>
-static __device__ void ws_consume(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+static __device__ __forceinline__ void ws_consume(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                   long long rt, long long nt, int i, ws_ring &r, int variant, const tile_operands &op,
                                   uint16_t *staging, float *red, long long &gemm_ns) {
     if (ws_variant_used<Runner, false, false>(variant))
@@ -222,7 +222,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
 }
 
 template <typename Runner>
-static __device__ void ws_consumer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, const ws_shared &sh,
+static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, const ws_shared &sh,
                                         uint16_t *staging, float *red) {
     __shared__ int s_stop;
     const int ctid = threadIdx.x - WS_PRODUCERS;
@@ -282,7 +282,7 @@ static __device__ void ws_completer_loop(const pass_params &p, const ws_ring &r,
 
 /* The compute CTA: set up the ring and the queue, then split into producer and consumers. */
 template <typename Runner>
-static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red,
+static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red,
                                        const CUtensorMap *maps) {
     const uint32_t raw = smem_addr(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;
@@ -323,11 +323,12 @@ static __device__ void walk_compute_ws(const pass_params &p, const mok_sched_vie
     /* Warp indices through a shuffle: the compiler then knows the branches are warp-uniform and
        keeps the consumers' wgmmas asynchronous. */
     const int warp = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 32), 0);
-    if (warp < WS_LOADERS / 32) {
-        ws_producer_loop<Runner>(p, v, r, sh);
-    } else if (warp < WS_PRODUCERS / 32) {
-        ws_completer_loop(p, r, sh);
+    if (warp < WS_PRODUCERS / 32) {
+        setmaxnreg_dec_producer(); /* the whole producer warpgroup, before its warps part */
+        if (warp < WS_LOADERS / 32) ws_producer_loop<Runner>(p, v, r, sh);
+        else ws_completer_loop(p, r, sh);
     } else {
+        setmaxnreg_inc_consumer();
         ws_consumer_loop<Runner>(p, v, r, sh, (uint16_t *)(aligned + WS_STAGING_OFF), red);
     }
 }

@@ -1,15 +1,17 @@
 /* wgmma_tile.cuh — the warpgroup GEMM tile of the cuda backend (sm_90a): a ring of shared-memory
  * stages that a producer warpgroup fills with cp.async and two consumer warpgroups read with
- * wgmma. C[128 x 128] (+)= A[128 x K] · B[K x 128] in fp32, on the operands of tile_operands.cuh
+ * wgmma. C[128 x 256] (+)= A[128 x K] · B[K x 256] in fp32, on the operands of tile_operands.cuh
  * (tile_operands.cuh: K-major or M/N-major, rows past a_rows, n_valid and k_valid read as zeros).
  *
- * Stage s: A at stages + s * WS_STAGE_BYTES (16 KB), B the 16 KB after it. Each holds two
- * 8 KB halves of 128-byte rows in the 128B swizzle (16-byte chunk ^ row % 8), 1024-byte aligned:
- * the canonical layouts that wgmma's shared-memory descriptors name.
- *   K-major half:  64 rows (m or n) of 64 k; 8-row groups 1024 B apart (SBO); +16 k = +32 B.
- *   MN-major half: 64 k rows of 64 m (or n); 8-k groups 1024 B apart (SBO), the second 64-wide
- *                  half 8 KB further (LBO); +16 k = +2048 B. wgmma reads it with imm-trans = 1.
- * Consumer warpgroup c owns rows 64c .. 64c + 63 of C, i.e. A's half c.
+ * Stage s: A at stages + s * WS_STAGE_BYTES (16 KB: two 8 KB blocks), B the 32 KB after it (four
+ * 8 KB blocks). A block is 64 rows of 128 bytes in the 128B swizzle (16-byte chunk ^ row % 8),
+ * 1024-byte aligned: the canonical layouts that wgmma's shared-memory descriptors name.
+ *   K-major:  64 rows (m or n) of 64 k per block, blocks back to back: 8-row groups 1024 B
+ *             apart (SBO) across the whole operand; +16 k = +32 B.
+ *   MN-major: 64 k rows of 64 m (or n) per block; 8-k groups 1024 B apart (SBO), the next
+ *             64-wide block 8 KB further (LBO); +16 k = +2048 B. wgmma reads it with imm-trans = 1.
+ * Consumer warpgroup c owns rows 64c .. 64c + 63 of C, i.e. A's block c, and all 256 columns
+ * (m64n256: 128 fp32 accumulators per thread).
  *
  * NOTE (ring protocol): full[s] counts the WS_LOADERS producer threads, each arriving through
  * cp.async.mbarrier.arrive.noinc once its copies into stage s have landed; empty[s] counts the 8
@@ -29,15 +31,22 @@
 #include "tile_operands.cuh"
 #include "tma.cuh"
 
-#define WS_STAGES 5
+#define WS_STAGES 3 /* 48 KB each: 144 KB of ring beside the 34 KB staging tile */
 #define WS_HALF_BYTES (64 * 128)
 #define WS_A_BYTES (TILE_BM * TILE_BK * 2)
 #define WS_STAGE_BYTES (WS_A_BYTES + TILE_BN * TILE_BK * 2)
+#define WS_B_BLOCKS (TILE_BN / 64)
 #define WS_PRODUCERS 128 /* the producer warpgroup: warps 0-2 load (WS_LOADERS), warp 3 completes tasks */
 #define WS_LOADERS 96
 #define WS_CONSUMERS 256
 #define WS_THREADS (WS_PRODUCERS + WS_CONSUMERS)
-#define WS_ACC 64 /* fp32 accumulators per consumer thread: m64n128 */
+#define WS_ACC 128 /* fp32 accumulators per consumer thread: m64n256 */
+/* Registers per thread after the role split (setmaxnreg): the CTA holds what its launch gave it,
+   168 x 384 = 64,512 (launch bounds 384, 1), and the roles share exactly that: 128 * 72 +
+   256 * 216 = 64,512. More would leave setmaxnreg.inc waiting for registers no warp releases.
+   The consumers hold 128 accumulators; the producer only addresses and counters. */
+#define WS_PRODUCER_REGS 72
+#define WS_CONSUMER_REGS 216
 
 
 /* ---- mbarrier and proxy primitives ---------------------------------------------------------- */
@@ -109,24 +118,36 @@ static __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo
            (uint64_t)1 << 62;
 }
 
-/* D[64 x 128] (+)= A[64 x 16] · B[16 x 128], both from shared memory. */
+/* D[64 x 256] (+)= A[64 x 16] · B[16 x 256], both from shared memory. */
 template <int TA, int TB>
-static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[WS_ACC], uint64_t da, uint64_t db, int scale_d) {
+static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[WS_ACC], uint64_t da, uint64_t db, int scale_d) {
 #define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                 "+f"(d[i + 6]), "+f"(d[i + 7])
     asm volatile(
         "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %67, %68;\n}\n"
-        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, %131, %132;\n}\n"
+        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
+          ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
         : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB)
         : "memory");
 #undef ACC8
+}
+
+static __device__ __forceinline__ void setmaxnreg_dec_producer() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
+}
+static __device__ __forceinline__ void setmaxnreg_inc_consumer() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
 }
 
 /* ---- the ring ----------------------------------------------------------------------------- */
@@ -151,13 +172,14 @@ static __device__ __forceinline__ void ring_advance(ws_ring &r) {
 static __device__ __forceinline__ int ws_ktiles(const tile_operands &op) { return (int)((op.k + TILE_BK - 1) / TILE_BK); }
 
 /* Producer, one stage: the WS_LOADERS threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's
- * layout): 1024 16-byte chunks each. */
+ * layout): 1024 16-byte chunks of A, 2048 of B. */
 #define WS_LOAD_ITERS ((1024 + WS_LOADERS - 1) / WS_LOADERS)
+#define WS_LOAD_ITERS_B ((64 * TILE_BN / 8 + WS_LOADERS - 1) / WS_LOADERS)
 template <bool A_MN, bool B_MN>
 static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile_operands &op, long long k0, int tid) {
     const uint32_t b_base = a_base + WS_A_BYTES;
     if (A_MN) {
-#pragma unroll
+#pragma unroll 2
         for (int i = 0; i < WS_LOAD_ITERS; ++i) {
             int idx = tid + i * WS_LOADERS;
             if (idx >= 1024) break;
@@ -168,7 +190,7 @@ static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile
             cp_async_16(a_base + half * WS_HALF_BYTES + swizzle(krow, chunk), src, valid);
         }
     } else {
-#pragma unroll
+#pragma unroll 2
         for (int i = 0; i < WS_LOAD_ITERS; ++i) {
             int idx = tid + i * WS_LOADERS;
             if (idx >= 1024) break;
@@ -178,27 +200,30 @@ static __device__ __forceinline__ void ws_load_stage(uint32_t a_base, const tile
             cp_async_16(a_base + swizzle(row, chunk), src, valid);
         }
     }
-    if (B_MN) {
-#pragma unroll
-        for (int i = 0; i < WS_LOAD_ITERS; ++i) {
+    constexpr int B_CHUNKS = 64 * TILE_BN / 8;
+    if (B_MN) { /* 64 k rows of WS_B_BLOCKS x 8 chunks */
+#pragma unroll 2
+        for (int i = 0; i < WS_LOAD_ITERS_B; ++i) {
             int idx = tid + i * WS_LOADERS;
-            if (idx >= 1024) break;
-            int krow = idx >> 4, c = idx & 15, half = c >> 3, chunk = c & 7;
+            if (idx >= B_CHUNKS) break;
+            int krow = idx / (8 * WS_B_BLOCKS), c = idx % (8 * WS_B_BLOCKS), block = c >> 3, chunk = c & 7;
             long long k = k0 + krow;
-            bool valid = k < op.k_valid && half * 64 < op.n_valid;
+            bool valid = k < op.k_valid && block * 64 < op.n_valid;
             const uint16_t *src = op.b_lo;
-            if (valid) src = (k < op.k_split ? op.b_lo + k * op.ldb : op.b_hi + (k - op.k_split) * op.ldb) + half * 64 + chunk * 8;
-            cp_async_16(b_base + half * WS_HALF_BYTES + swizzle(krow, chunk), src, valid);
+            if (valid) src = (k < op.k_split ? op.b_lo + k * op.ldb : op.b_hi + (k - op.k_split) * op.ldb) + block * 64 + chunk * 8;
+            cp_async_16(b_base + block * WS_HALF_BYTES + swizzle(krow, chunk), src, valid);
         }
-    } else {
-#pragma unroll
-        for (int i = 0; i < WS_LOAD_ITERS; ++i) {
+    } else { /* TILE_BN rows of 8 chunks */
+#pragma unroll 2
+        for (int i = 0; i < WS_LOAD_ITERS_B; ++i) {
             int idx = tid + i * WS_LOADERS;
-            if (idx >= 1024) break;
+            if (idx >= B_CHUNKS) break;
             int row = idx >> 3, chunk = idx & 7;
-            const uint16_t *half = row < 64 ? op.b_lo : op.b_hi;
-            bool valid = half != nullptr;
-            const uint16_t *src = valid ? half + (long long)(row & 63) * op.ldb + k0 + chunk * 8 : op.b_lo;
+            const bool lo = row < 64 * op.b_split;
+            const uint16_t *base = lo ? op.b_lo : op.b_hi;
+            const long long r = lo ? row : row - 64 * op.b_split;
+            bool valid = base != nullptr && row < op.n_valid;
+            const uint16_t *src = valid ? base + r * op.ldb + k0 + chunk * 8 : op.b_lo;
             cp_async_16(b_base + swizzle(row, chunk), src, valid);
         }
     }
@@ -238,10 +263,13 @@ static __device__ void ws_produce_tma(ws_ring &r, const tile_operands &op, int t
             const int map_n = second ? op.b_map[1] : op.b_map[0];
             const int krow = second ? op.b_row[1] + k0 - (int)op.k_split : op.b_row[0] + k0;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < WS_B_BLOCKS; ++h) {
                 if (h >= op.b_halves) break;
                 const uint32_t dst = a + WS_A_BYTES + h * WS_HALF_BYTES;
-                if (!op.b_nmajor) tma_load_2d(dst, r.maps + op.b_map[h], k0, op.b_row[h], full);
+                const bool lo = h < op.b_split;
+                if (!op.b_nmajor)
+                    tma_load_2d(dst, r.maps + (lo ? op.b_map[0] : op.b_map[1]), k0,
+                                lo ? op.b_row[0] + 64 * h : op.b_row[1] + 64 * (h - op.b_split), full);
                 else tma_load_2d(dst, r.maps + map_n, op.b_col + 64 * h, krow, full);
             }
         } else {
@@ -256,7 +284,7 @@ static __device__ void ws_produce_tma(ws_ring &r, const tile_operands &op, int t
  * it): an accumulator that may still hold the previous GEMM's wgmma result, or a write in a
  * branch here, makes ptxas wait on every wgmma group before the next (C7514/C7517). */
 template <bool A_MN, bool B_MN>
-static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, float (&acc)[WS_ACC]) {
+static __device__ __forceinline__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, float (&acc)[WS_ACC]) {
     const int ktiles = ws_ktiles(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
     if (ktiles == 0) return;
 
@@ -272,7 +300,7 @@ static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, floa
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < TILE_BK / 16; ++k)
-            wgmma_m64n128k16<A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, smem_desc(a_half + k * k16, a_lbo),
+            wgmma_m64n256k16<A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, smem_desc(a_half + k * k16, a_lbo),
                                                          smem_desc(b + k * k16b, b_lbo), 1);
         wgmma_commit();
         wgmma_wait<1>();
@@ -285,20 +313,20 @@ static __device__ void ws_consume_gemm(ws_ring &r, const tile_operands &op, floa
     if (lane == 0) mbar_arrive(r.empty + 8 * prev);
 }
 
-/* Position of accumulator register i of this consumer thread in the 128 x 128 tile. */
+/* Position of accumulator register i of this consumer thread in the 128 x 256 tile. */
 static __device__ __forceinline__ void ws_acc_position(int i, int *row, int *col) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
     *row = (t >> 5) * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
     *col = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
 }
 
-/* Rounds the accumulators to bf16 into the staging tile c[128][TILE_C_LD], then syncs the
- * consumers. */
+/* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
+ * c[128][TILE_C_LD], then syncs the consumers. */
 static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&acc)[WS_ACC]) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
     const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
 #pragma unroll
-    for (int j = 0; j < WS_ACC / 4; ++j) {
+    for (int j = 0; j < TILE_C_COLS / 8; ++j) {
         uint32_t lo = (uint32_t)mok__bf16_from_f32(acc[4 * j]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 1]) << 16);
         uint32_t hi = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 3]) << 16);
         *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = lo;
@@ -308,7 +336,7 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
 }
 
 /* A down tile straight from the accumulators: rows < rows, columns < cols, bf16 pairs. */
-static __device__ void store_regs(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out, long long ld,
+static __device__ __forceinline__ void store_regs(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out, long long ld,
                                   long long n0) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
     const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);

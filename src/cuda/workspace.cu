@@ -186,7 +186,7 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     worst.ring_rows = ws->config.ring_rows;
     worst.n_tile = CUDA_N_TILE;
     worst.n_tile_h = CUDA_N_TILE;
-    worst.wgrad_tile = CUDA_WGRAD_TILE;
+    worst.wgrad_tile = CUDA_WGRAD_M; /* square 128 x 128: more tiles than the real 128 x 256 */
     R->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->peers, sizeof(char *) * MOK_MAX_RANKS);
     ALLOC(R->ring_x, ring * H * 2);
