@@ -56,6 +56,16 @@ static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view 
     return t;
 }
 
+/* At a megakernel's start: whether the rank's error word is set (the pass must not run). One read
+ * per CTA, broadcast through shared memory (when the word was mapped host memory, a read per
+ * thread cost ~1.1 ms of PCIe reads at the kernel's start). */
+static __device__ __forceinline__ bool pass_error_set(const pass_params &p) {
+    __shared__ int s_error;
+    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
+    __syncthreads();
+    return s_error != 0;
+}
+
 /* One thread: spins until counters[c] >= target (c < 0: no wait). False if the pass was aborted
  * or the wait outlived the timeout (then it sets MOK_KERR_STALL and the abort flag). */
 static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target) {
