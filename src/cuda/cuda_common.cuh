@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,6 +62,18 @@ extern "C" {
 #define MOK_KERR_TOKENS 3        /* a peer's T outside [0, T_max] */
 #define MOK_KERR_STALL 4         /* a local counter wait timed out (an internal inconsistency) */
 #define MOK_KERR_SCHEDULE 5      /* the schedule buffer was not built for this pass */
+
+/* A rank's error word (the NOTE in workspace.cu says who writes and who clears it, in which
+ * order): device memory, so that the first-error-wins CAS is a device-scope atomic, with a mirror
+ * in mapped pinned host memory that the host reads without synchronising (a system-scope atomic
+ * on host memory is not supported over PCIe). Kernels take it as `int *error`: `word` is the first
+ * member, so `*(volatile int *)error` reads the device word and set_error keeps its signature. */
+typedef struct cuda_error_word {
+    int word;    /* 0, or the MOK_KERR_* code of the first error since the word was last cleared */
+    int pad;
+    int *mirror; /* device address of the host mirror; written by the CTA that wins the CAS */
+} cuda_error_word;
+static_assert(offsetof(cuda_error_word, word) == 0, "kernels read the error word through an int *");
 
 typedef struct cuda_group {
     ncclComm_t comm[MOK_MAX_RANKS];
@@ -118,8 +131,10 @@ typedef struct cuda_rank {
     mok_task_group *groups;             /* device [groups_cap]: the pass's groups */
     long long groups_cap;
     long long *num_groups;
-    int *error_host;                    /* mapped pinned: the error word */
-    int *error_dev;
+    cuda_error_word *error_word;        /* device: the error word (NOTE in workspace.cu) */
+    int *error_mirror;                  /* mapped pinned: its mirror, the host's view of it */
+    int error_clear_pending;            /* host: an argument error was reported, and the device
+                                           word is cleared by the next call on this rank */
     char *sched_mem;                    /* device: backs `sched` */
     cuda_sched_scratch sched;
 } cuda_rank;
@@ -148,11 +163,20 @@ static __device__ __forceinline__ void st_release_sys(unsigned long long *p, uns
 static __device__ __forceinline__ void red_release_gpu(unsigned long long *p, unsigned long long v) {
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-/* Sets the rank's error word to `code` unless an earlier error is there. The word is mapped host
- * memory that the host reads and clears between passes: the atomic is system-scope, so that it is
- * performed where the host sees it (a device-scope one may complete in the GPU's L2 and reach
- * host memory later, after the host has cleared the word). */
-static __device__ __forceinline__ void set_error(int *error, int code) { atomicCAS_system(error, 0, code); }
+static __device__ __forceinline__ void st_relaxed_sys(int *p, int v) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+/* Sets the rank's error word (a cuda_error_word, passed as its first member) to `code` unless an
+ * earlier error is there. The CAS is on device memory at device scope; the one thread that wins it
+ * copies the code into the host mirror with a plain system-scope store, fenced so that it leaves
+ * the GPU before anything this thread writes after it. A thread that loses the CAS writes nothing:
+ * the mirror holds the first code, and nothing rewrites it until the word is cleared. */
+static __device__ __forceinline__ void set_error(int *error, int code) {
+    cuda_error_word *e = (cuda_error_word *)error;
+    if (atomicCAS(&e->word, 0, code) != 0) return;
+    st_relaxed_sys(e->mirror, code);
+    __threadfence_system();
+}
 
 static __device__ __forceinline__ long long globaltimer_ns() {
     long long t;
@@ -164,6 +188,9 @@ static __device__ __forceinline__ long long globaltimer_ns() {
 /* Host side, defined in the .cu files. */
 mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish);
 mok_status mok__cuda_check_error_word(mok_workspace *ws);
+/* The stream-ordered half of clearing the error word (NOTE in workspace.cu): every call that issues
+ * work on a rank calls this first, on that work's stream. */
+mok_status mok__cuda_error_word_clear(mok_workspace *ws, int local_rank, cudaStream_t stream);
 /* Sizes one rank's schedule scratch for the workspace's maxima and a device of num_sms SMs; with
  * base (device memory of the returned bytes) set, also points out's arrays into it. */
 size_t mok__cuda_sched_scratch(const mok_workspace *ws, int num_sms, char *base, cuda_sched_scratch *out);

@@ -213,12 +213,7 @@ struct forward_ws {
 __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = p.trace ? globaltimer_ns() : 0;
-    /* The error word is mapped host memory: one read per CTA, not one per thread (~50,000 reads
-       across the PCIe bus at the kernel's start). */
-    __shared__ int s_error;
-    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
-    __syncthreads();
-    if (s_error) return;
+    if (pass_error_set(p)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     if (blockIdx.x < p.comm_ctas) walk_tasks<forward_runner>(p, v, nullptr);
     else walk_compute_ws<forward_ws>(p, v, smem_raw, nullptr, maps.m);

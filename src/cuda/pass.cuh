@@ -29,7 +29,7 @@ struct pass_params {
     float limit;
     unsigned long long *counters;
     long long counters_cap;
-    int *error;
+    int *error;        /* the rank's cuda_error_word, as its first member (set_error, cuda_common.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     int raster;        /* GEMM groups' walk (mok__group_tile): MOK_CUDA_RASTER, default 1 */
@@ -54,6 +54,16 @@ static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view 
     long long end = v.expert_start[t.expert] + v.expert_rows[t.expert] - t.row0;
     t.nreal = (int)(end < 0 ? 0 : end > MOK_ROW_TILE ? MOK_ROW_TILE : end);
     return t;
+}
+
+/* At a megakernel's start: whether the rank's error word is set (the pass must not run). One read
+ * per CTA, broadcast through shared memory (when the word was mapped host memory, a read per
+ * thread cost ~1.1 ms of PCIe reads at the kernel's start). */
+static __device__ __forceinline__ bool pass_error_set(const pass_params &p) {
+    __shared__ int s_error;
+    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
+    __syncthreads();
+    return s_error != 0;
 }
 
 /* One thread: spins until counters[c] >= target (c < 0: no wait). False if the pass was aborted
@@ -268,7 +278,7 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->limit = ws->config.swiglu_limit;
     p->counters = R->counters;
     p->counters_cap = R->counters_cap;
-    p->error = R->error_dev;
+    p->error = (int *)R->error_word;
     p->timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
     p->groups = R->groups;
     p->groups_cap = R->groups_cap;
@@ -318,13 +328,16 @@ static void pass_params_layer(pass_params *p, const mok_workspace *ws, const voi
 }
 
 /* The launch sequence every pass shares, on one rank's stream, after its inputs are staged:
- * barrier (every rank's inputs are in place; publishes T), fresh counters, the group list, the
- * megakernel on every SM at once, barrier (every push into this rank has landed). `maps`: the
- * kernel's tensor maps (its second parameter), or NULL for a kernel that takes none. */
+ * a pending clear of the error word (workspace.cu's NOTE), barrier (every rank's inputs are in
+ * place; publishes T), fresh counters, the group list, the megakernel on every SM at once, barrier
+ * (every push into this rank has landed). `maps`: the kernel's tensor maps (its second parameter),
+ * or NULL for a kernel that takes none. */
 static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
                               int threads, size_t smem, cudaStream_t stream, int64_t num_tokens,
                               const void *maps) {
-    mok_status st = mok__cuda_barrier(ws, lr, stream, num_tokens);
+    mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
+    if (st != MOK_OK) return st;
+    st = mok__cuda_barrier(ws, lr, stream, num_tokens);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
     if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));

@@ -369,6 +369,8 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         cudaStream_t stream = (cudaStream_t)a->stream;
         CUDA_TRY(cudaSetDevice(R->device));
         CUDA_TRY(cudaFuncSetAttribute(sched_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)place_smem));
+        st = mok__cuda_error_word_clear(ws, lr, stream); /* before any kernel of this call */
+        if (st != MOK_OK) return st;
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.ids, a->topk_ids, (size_t)(a->num_tokens * ws->shape.topk) * 4,
                                      cudaMemcpyDeviceToDevice, stream));
@@ -388,7 +390,7 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         p.scratch = R->sched;
         p.layout = ws->sched_layout;
         p.schedule = a->schedule;
-        p.error = R->error_dev;
+        p.error = (int *)R->error_word;
         const dim3 chunks((unsigned)R->sched.num_chunks, (unsigned)p.nranks);
         LAUNCH_TRY(sched_count_kernel<<<chunks, COUNT_THREADS, count_smem, stream>>>(p));
         LAUNCH_TRY(sched_scan_kernel<<<1, SCAN_THREADS, 0, stream>>>(p));

@@ -1,7 +1,7 @@
 /* workspace.cu — the cuda backend's memory per rank: the symmetric region (ncclMemAlloc,
  * registered once as a window; peer pointers fetched once into a device table), the ring, the
  * shared expert's buffers, counters, the barrier epoch, the schedule build's scratch and the
- * mapped error word; and the cross-GPU barrier kernel. */
+ * error word with its mapped host mirror; and the cross-GPU barrier kernel. */
 #include <string.h>
 #include <time.h>
 
@@ -50,7 +50,7 @@ __global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_
     long long start = globaltimer_ns();
     for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
         while (ld_acquire_sys(mine + p) < e) {
-            if (*(volatile int *)error) break;
+            if (*(volatile int *)error) break; /* the device word (cuda_error_word's first member) */
             if (globaltimer_ns() - start > timeout_ns) {
                 set_error(error, MOK_KERR_TIMEOUT);
                 __threadfence_system();
@@ -66,22 +66,27 @@ mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int
     cuda_rank *R = &cw->ranks[lr];
     LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.tokens, R->rank,
                                                       ws->group->nranks, R->epoch, (long long)tokens_to_publish,
-                                                      tokens_to_publish >= 0, R->error_dev,
+                                                      tokens_to_publish >= 0, (int *)R->error_word,
                                                       (long long)(ws->config.peer_timeout_ms * 1e6)));
     return MOK_OK;
 }
 
-/* Reports the first error word set on a local rank. Argument errors found on the device (a bad
- * expert id, a schedule that does not fit the pass) are cleared once reported: the next pass with
- * good arguments works. A timeout or a stall leaves the group unusable. */
+/* Reports the first error word set on a local rank, as its host mirror shows it (no
+ * synchronisation). Argument errors found on the device (a bad expert id, a schedule that does not
+ * fit the pass) are cleared once reported: the mirrors here, each device word by the next call on
+ * its rank (mok__cuda_error_word_clear), so the next pass with good arguments works. A timeout or
+ * a stall leaves the group unusable (and the words set). */
 mok_status mok__cuda_check_error_word(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     for (int lr = 0; lr < cw->num_local; ++lr) {
-        int code = *(volatile int *)cw->ranks[lr].error_host;
+        int code = *(volatile int *)cw->ranks[lr].error_mirror;
         if (!code) continue;
         const int rank = cw->ranks[lr].rank;
         if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE) {
-            for (int other = 0; other < cw->num_local; ++other) *(volatile int *)cw->ranks[other].error_host = 0;
+            for (int other = 0; other < cw->num_local; ++other) {
+                *(volatile int *)cw->ranks[other].error_mirror = 0;
+                cw->ranks[other].error_clear_pending = 1;
+            }
             if (code == MOK_KERR_EXPERT_ID)
                 return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                                  "topk_ids: rank %d's kernel found an expert id outside [-1, E = %lld)", rank,
@@ -103,6 +108,14 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
         return mok__fail(MOK_ERR_DEVICE_FAULT, "rank %d: the kernel reported error %d (a counter wait timed out)", rank,
                          code);
     }
+    return MOK_OK;
+}
+
+mok_status mok__cuda_error_word_clear(mok_workspace *ws, int lr, cudaStream_t stream) {
+    cuda_rank *R = &((cuda_workspace *)ws->impl)->ranks[lr];
+    if (!R->error_clear_pending) return MOK_OK;
+    CUDA_TRY(cudaMemsetAsync(&R->error_word->word, 0, sizeof(int), stream));
+    R->error_clear_pending = 0;
     return MOK_OK;
 }
 
@@ -158,11 +171,14 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->num_groups);
     R->groups = NULL;
     R->num_groups = NULL;
-    if (R->error_host) cudaFreeHost(R->error_host);
+    cudaFree(R->error_word);
+    if (R->error_mirror) cudaFreeHost(R->error_mirror);
     R->peers = NULL;
     R->ring_x = R->ring_h = R->ring_y = R->sh_h = R->sh_out = NULL;
     R->counters = R->epoch = NULL;
-    R->error_host = R->error_dev = NULL;
+    R->error_word = NULL;
+    R->error_mirror = NULL;
+    R->error_clear_pending = 0;
 }
 
 #define ALLOC(ptr, bytes)                                               \
@@ -218,9 +234,35 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
     ALLOC(R->num_groups, sizeof(long long));
     CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
-    CUDA_TRY(cudaHostAlloc((void **)&R->error_host, sizeof(int), cudaHostAllocMapped));
-    *R->error_host = 0;
-    CUDA_TRY(cudaHostGetDevicePointer((void **)&R->error_dev, R->error_host, 0));
+    /* NOTE (the error word): who writes it, who reads it, who clears it, in which order.
+     * - Set: only set_error, on the device: atomicCAS(word, 0, code) at device scope; the one
+     *   thread whose CAS succeeds then stores the code into the mirror (st.relaxed.sys + a system
+     *   fence). So between two clears the mirror is written at most once, with the first code.
+     * - Read on the device: the device word, never the mirror (kernels skip their work while it
+     *   is set; waits give up). Read on the host: the mirror only, without synchronising
+     *   (mok__cuda_check_error_word at the start of every call, and after mok_synchronize).
+     * - Clear, for argument errors only (a timeout or a stall leaves the group unusable): the host
+     *   first zeroes the mirror when it reports the error and marks the rank; the next call on
+     *   the rank then zeroes the word with a cudaMemsetAsync on that call's stream, before any of
+     *   its kernels (mok__cuda_error_word_clear, from launch_pass and the schedule build). In
+     *   between, the word stays set, so kernels still in flight from the failed calls lose the
+     *   CAS and cannot write the mirror again; after the memset, in stream order, the next error
+     *   wins the CAS and writes the mirror anew. A word is never zeroed on every call: a call
+     *   issued behind a failed one (a forward behind a schedule with a bad id) must see the
+     *   earlier error, not clear it. A workspace serves one pass at a time (the caller orders its
+     *   passes, on one stream or through events), so the memset cannot overtake a kernel of an
+     *   earlier pass. One window is left: when a process drives several ranks, one report clears
+     *   every rank's mirror, and a rank whose winning store is still on its way shows its code
+     *   again later; mok_synchronize, which waits for the kernels before it reads, has none.
+     * - Graphs: a call captured while a clear is pending records the memset as a node, and every
+     *   replay then starts with a cleared word, as such a call would; other captures hold none. */
+    CUDA_TRY(cudaHostAlloc((void **)&R->error_mirror, sizeof(int), cudaHostAllocMapped));
+    *R->error_mirror = 0;
+    cuda_error_word word = {0, 0, NULL};
+    CUDA_TRY(cudaHostGetDevicePointer((void **)&word.mirror, R->error_mirror, 0));
+    ALLOC(R->error_word, sizeof(cuda_error_word));
+    CUDA_TRY(cudaMemcpy(R->error_word, &word, sizeof word, cudaMemcpyHostToDevice));
+    R->error_clear_pending = 0;
     return MOK_OK;
 }
 
