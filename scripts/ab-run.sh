@@ -47,7 +47,7 @@ for t in "${trees[@]}"; do
     (
         cd "$t" || exit 1
         export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
-        [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,"
+        [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
         timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A6 "^layer"
         [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 \
             --only deepseek-v3,qwen3-30b-a3b --out "/tmp/ab$name" 2>&1 | grep -A6 "^layer"
