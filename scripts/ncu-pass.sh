@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# ncu-pass.sh [forward|backward] [mok run options...] — on a GPU machine whose runtime lets ncu read
+# the hardware counters (Firecracker; ../shared/H200.md): profiles the first launch of the pass's
+# kernel in `mok run` with Nsight Compute, clocks left alone (--clock-control none), with
+# source-level warp-stall sampling, and prints the source lines with the most stall samples
+# (scripts/ncu_lines.py). Default layer: Qwen3-30B-A3B, 16384 tokens, one GPU. Writes to $OUT (or
+# build/ncu): the report, its details page and the per-line CSV. Build first (make CUDA=1 all).
+set -u
+cd "$(dirname "$0")/.."
+kind=${1:-backward}
+[ $# -gt 0 ] && shift
+case $kind in forward | backward) ;; *) echo "ncu-pass: forward or backward, not '$kind'" >&2; exit 2 ;; esac
+out=${OUT:-build/ncu}
+mkdir -p "$out"
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(--preset qwen3-30b-a3b --tokens 16384)
+rep=$out/ncu-$kind
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+timeout 400 ncu --clock-control none --kernel-name-base function -k "${kind}_kernel" -c 1 \
+    --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+    --import-source yes -f -o "$rep" ./build/mok run --backend cuda --repeat 1 "${args[@]}" >"$rep-run.txt" 2>&1
+echo "ncu exit $? (log: $rep-run.txt)"
+[ -f "$rep.ncu-rep" ] || { tail -20 "$rep-run.txt"; exit 1; }
+ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
+grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Compute \(SM\) Throughput|Memory Throughput" "$rep-details.txt"
+ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda >"$rep-source.csv" 2>&1 ||
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-source.csv" 2>&1
+python3 scripts/ncu_lines.py "$rep-source.csv" 40
+gzip -f "$rep-source.csv"
