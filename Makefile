@@ -25,13 +25,16 @@ TEST_C   := $(filter-out $(MP_C),$(wildcard tests/*.c))
 # NCCL_HOME: a folder with include/nccl.h and lib/libnccl.so.2 (e.g. PyTorch's nvidia/nccl); the
 # device API must be compiled against the NCCL that runs. Empty: the CUDA toolkit's copy.
 NCCL_HOME ?=
+# NO_TRACE=1: the kernels without the trace's code (config.trace is refused), to measure what
+# tracing off costs; build it into its own folder, e.g. `make CUDA=1 NO_TRACE=1 BUILD=build-notrace`.
+NO_TRACE ?= 0
 ifeq ($(CUDA),1)
 NCCL_FLAGS := $(if $(NCCL_HOME),-I$(NCCL_HOME)/include,)
 comma    := ,
 NCCL_LINK  := $(if $(NCCL_HOME),-L$(NCCL_HOME)/lib -Wl$(comma)-rpath$(comma)$(NCCL_HOME)/lib -l:libnccl.so.2,-lnccl)
 CFLAGS   += -DMOK_HAVE_CUDA=1 $(NCCL_FLAGS) -I$(CUDA_HOME)/include
 LDLIBS   += $(NCCL_LINK) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ -ldl
-NVFLAGS  += -DMOK_HAVE_CUDA=1 $(NCCL_FLAGS)
+NVFLAGS  += -DMOK_HAVE_CUDA=1 $(NCCL_FLAGS) $(if $(filter 1,$(NO_TRACE)),-DMOK_CUDA_NO_TRACE,)
 endif
 
 LIB_OBJ  := $(LIB_C:%.c=$(BUILD)/obj/%.o) $(LIB_CU:%.cu=$(BUILD)/obj/%.o)

@@ -454,12 +454,12 @@ struct backward_ws {
 
 __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    const long long entry = p.trace ? globaltimer_ns() : 0;
+    const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
     if (pass_error_set(p)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
     else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
-    if (p.trace) {
+    if (TRACE_ON(p)) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry);
     }

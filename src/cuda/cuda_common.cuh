@@ -56,6 +56,15 @@ extern "C" {
 #define CUDA_WGRAD_N 256
 #define CUDA_THREADS 256
 
+/* Whether a pass records its tasks (config.trace). A build with NO_TRACE=1 (MOK_CUDA_NO_TRACE)
+ * compiles the trace's code out, to measure what tracing off costs against it; its workspaces
+ * refuse config.trace. */
+#ifdef MOK_CUDA_NO_TRACE
+#define TRACE_ON(p) false
+#else
+#define TRACE_ON(p) ((p).trace != nullptr)
+#endif
+
 /* Error word codes (the kernel never traps; the host reports these). */
 #define MOK_KERR_TIMEOUT 1       /* a peer did not reach a barrier in time */
 #define MOK_KERR_EXPERT_ID 2     /* topk_ids held an id outside [-1, E) */

@@ -171,7 +171,7 @@ static __device__ __forceinline__ void task_decode(const mok_task_group &grp, lo
  * one): the trace event (start, end), then the release of the task's done counters. */
 static __device__ void finish_task(const pass_params &p, const mok_task_group &grp, long long rt, int role,
                                    long long start, long long end, long long gemm_ns = 0) {
-    if (p.trace) {
+    if (TRACE_ON(p)) {
         unsigned long long n = atomicAdd(p.trace_count, 1ull);
         if ((long long)n < p.trace_cap) {
             mok_trace_event e;
@@ -193,7 +193,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
 
 /* Thread 0 of a CTA, at its end (config.trace): its residency from `entry`, as one event. */
 static __device__ void trace_resident(const pass_params &p, long long entry) {
-    if (!p.trace) return;
+    if (!TRACE_ON(p)) return;
     unsigned long long n = atomicAdd(p.trace_count, 1ull);
     if ((long long)n >= p.trace_cap) return;
     mok_trace_event e;
@@ -228,10 +228,10 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
         if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
         if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
-        const long long start = p.trace ? globaltimer_ns() : 0;
+        const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
         Runner::run(p, v, grp, rt, nt, smem);
         __syncthreads();
-        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start, p.trace ? globaltimer_ns() : 0);
+        if (threadIdx.x == 0) finish_task(p, grp, rt, role, start, TRACE_ON(p) ? globaltimer_ns() : 0);
     }
 }
 

@@ -156,9 +156,9 @@ static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_
                                                 uint16_t *staging, float *red, long long &gemm_ns) {
     float acc[WS_ACC];
     Runner::preset(p, v, grp, rt, nt, i, acc);
-    const long long g0 = p.trace ? globaltimer_ns() : 0;
+    const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
     ws_consume_gemm<A_MN, B_MN>(r, op, acc);
-    if (p.trace) gemm_ns += globaltimer_ns() - g0;
+    if (TRACE_ON(p)) gemm_ns += globaltimer_ns() - g0;
     Runner::epilogue(p, v, grp, rt, nt, i, acc, staging, red);
 }
 
@@ -236,7 +236,7 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
         consumer_sync();
         const bool stop = s_stop;
         const long long g = sh.queue[q].g, rt = sh.queue[q].rt, nt = sh.queue[q].nt;
-        const long long start = p.trace ? globaltimer_ns() : 0;
+        const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
         long long gemm_ns = 0;
         if (!stop) {
             const mok_task_group grp = p.groups[g];
@@ -256,7 +256,7 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
             sh.cq[c].g = g;
             sh.cq[c].rt = rt;
             sh.cq[c].start = start;
-            sh.cq[c].end = p.trace ? globaltimer_ns() : 0;
+            sh.cq[c].end = TRACE_ON(p) ? globaltimer_ns() : 0;
             sh.cq[c].gemm_ns = gemm_ns;
             sh.cq[c].stop = stop;
             mbar_arrive(sh.cfull + 8 * c);

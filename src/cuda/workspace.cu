@@ -269,6 +269,9 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
 extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     mok_group *g = ws->group;
     cuda_group *cg = (cuda_group *)g->impl;
+#ifdef MOK_CUDA_NO_TRACE
+    if (ws->config.trace) return mok__fail(MOK_ERR_UNSUPPORTED, "config.trace: this build has the trace compiled out (NO_TRACE=1)");
+#endif
     cuda_workspace *cw = (cuda_workspace *)calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     sym_layout(&cw->sym, &ws->shape);
