@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ab-run.sh [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--env VAR=V,...]... — on a GPU machine, after scripts/ab-export.sh:
+# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--env VAR=V,...]... — on a GPU machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
 # --base-tests: the checkout's GPU code is what gpu-check.sh tests), the EP1 benchmark beside PyTorch
@@ -7,14 +7,15 @@
 # trace summary; with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
 # torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
-# --compare-env, one build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
+# --compare-env, one build). --probe first builds and runs dev/icache_probe.cu (while the trees
+# build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 envs=()
+tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 envs=()
 while [ $# -gt 0 ]; do
     a=$1
     shift
@@ -25,6 +26,7 @@ while [ $# -gt 0 ]; do
     --trace) trace=1 ;;
     --nccl) nccl=1 ;;
     --no-base) base=0 ;;
+    --probe) probe=1 ;;
     --env) envs+=(--compare-env "$1"); shift ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
@@ -39,6 +41,11 @@ for t in "${trees[@]}"; do # build side by side
     (cd "$t" && mkdir -p build && make -j"$(nproc)" "${args[@]}" all build/mok_tests >build/ab-build.log 2>&1 ||
         echo "ab-run: build failed in $t (see $t/build/ab-build.log)") &
 done
+if [ $probe -eq 1 ]; then
+    mkdir -p build
+    nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a dev/icache_probe.cu -o build/icache_probe &&
+        timeout 120 ./build/icache_probe | tee "$out/icache_probe.txt"
+fi
 wait
 for t in "${trees[@]}"; do
     name=$(echo "$t" | tr '/.' '__')
