@@ -81,8 +81,8 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         const long long row = t.expert * H + nt * p.n_tile_h;
         op->b_lo = p.w_down + row * I;
         op->lda = op->ldb = op->k = I;
-        op->n_valid = op->b_split = p.n_tile_h;
-        op->b_split /= 64;
+        op->n_valid = p.n_tile_h;
+        op->b_split = p.n_tile_h / 64;
         use_tma_k(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row, -1, 0);
         return 1;
     }

@@ -33,8 +33,8 @@ static inline int mok_cuda_cols_cap(const char *var) {
 
 static inline int mok_cuda_cols_gateup(int64_t I, int64_t Is) { return mok_cuda_cols(I, Is, 128); }
 static inline int mok_cuda_cols_dh(int64_t I, int64_t Is) {
-    const int cap = mok_cuda_cols_cap("MOK_CUDA_COLS_DH");
-    return mok_cuda_cols(I, Is, I >= 2048 ? cap : cap < 128 ? cap : 128);
+    const int cap = mok_cuda_cols_cap("MOK_CUDA_COLS_DH"), widest = I >= 2048 ? 256 : 128;
+    return mok_cuda_cols(I, Is, cap < widest ? cap : widest);
 }
 static inline int mok_cuda_cols_h(int64_t H) { return mok_cuda_cols(H, 0, mok_cuda_cols_cap("MOK_CUDA_COLS_H")); }
 
