@@ -960,6 +960,29 @@ MOK_TEST(cuda_backward_deterministic) {
     layer_free(&L);
 }
 
+/* An experiment's switch (a MOK_CUDA_* variable, read at every pass) set by a test and given back
+ * its environment value afterwards: env_save before the first setenv, env_restore at the end. */
+typedef struct env_saved {
+    const char *var;
+    int had;
+    char value[32];
+} env_saved;
+
+static env_saved env_save(const char *var) {
+    env_saved s = {var, 0, ""};
+    const char *v = getenv(var);
+    if (v) {
+        s.had = 1;
+        snprintf(s.value, sizeof s.value, "%s", v);
+    }
+    return s;
+}
+
+static void env_restore(const env_saved *s) {
+    if (s->had) setenv(s->var, s->value, 1);
+    else unsetenv(s->var);
+}
+
 /* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands: y and
  * every gradient bitwise equal, on half-width tiles (H, I not multiples of 128), the shared
  * expert, uneven tokens, several macrobatches and replayed rows. */
@@ -968,9 +991,7 @@ MOK_TEST(cuda_tma_matches_cp_async) {
     int P = gpus() >= 2 ? 2 : 1;
     int64_t tokens[2] = {600, 333};
     const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(320, 192, 8, 4, 192)};
-    const char *saved = getenv("MOK_CUDA_TMA");
-    char saved_copy[16] = "";
-    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    const env_saved saved = env_save("MOK_CUDA_TMA");
     for (int si = 0; si < 2; ++si) {
         layer L;
         layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 11 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
@@ -1004,8 +1025,7 @@ MOK_TEST(cuda_tma_matches_cp_async) {
         layer_result_free(&res[1]);
         layer_free(&L);
     }
-    if (saved) setenv("MOK_CUDA_TMA", saved_copy, 1);
-    else unsetenv("MOK_CUDA_TMA");
+    env_restore(&saved);
 }
 
 /* The tasks' column widths (task_cols.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and
@@ -1018,47 +1038,22 @@ MOK_TEST(cuda_task_cols) {
     int64_t tokens[2] = {500, 300};
     /* down and dx at 256, 128, 64; dh at 256 (I >= 2048), 128, 64 */
     const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(256, 2048, 4, 2, 0)};
-    const char *caps[3] = {"256", "128", "64"}, *vars[2] = {"MOK_CUDA_COLS_H", "MOK_CUDA_COLS_DH"};
-    char saved[2][16] = {"", ""};
-    for (int v = 0; v < 2; ++v)
-        if (getenv(vars[v])) snprintf(saved[v], sizeof saved[v], "%s", getenv(vars[v]));
+    const char *caps[3] = {"256", "128", "64"};
+    const env_saved saved[2] = {env_save("MOK_CUDA_COLS_H"), env_save("MOK_CUDA_COLS_DH")};
     mok_config cfg = mok_config_default();
     cfg.minibatch_rows = 128;
     cfg.ring_rows = 256;
     cfg.context_rows = 256;
-    for (int si = 0; si < 2; ++si) {
-        layer L;
-        layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 31 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
-        layer_result ref = {0};
-        layer_run_reference(&L, &ref);
+    for (int si = 0; si < 2; ++si)
         for (int c = 0; c < 3; ++c) {
-            setenv(vars[0], caps[c], 1);
-            setenv(vars[1], caps[si == 0 ? 2 - c : c], 1);
+            setenv("MOK_CUDA_COLS_H", caps[c], 1);
+            setenv("MOK_CUDA_COLS_DH", caps[si == 0 ? 2 - c : c], 1);
             char tag[64];
-            snprintf(tag, sizeof tag, "shape %d, cols H<=%s dh<=%s", si, getenv(vars[0]), getenv(vars[1]));
-            gpu_run G;
-            layer_result got = {0};
-            mok_status st = gpu_open(&G, &L, &cfg);
-            if (st == MOK_OK) st = gpu_forward(&G, &L, 0);
-            if (st == MOK_OK) {
-                download_y(&G, &L, &got);
-                st = gpu_backward(&G, &L, 0, &got);
-            }
-            CHECK(st == MOK_OK, "%s: %s", tag, G.message);
-            if (st == MOK_OK) {
-                double err = layer_compare(&L, &got, &ref, tag);
-                CHECK(err <= 1.0, "%s: cuda vs reference error %.3f", tag, err);
-            }
-            layer_result_free(&got);
-            gpu_close(&G);
+            snprintf(tag, sizeof tag, "shape %d, cols H<=%s dh<=%s", si, caps[c], caps[si == 0 ? 2 - c : c]);
+            check_backward(tag, &shapes[si], P, tokens, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f, &cfg, 0);
         }
-        layer_result_free(&ref);
-        layer_free(&L);
-    }
-    for (int v = 0; v < 2; ++v) { /* the environment's values back */
-        if (saved[v][0]) setenv(vars[v], saved[v], 1);
-        else unsetenv(vars[v]);
-    }
+    env_restore(&saved[0]);
+    env_restore(&saved[1]);
 }
 
 /* With config.trace, the kernels record every task; the trace file lists them. */
