@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
 done
-nccl_home=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+nccl_home=$(bash scripts/nccl-home.sh)
 args=(CUDA=1)
 [ -n "$nccl_home" ] && args+=(NCCL_HOME="$nccl_home")
 trees=()

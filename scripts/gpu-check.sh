@@ -43,8 +43,8 @@ step() { # step NAME CMD...: run, log, record pass/fail
     nvidia-smi -L
     nvcc --version | tail -1
 } >>"$log" 2>&1
-nccl_home=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>>"$log" || true)
-if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then
+nccl_home=$(bash scripts/nccl-home.sh)
+if [ -n "$nccl_home" ]; then
     echo "NCCL: $nccl_home ($(grep -E '#define NCCL_(MAJOR|MINOR|PATCH) ' "$nccl_home/include/nccl.h" | awk '{print $3}' | paste -sd.))" >>"$log"
     make_args=(CUDA=1 NCCL_HOME="$nccl_home")
 else

@@ -9,7 +9,7 @@ rounds=${1:-2}
 out=${OUT:-build/trace-cost}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD/python
-nh=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+nh=$(bash scripts/nccl-home.sh)
 args=(CUDA=1)
 [ -n "$nh" ] && args+=(NCCL_HOME="$nh")
 make -j"$(nproc)" "${args[@]}" all >"$out/build.log" 2>&1 &
