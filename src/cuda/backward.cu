@@ -328,7 +328,16 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
     asm("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(*a), "=f"(*b) : "l"(p));
 }
 
+/* The operand layouts of bwd_gemm's GEMMs (walk_ws.cuh: 2 A_MN + B_MN, bwd_gemm returns 1 + it):
+ * a dh task's replay of g|u is K/K, the dgrad GEMMs (dh, dx, routed and shared) K/N-major, the
+ * weight gradients M/N-major. bwd_preset and bwd_epilogue compile for layout VAR only the kinds
+ * whose GEMMs have it. */
+#define BWD_VAR_REPLAY 0
+#define BWD_VAR_DGRAD 1
+#define BWD_VAR_WGRAD 3
+
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
+template <int VAR>
 static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                   long long nt, float (&acc)[WS_ACC]) {
     wgrad_job w;
@@ -345,50 +354,65 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
     }
 }
 
+template <int VAR>
 static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                     long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c) {
     const int tid = threadIdx.x - WS_PRODUCERS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
-    switch (grp.kind) {
-    case MOK_TASK_DH: {
+    if (VAR == BWD_VAR_REPLAY) { /* a dh task's GEMM i < replays: g|u of 64 columns into the replay rows */
         const tile_info t = row_tile(p, v, rt);
-        const int replays = t.row0 < p.context_rows ? 0 : p.n_tile / 64;
         uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
-        if (i < replays) { /* g|u of 64 columns into the replay rows */
-            const long long n0 = nt * p.n_tile + 64 * i;
-            ws_stage_bf16(c, acc);
-            for (int idx = tid; idx < t.nreal * 16; idx += WS_CONSUMERS) {
-                int r = idx >> 4, c8 = (idx & 15) * 8;
-                uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
-                *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
+        const long long n0 = nt * p.n_tile + 64 * i;
+        ws_stage_bf16(c, acc);
+        for (int idx = tid; idx < t.nreal * 16; idx += WS_CONSUMERS) {
+            int r = idx >> 4, c8 = (idx & 15) * 8;
+            uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
+            *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
+        }
+    } else if (VAR == BWD_VAR_DGRAD) {
+        switch (grp.kind) {
+        case MOK_TASK_DH:
+        case MOK_TASK_SHARED_DH: { /* one call site for both: this epilogue is the kernel's largest code */
+            const bool routed = grp.kind == MOK_TASK_DH;
+            const long long inter = routed ? I : Is;
+            int rows;
+            const uint16_t *gu;
+            const float *w = nullptr;
+            uint16_t *h, *dgu;
+            float *rdot = nullptr;
+            if (routed) {
+                const tile_info t = row_tile(p, v, rt);
+                rows = t.nreal;
+                /* rows past the context had their g|u replayed into the ring by GEMMs i < this one */
+                gu = t.row0 >= p.context_rows ? p.ring_gu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
+                w = p.ring_w + t.ring0;
+                h = p.ring_h + t.ring0 * I;
+                dgu = p.ring_dgu + t.ring0 * 2 * I;
+                rdot = p.ring_rdot + t.ring0 * (I / 64) + nt;
+            } else {
+                const long long t0 = rt * MOK_ROW_TILE;
+                rows = token_rows(p, t0);
+                gu = p.context_shared + t0 * 2 * Is;
+                h = p.sh_h + t0 * Is;
+                dgu = p.sh_dgu + t0 * 2 * Is;
             }
+            swiglu_backward_epilogue(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
+                                     2 * inter, rdot, I / 64, c, routed);
             break;
         }
-        const uint16_t *gu = replays ? ring_gu : p.context + t.row0 * 2 * I;
-        swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, nt * p.n_tile, p.ring_w + t.ring0, p.limit,
-                                 p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
-                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c, true);
-        break;
-    }
-    case MOK_TASK_SHARED_DH: {
-        const long long t0 = rt * MOK_ROW_TILE;
-        swiglu_backward_epilogue(acc, token_rows(p, t0), p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is,
-                                 nt * p.n_tile, nullptr, p.limit, p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is,
-                                 nullptr, 0, c, false);
-        break;
-    }
-    case MOK_TASK_DX: { /* from registers: no staging, no barrier */
-        const tile_info t = row_tile(p, v, rt);
-        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
-        return;
-    }
-    case MOK_TASK_SHARED_DX: {
-        const long long t0 = rt * MOK_ROW_TILE;
-        store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
-        return;
-    }
-    case MOK_TASK_WGRAD:
-    case MOK_TASK_SHARED_WGRAD: {
+        case MOK_TASK_DX: { /* from registers: no staging, no barrier */
+            const tile_info t = row_tile(p, v, rt);
+            store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+            return;
+        }
+        case MOK_TASK_SHARED_DX: {
+            const long long t0 = rt * MOK_ROW_TILE;
+            store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+            return;
+        }
+        default: break;
+        }
+    } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
         wgrad_job_of(p, v, grp, nt, &w);
         /* registers r, r + 1 are columns col, col + 1 of one row (n_valid is even) */
@@ -404,9 +428,6 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
                 *(uint32_t *)((uint16_t *)w.dest + off) =
                     (uint32_t)mok__bf16_from_f32(acc[r]) | ((uint32_t)mok__bf16_from_f32(acc[r + 1]) << 16);
         }
-        break;
-    }
-    default: break;
     }
     consumer_sync();
 }
@@ -438,13 +459,15 @@ struct backward_ws {
                                long long nt, int i, tile_operands *op) {
         return bwd_gemm(p, v, grp, rt, nt, i, op);
     }
+    template <int VAR>
     static __device__ void preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long,
                                   long long nt, int, float (&acc)[WS_ACC]) {
-        bwd_preset(p, v, grp, nt, acc);
+        bwd_preset<VAR>(p, v, grp, nt, acc);
     }
+    template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                     long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *) {
-        bwd_epilogue(p, v, grp, rt, nt, i, acc, c);
+        bwd_epilogue<VAR>(p, v, grp, rt, nt, i, acc, c);
     }
     static __device__ void plain(const pass_params &p, const mok_sched_view &, const mok_task_group &grp, long long,
                                  long long) {

@@ -197,11 +197,13 @@ struct forward_ws {
                                long long nt, int i, tile_operands *op) {
         return fwd_gemm(p, v, grp, rt, nt, i, op);
     }
+    template <int VAR>
     static __device__ void preset(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
                                   long long, int, float (&acc)[WS_ACC]) {
 #pragma unroll
         for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
     }
+    template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                     long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *) {
         fwd_epilogue(p, v, grp, rt, nt, acc);

@@ -8,10 +8,14 @@
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
  *   gemm(p, v, grp, rt, nt, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
  *                                    GEMMs 0, 1, ... run in order
- *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the starting
- *                                      values (zeros, or a carried fp32 tile) on every path
- *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it used
- *                                      `staging`, it returns with the consumers synchronised
+ *   preset<VAR>(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the
+ *                                      starting values (zeros, or a carried fp32 tile) on every path
+ *   epilogue<VAR>(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it
+ *                                      used `staging`, it returns with the consumers synchronised
+ *   VAR is GEMM i's layout (2 A_MN + B_MN): each layout's consumer path is compiled apart (its
+ *   own accumulators), so preset and epilogue compile only the task kinds whose GEMMs have that
+ *   layout. Every other kind's code would be dead there, and copies of it filled the
+ *   instruction cache (the backward kernel was 1.9 MB of code, three copies of every epilogue).
  *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
@@ -155,11 +159,11 @@ static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_
                                                 long long rt, long long nt, int i, ws_ring &r, const tile_operands &op,
                                                 uint16_t *staging, float *red, long long &gemm_ns) {
     float acc[WS_ACC];
-    Runner::preset(p, v, grp, rt, nt, i, acc);
+    Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
     ws_consume_gemm<A_MN, B_MN>(r, op, acc);
     if (TRACE_ON(p)) gemm_ns += globaltimer_ns() - g0;
-    Runner::epilogue(p, v, grp, rt, nt, i, acc, staging, red);
+    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc, staging, red);
 }
 
 template <typename Runner>
