@@ -330,8 +330,9 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 
 /* The operand layouts of bwd_gemm's GEMMs (walk_ws.cuh: 2 A_MN + B_MN, bwd_gemm returns 1 + it):
  * a dh task's replay of g|u is K/K, the dgrad GEMMs (dh, dx, routed and shared) K/N-major, the
- * weight gradients M/N-major. bwd_preset and bwd_epilogue compile for layout VAR only the kinds
- * whose GEMMs have it. */
+ * weight gradients M/N-major. bwd_epilogue compiles for layout VAR only the kinds whose GEMMs
+ * have it. bwd_preset keeps its runtime test of the kind: pruned by VAR, it let ptxas see zero
+ * accumulators and serialise the wgmmas (C7512). */
 #define BWD_VAR_REPLAY 0
 #define BWD_VAR_DGRAD 1
 #define BWD_VAR_WGRAD 3

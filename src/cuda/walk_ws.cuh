@@ -13,9 +13,9 @@
  *   epilogue<VAR>(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it
  *                                      used `staging`, it returns with the consumers synchronised
  *   VAR is GEMM i's layout (2 A_MN + B_MN): each layout's consumer path is compiled apart (its
- *   own accumulators), so preset and epilogue compile only the task kinds whose GEMMs have that
- *   layout. Every other kind's code would be dead there, and copies of it filled the
- *   instruction cache (the backward kernel was 1.9 MB of code, three copies of every epilogue).
+ *   own accumulators), so an epilogue needs only the task kinds whose GEMMs have that layout.
+ *   Every other kind's code is dead there, and copies of it fill the instruction cache (the
+ *   backward kernel was 1.9 MB of code with three copies of every epilogue).
  *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
