@@ -66,80 +66,78 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
 
 /* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
  * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
- * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. g|u come into the staging tile `c` 64 columns at
- * a time with 16-byte loads (cols 0..63 g, 64..127 u). The partial sums a thread's columns in
- * order, then the 4 lanes of the row (xor 1, then 2): a fixed order. zero_pad: rows rows .. 127
- * of h and dg|du get zeros (the routed tiles' padding rows, read by the weight gradients). */
+ * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
+ * zeros (the routed tiles' padding rows, read by the weight gradients).
+ *
+ * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
+ * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (walk_ws.cuh);
+ * then one warp takes a row at a time, two columns per lane, so its stores are 128 contiguous
+ * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
+ * epilogue ~8,000 instructions of straight-line code per 256 columns). The partial of a row sums
+ * its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the chunks in
+ * order, in the scratch's per-row sums: a fixed order. */
 static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
                                                 long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
                                                 bool zero_pad) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    float dot[2] = {0.0f, 0.0f};
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31, warp = t >> 5;
+    const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD;
+    if (t < TILE_BM) rsum[t] = 0.0f; /* read after the first chunk's barrier */
 #pragma unroll
     for (int hc = 0; hc < TILE_BN / 64; ++hc) {
         if (hc * 64 >= n_valid) break;
-        /* cp.async: a thread's 8 loads of g|u are in flight together (a load-then-store loop
-           through generic pointers runs them one after another) */
+        /* cp.async: a thread's 8 loads of g|u are in flight together */
         for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) {
             const int r = idx >> 4, c8 = (idx & 15) * 8;
             const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
             cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
         }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int a = 4 * (8 * hc + j) + 2 * half;
+                *(float2 *)(dsm + (row0 + 8 * half) * WS_DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
+            }
         cp_async_wait_all();
         consumer_sync();
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + 8 * half;
+        const long long col = n0 + 64 * hc + 2 * lane;
+#pragma unroll 2
+        for (int row = warp; row < TILE_BM; row += WS_CONSUMERS / 32) {
+            uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
             if (row >= rows) {
-                if (zero_pad)
-#pragma unroll
-                    for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
-                        const int col = 8 * j + col0;
-                        *(uint32_t *)(h_out + row * h_ld + n0 + col) = 0u;
-                        *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = 0u;
-                        *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = 0u;
-                    }
+                if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
                 continue;
             }
             const float wr = w ? w[row] : 1.0f;
+            const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+            const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+            const float2 d = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
+            uint16_t hb[2], dgb[2], dub[2];
+            float part = 0.0f;
 #pragma unroll
-            for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
-                const int col = 8 * j + col0, lc = col - 64 * hc;
-                const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + lc);
-                const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + lc);
-                uint16_t hb[2], dgb[2], dub[2];
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * q)));
-                    float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * q)));
-                    float dh0 = acc[4 * j + 2 * half + q];
-                    float h, dg, du; /* one sigmoid for h and the gradients */
-                    mok__swiglu_with_backward(wr * dh0, g, u, limit, &h, &dg, &du);
-                    hb[q] = mok__bf16_from_f32(h);
-                    dot[half] += dh0 * mok__bf16_to_f32(hb[q]);
-                    dgb[q] = mok__bf16_from_f32(dg);
-                    dub[q] = mok__bf16_from_f32(du);
-                }
-                *(uint32_t *)(h_out + row * h_ld + n0 + col) = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
-                *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
-                *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+            for (int q = 0; q < 2; ++q) {
+                const float dh0 = q ? d.y : d.x;
+                float h, dg, du; /* one sigmoid for h and the gradients */
+                mok__swiglu_with_backward(wr * dh0, mok__bf16_to_f32((uint16_t)(gpair >> (16 * q))),
+                                          mok__bf16_to_f32((uint16_t)(upair >> (16 * q))), limit, &h, &dg, &du);
+                hb[q] = mok__bf16_from_f32(h);
+                part += dh0 * mok__bf16_to_f32(hb[q]);
+                dgb[q] = mok__bf16_from_f32(dg);
+                dub[q] = mok__bf16_from_f32(du);
             }
-        }
-        consumer_sync();
-    }
-    if (rdot) {
+            *(uint32_t *)hp = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
+            *(uint32_t *)gp = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
+            *(uint32_t *)up = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + 8 * half;
-            float v = dot[half];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if ((lane & 3) == 0 && row < rows) rdot[row * rdot_ld] = v;
+            for (int m = 16; m >= 1; m >>= 1) part += __shfl_xor_sync(0xffffffffu, part, m);
+            if (lane == 0) rsum[row] += part;
         }
+        consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
+    if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
 }
 
 /* A weight-gradient tile: out = init + A^T B over `rows` rows (A M-major, B N-major), where the

@@ -53,13 +53,18 @@ struct ws_done { /* a finished task, for the completer */
 #define WS_CQ 4
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
- * staging tile, the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
+ * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
+ * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums; backward.cu),
+ * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
 #define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
 #define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
-#define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES)
+#define WS_DH_LD 68 /* floats: 64 columns, padded */
+#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + TILE_BM) * 4)
+#define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
 #define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
 #define WS_SMEM_BYTES (1024 + WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done))
+static_assert(WS_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
 struct ws_shared {
