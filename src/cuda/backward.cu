@@ -379,18 +379,24 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     }
     case MOK_TASK_DX: { /* from registers: no staging, no barrier */
         const tile_info t = row_tile(p, v, rt);
-        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+        if (p.staged_stores) store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
+        else store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
         return;
     }
     case MOK_TASK_SHARED_DX: {
         const long long t0 = rt * MOK_ROW_TILE;
-        store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+        if (p.staged_stores) store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, c);
+        else store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
         return;
     }
     case MOK_TASK_WGRAD:
     case MOK_TASK_SHARED_WGRAD: {
         wgrad_job w;
         wgrad_job_of(p, v, grp, nt, &w);
+        if (p.staged_stores && !w.carry_out && !w.dest_f32) {
+            store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
+            break;
+        }
         /* registers r, r + 1 are columns col, col + 1 of one row (n_valid is even) */
 #pragma unroll
         for (int r = 0; r < WS_ACC; r += 2) {
