@@ -138,10 +138,9 @@ static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], i
 }
 
 /* Consumers: SwiGLU (h, and g|u into the context) or the plain store of the down projection,
- * from registers, or with MOK_CUDA_STAGED_STORES through the staging tile c (the walk's closing
- * barrier orders the stores before the release). */
+ * from registers (no barrier: the walk's closing barrier orders the stores before the release). */
 static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, float (&acc)[WS_ACC], uint16_t *c) {
+                                    long long rt, long long nt, float (&acc)[WS_ACC]) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     switch (grp.kind) {
     case MOK_TASK_GATEUP: {
@@ -167,15 +166,13 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     }
     case MOK_TASK_DOWN: {
         const tile_info t = row_tile(p, v, rt);
-        if (p.staged_stores) store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
-        else store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
         break;
     }
     case MOK_TASK_SHARED_DOWN: {
         const long long t0 = rt * MOK_ROW_TILE;
         const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-        if (p.staged_stores) store_staged(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, c);
-        else store_regs(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+        store_regs(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
         break;
     }
     default: break;
@@ -206,8 +203,8 @@ struct forward_ws {
         for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
     }
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *c, float *) {
-        fwd_epilogue(p, v, grp, rt, nt, acc, c);
+                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *) {
+        fwd_epilogue(p, v, grp, rt, nt, acc);
     }
     static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
                                  long long) {}

@@ -33,7 +33,6 @@ struct pass_params {
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     int raster;        /* GEMM groups' walk (mok__group_tile): MOK_CUDA_RASTER, default 1 */
-    int staged_stores; /* bf16 tile stores through the staging tile (store_staged): MOK_CUDA_STAGED_STORES */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -291,10 +290,6 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     const char *raster = getenv("MOK_CUDA_RASTER");
     p->raster = raster ? atoi(raster) : 1;
     if (p->raster < 1 || p->raster > 64) p->raster = 1;
-    /* an experiment's switch, read at every pass: down, dx and bf16 weight-gradient tiles store
-       through the staging tile */
-    const char *staged = getenv("MOK_CUDA_STAGED_STORES");
-    p->staged_stores = staged && staged[0] == '1';
 }
 
 /* Comm CTAs of a pass: the config's count, or for 0 the measured choice (docs/perf.md, 2×H200
