@@ -41,8 +41,13 @@ struct ws_task {
     long long stop;
 };
 
+/* config.trace: a task's time inside its GEMM main loops and when the last one ended. */
+struct ws_clock {
+    long long gemm_ns, gemm_end;
+};
+
 struct ws_done { /* a finished task, for the completer */
-    long long g, rt, start, end, gemm_ns;
+    long long g, rt, start, end, gemm_ns, gemm_end;
     long long stop;
 };
 #define WS_CQ 4
@@ -157,27 +162,30 @@ static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &
 template <typename Runner, bool A_MN, bool B_MN>
 static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                                 long long rt, long long nt, int i, ws_ring &r, const tile_operands &op,
-                                                uint16_t *staging, float *red, long long &gemm_ns) {
+                                                uint16_t *staging, float *red, ws_clock &clk) {
     float acc[WS_ACC];
     Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
     ws_consume_gemm<A_MN, B_MN>(r, op, acc);
-    if (TRACE_ON(p)) gemm_ns += globaltimer_ns() - g0;
+    if (TRACE_ON(p)) {
+        clk.gemm_end = globaltimer_ns();
+        clk.gemm_ns += clk.gemm_end - g0;
+    }
     Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc, staging, red);
 }
 
 template <typename Runner>
 static __device__ __forceinline__ void ws_consume(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                   long long rt, long long nt, int i, ws_ring &r, int variant, const tile_operands &op,
-                                  uint16_t *staging, float *red, long long &gemm_ns) {
+                                  uint16_t *staging, float *red, ws_clock &clk) {
     if (ws_variant_used<Runner, false, false>(variant))
-        ws_phase<Runner, false, false>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, false, false>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, false, true>(variant))
-        ws_phase<Runner, false, true>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, false, true>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, true, false>(variant))
-        ws_phase<Runner, true, false>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, true, false>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, true, true>(variant))
-        ws_phase<Runner, true, true>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, true, true>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
 }
 
 template <typename Runner>
@@ -241,14 +249,14 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
         const bool stop = s_stop;
         const long long g = sh.queue[q].g, rt = sh.queue[q].rt, nt = sh.queue[q].nt;
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
-        long long gemm_ns = 0;
+        ws_clock clk = {0, 0};
         if (!stop) {
             const mok_task_group grp = p.groups[g];
             for (int i = 0;; ++i) {
                 tile_operands op;
                 const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
                 if (!kind) break;
-                ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red, gemm_ns);
+                ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red, clk);
             }
             Runner::plain(p, v, grp, rt, nt);
         }
@@ -261,7 +269,8 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
             sh.cq[c].rt = rt;
             sh.cq[c].start = start;
             sh.cq[c].end = TRACE_ON(p) ? globaltimer_ns() : 0;
-            sh.cq[c].gemm_ns = gemm_ns;
+            sh.cq[c].gemm_ns = clk.gemm_ns;
+            sh.cq[c].gemm_end = clk.gemm_end;
             sh.cq[c].stop = stop;
             mbar_arrive(sh.cfull + 8 * c);
             ++ncq;
@@ -278,9 +287,9 @@ static __device__ void ws_completer_loop(const pass_params &p, const ws_ring &r,
         mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / WS_CQ) & 1), r.abort, r.error, r.timeout_ns);
         if (sh.cq[c].stop || *(volatile unsigned long long *)r.abort) break;
         const long long g = sh.cq[c].g, rt = sh.cq[c].rt, start = sh.cq[c].start, end = sh.cq[c].end;
-        const long long gemm_ns = sh.cq[c].gemm_ns;
+        const long long gemm_ns = sh.cq[c].gemm_ns, epi_ns = sh.cq[c].gemm_end ? end - sh.cq[c].gemm_end : 0;
         mbar_arrive(sh.cempty + 8 * c);
-        finish_task(p, p.groups[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns);
+        finish_task(p, p.groups[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
     }
 }
 
