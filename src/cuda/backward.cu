@@ -399,14 +399,14 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
                                      2 * inter, rdot, I / 64, c, routed);
             break;
         }
-        case MOK_TASK_DX: { /* from registers: no staging, no barrier */
+        case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
             const tile_info t = row_tile(p, v, rt);
-            store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+            store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
             return;
         }
         case MOK_TASK_SHARED_DX: {
             const long long t0 = rt * MOK_ROW_TILE;
-            store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+            store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, c);
             return;
         }
         default: break;
@@ -414,18 +414,18 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
         wgrad_job_of(p, v, grp, nt, &w);
-        /* registers r, r + 1 are columns col, col + 1 of one row (n_valid is even) */
+        if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
+            store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
+        } else { /* fp32 (a carry, or accumulate mode) from registers: r, r + 1 are columns col,
+                    col + 1 of one row (n_valid is even) */
+            float *dest = w.carry_out ? w.carry_out : (float *)w.dest;
 #pragma unroll
-        for (int r = 0; r < WS_ACC; r += 2) {
-            int row, col;
-            ws_acc_position(r, &row, &col);
-            if (row >= w.m_valid || col >= w.n_valid) continue;
-            const long long off = row * w.ld + col;
-            if (w.carry_out || w.dest_f32)
-                *(float2 *)((w.carry_out ? w.carry_out : (float *)w.dest) + off) = make_float2(acc[r], acc[r + 1]);
-            else
-                *(uint32_t *)((uint16_t *)w.dest + off) =
-                    (uint32_t)mok__bf16_from_f32(acc[r]) | ((uint32_t)mok__bf16_from_f32(acc[r + 1]) << 16);
+            for (int r = 0; r < WS_ACC; r += 2) {
+                int row, col;
+                ws_acc_position(r, &row, &col);
+                if (row < w.m_valid && col < w.n_valid)
+                    *(float2 *)(dest + row * w.ld + col) = make_float2(acc[r], acc[r + 1]);
+            }
         }
     }
     consumer_sync();
