@@ -104,7 +104,9 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
         cp_async_wait_all();
         consumer_sync();
         const long long col = n0 + 64 * hc + 2 * lane;
-#pragma unroll 2
+        /* not unrolled: the loop stays one small body per chunk (a runtime loop over the chunks
+           instead, with the accumulators copied out through a switch, doubled the kernel's spills) */
+#pragma unroll 1
         for (int row = warp; row < TILE_BM; row += WS_CONSUMERS / 32) {
             uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
             if (row >= rows) {
