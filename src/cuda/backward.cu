@@ -152,6 +152,7 @@ struct wgrad_job {
     char *dest;
     int dest_f32, m_valid, n_valid;
     long long ld;
+    int store_map, store_row, store_col; /* a bf16 destination's TMA map and box origin; -1: none */
 };
 
 static __device__ void wgrad_operands(const pass_params &p, int matrix, long long inter, long long i, long long j,
@@ -207,6 +208,9 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : nullptr;
         w->carry_out = nullptr;
+        w->store_map = MAP_DS_GATE + matrix;
+        w->store_row = (int)(i * CUDA_WGRAD_M);
+        w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
     } else {
         mok_plan plan;
@@ -224,10 +228,14 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : began_before ? carry : nullptr;
         w->carry_out = (!p.accumulate && continues) ? carry : nullptr;
+        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols] */
+        w->store_row = (int)(e * (mat_elems / w->ld) + i * CUDA_WGRAD_M);
+        w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
                        p.ring_h + ring0 * I, end - first, false, ring0, w);
     }
     w->dest_f32 = p.accumulate;
+    if (p.accumulate || w->carry_out || !((p.tma_mask >> w->store_map) & 1)) w->store_map = -1;
 }
 
 /* dy · W_down^T: A K-major, W_down read N-major. */
@@ -357,9 +365,14 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
 
 template <int VAR>
 static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c) {
+                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c,
+                                    const CUtensorMap *maps) {
     const int tid = threadIdx.x - WS_PRODUCERS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    /* every path below writes the staging region: the last weight-gradient tile's TMA stores,
+       issued by thread 0, must have read it first */
+    if (tid == 0) bulk_wait_read();
+    consumer_sync();
     if (VAR == BWD_VAR_REPLAY) { /* a dh task's GEMM i < replays: g|u of 64 columns into the replay rows */
         const tile_info t = row_tile(p, v, rt);
         uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
@@ -416,7 +429,31 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
         wgrad_job_of(p, v, grp, nt, &w);
-        if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
+        if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
+            /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
+               (16-byte chunk q of row r at chunk q ^ (r % 8)) over the staging region, stored
+               while the consumers go on to the next task */
+            uint8_t *box = (uint8_t *)c;
+            const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = r0 + 8 * half;
+#pragma unroll
+                for (int j = 0; j < WS_ACC / 4; ++j)
+                    *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + r * 128 + (((j % 8) ^ (r & 7)) * 16) + 4 * (lane & 3)) =
+                        (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
+                        ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
+            }
+            fence_proxy_async_smem();
+            consumer_sync();
+            if (tid == 0) {
+#pragma unroll
+                for (int b = 0; b < CUDA_WGRAD_N / 64; ++b)
+                    tma_store_2d(&maps[w.store_map], w.store_col + 64 * b, w.store_row,
+                                 (uint32_t)__cvta_generic_to_shared(box + b * WS_STORE_BOX_BYTES));
+                bulk_commit();
+            }
+        } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
             store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
         } else { /* fp32 (a carry, or accumulate mode) from registers: r, r + 1 are columns col,
                     col + 1 of one row (n_valid is even) */
@@ -467,8 +504,9 @@ struct backward_ws {
     }
     template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *) {
-        bwd_epilogue<VAR>(p, v, grp, rt, nt, i, acc, c);
+                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
+                                    const CUtensorMap *maps) {
+        bwd_epilogue<VAR>(p, v, grp, rt, nt, i, acc, c, maps);
     }
     static __device__ void plain(const pass_params &p, const mok_sched_view &, const mok_task_group &grp, long long,
                                  long long) {
@@ -492,6 +530,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, 
 /* The tensor maps of a backward pass. The weight-gradient tiles read the ring's activations
  * M/N-major in whole 64-row slices: the rows between an expert's last row and its segment's end
  * are written as zeros (pull: x, w·dy; dh: h, dg|du) so that they add nothing. */
+/* Both travel as kernel parameters, which CUDA limits to 4 KB. */
+static_assert(sizeof(pass_params) + sizeof(pass_maps) <= 4096, "the backward kernel's parameters exceed 4 KB");
+
 static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
     const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
     const long long ring = p->ring_rows, T = p->num_tokens;
@@ -506,6 +547,15 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     mask |= (unsigned)tma_encode(&maps->m[MAP_DY], p->dy, T, H, 64) << MAP_DY;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_DGU], Is ? R->sh_dgu : NULL, T, 2 * Is, 64) << MAP_SH_DGU;
+    if (!p->accumulate) { /* bf16 weight gradients, stored in 128-row boxes */
+        const long long E = p->num_local_experts;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DW_GATE], p->dw[0], E * I, H, 128) << MAP_DW_GATE;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DW_UP], p->dw[1], E * I, H, 128) << MAP_DW_UP;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DW_DOWN], p->dw[2], E * H, I, 128) << MAP_DW_DOWN;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DS_GATE], Is ? p->ds[0] : NULL, Is, H, 128) << MAP_DS_GATE;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DS_UP], Is ? p->ds[1] : NULL, Is, H, 128) << MAP_DS_UP;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DS_DOWN], Is ? p->ds[2] : NULL, H, Is, 128) << MAP_DS_DOWN;
+    }
     return mask | weight_maps(p, maps);
 }
 

@@ -217,7 +217,8 @@ struct forward_ws {
     }
     template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *) {
+                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *,
+                                    const CUtensorMap *) {
         fwd_epilogue(p, v, grp, rt, nt, acc);
     }
     static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,

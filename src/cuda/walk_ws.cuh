@@ -10,8 +10,11 @@
  *                                    GEMMs 0, 1, ... run in order
  *   preset<VAR>(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the
  *                                      starting values (zeros, or a carried fp32 tile) on every path
- *   epilogue<VAR>(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it
- *                                      used `staging`, it returns with the consumers synchronised
+ *   epilogue<VAR>(p, v, grp, rt, nt, i, acc, staging, red, maps): consumer side, after GEMM i; if
+ *                                      it used `staging`, it returns with the consumers
+ *                                      synchronised; consumer thread 0 may leave TMA stores from
+ *                                      the staging region in flight (tma.cuh), which it waits
+ *                                      for before the region is written again and at the end
  *   VAR is GEMM i's layout (2 A_MN + B_MN): each layout's consumer path is compiled apart (its
  *   own accumulators), so an epilogue needs only the task kinds whose GEMMs have that layout.
  *   Every other kind's code is dead there, and copies of it fill the instruction cache (the
@@ -61,6 +64,11 @@ struct ws_done { /* a finished task, for the completer */
 #define WS_DH_LD 68 /* floats: 64 columns, padded */
 #define WS_DH_BYTES ((TILE_BM * WS_DH_LD + TILE_BM) * 4)
 #define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
+/* A weight-gradient tile stored by TMA (backward.cu) occupies the staging tile and the dh scratch
+ * as four 128-row x 64-column bf16 boxes, each 1024-byte aligned for the 128B swizzle. */
+#define WS_STORE_BOX_BYTES (TILE_BM * 128)
+static_assert(4 * WS_STORE_BOX_BYTES <= WS_STAGING_BYTES + WS_DH_BYTES && WS_STAGING_OFF % 1024 == 0,
+              "the TMA store boxes fit the staging region");
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
 #define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
 #define WS_SMEM_BYTES (1024 + WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done))
@@ -176,7 +184,7 @@ static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_
         clk.gemm_end = globaltimer_ns();
         clk.gemm_ns += clk.gemm_end - g0;
     }
-    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc, staging, red);
+    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc, staging, red, r.maps);
 }
 
 template <typename Runner>
@@ -282,6 +290,7 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
         }
         if (stop) break;
     }
+    if (threadIdx.x == WS_PRODUCERS) bulk_wait(); /* the epilogues' TMA stores are done */
 }
 
 /* Warp 3 of the producer warpgroup, lane 0: releases the done counters of finished tasks. */
