@@ -431,8 +431,8 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         wgrad_job_of(p, v, grp, nt, &w);
         if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
             /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
-               (16-byte chunk q of row r at chunk q ^ (r % 8)) over the staging region, stored
-               while the consumers go on to the next task */
+               the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
+               the consumers go on to the next task */
             uint8_t *box = (uint8_t *)c;
             const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2);
 #pragma unroll
@@ -440,7 +440,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
                 const int r = r0 + 8 * half;
 #pragma unroll
                 for (int j = 0; j < WS_ACC / 4; ++j)
-                    *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + r * 128 + (((j % 8) ^ (r & 7)) * 16) + 4 * (lane & 3)) =
+                    *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + swizzle(r, j % 8) + 4 * (lane & 3)) =
                         (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
                         ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
             }
