@@ -243,16 +243,18 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             for e in ev:
                 if e["pid"] != 0:
                     continue
-                c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0])
+                c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0, 0.0])
                 c[0] += 1
                 c[1] += e["dur"] / 1e3
                 c[3].append(e["dur"])
                 c[4] += e.get("args", {}).get("gemm_us", 0.0)
-            for kind, (n, busy, cat, durs, gemm) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+                c[5] += e.get("args", {}).get("epilogue_us", 0.0)
+            for kind, (n, busy, cat, durs, gemm, epi) in sorted(per.items(), key=lambda kv: -kv[1][1]):
                 tf = f"{flops[kind] / (busy * 1e-3) / 1e12:6.2f} TFLOP/s per busy SM" if kind in flops else ""
                 durs.sort()
                 pct = "/".join(f"{durs[min(len(durs) - 1, int(q * len(durs)))]:.1f}" for q in (0.0, 0.1, 0.5, 0.9))
-                loop = f"  main loops {gemm / n:6.1f} us/task" if gemm else ""
+                loop = (f"  main loops {gemm / n:6.1f}, epilogue {epi / n:6.1f}, before {(busy * 1e3 - gemm - epi) / n:6.1f} "
+                        f"us/task" if gemm else "")
                 print(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  "
                       f"min/p10/p50/p90 {pct} us{loop}  {tf}", flush=True)
     finally:

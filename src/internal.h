@@ -44,6 +44,8 @@ typedef struct mok_trace_event {
     int16_t rank, comm; /* comm: 1 for a data-moving worker */
     int32_t gemm_ns;    /* GPU compute tasks: time inside the GEMM main loops, waits for operands
                            included (the rest of the task is presets and epilogues); 0 otherwise */
+    int32_t epi_ns;     /* GPU compute tasks: from the end of the last main loop to the task's end
+                           (its epilogue and closing barrier); 0 otherwise */
     int64_t start_ns, end_ns;
 } mok_trace_event;
 /* The kind of a worker's residency event (entry to exit of a GPU CTA), beside the task kinds. */

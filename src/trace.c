@@ -22,11 +22,11 @@ mok_status mok__trace_write_json(const char *path, const mok_trace_event *const 
             const mok_trace_event *e = &events[r][i];
             fprintf(f,
                     "%s{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-                    "\"args\":{\"minibatch\":%d,\"gemm_us\":%.3f}}",
+                    "\"args\":{\"minibatch\":%d,\"gemm_us\":%.3f,\"epilogue_us\":%.3f}}",
                     first ? "" : ",\n", e->kind == MOK_TRACE_RESIDENT ? "resident" : mok__task_kind_name(e->kind),
                     e->kind == MOK_TRACE_RESIDENT ? "resident" : e->comm ? "comm" : "compute", e->rank, e->worker,
                     (double)(e->start_ns - origin) / 1e3, (double)(e->end_ns - e->start_ns) / 1e3, e->minibatch,
-                    (double)e->gemm_ns / 1e3);
+                    (double)e->gemm_ns / 1e3, (double)e->epi_ns / 1e3);
             first = 0;
         }
     fprintf(f, "\n]}\n");

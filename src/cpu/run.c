@@ -59,6 +59,7 @@ static void *worker_main(void *arg) {
                                                 .rank = (int16_t)R->rank,
                                                 .comm = job->role == MOK_ROLE_COMM,
                                                 .gemm_ns = 0,
+                                                .epi_ns = 0,
                                                 .start_ns = start,
                                                 .end_ns = mok__cpu_now_ns()};
         }

@@ -66,80 +66,80 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
 
 /* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
  * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
- * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. g|u come into the staging tile `c` 64 columns at
- * a time with 16-byte loads (cols 0..63 g, 64..127 u). The partial sums a thread's columns in
- * order, then the 4 lanes of the row (xor 1, then 2): a fixed order. zero_pad: rows rows .. 127
- * of h and dg|du get zeros (the routed tiles' padding rows, read by the weight gradients). */
+ * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
+ * zeros (the routed tiles' padding rows, read by the weight gradients).
+ *
+ * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
+ * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (walk_ws.cuh);
+ * then one warp takes a row at a time, two columns per lane, so its stores are 128 contiguous
+ * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
+ * epilogue ~13,400 instructions of straight-line code). The partial of a row sums
+ * its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the chunks in
+ * order, in the scratch's per-row sums: a fixed order. */
 static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
                                                 long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
                                                 bool zero_pad) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    float dot[2] = {0.0f, 0.0f};
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31, warp = t >> 5;
+    const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD;
+    if (t < TILE_BM) rsum[t] = 0.0f; /* read after the first chunk's barrier */
 #pragma unroll
     for (int hc = 0; hc < TILE_BN / 64; ++hc) {
         if (hc * 64 >= n_valid) break;
-        /* cp.async: a thread's 8 loads of g|u are in flight together (a load-then-store loop
-           through generic pointers runs them one after another) */
+        /* cp.async: a thread's 8 loads of g|u are in flight together */
         for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) {
             const int r = idx >> 4, c8 = (idx & 15) * 8;
             const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
             cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
         }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int a = 4 * (8 * hc + j) + 2 * half;
+                *(float2 *)(dsm + (row0 + 8 * half) * WS_DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
+            }
         cp_async_wait_all();
         consumer_sync();
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + 8 * half;
+        const long long col = n0 + 64 * hc + 2 * lane;
+        /* not unrolled: the loop stays one small body per chunk (a runtime loop over the chunks
+           instead, with the accumulators copied out through a switch, doubled the kernel's spills) */
+#pragma unroll 1
+        for (int row = warp; row < TILE_BM; row += WS_CONSUMERS / 32) {
+            uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
             if (row >= rows) {
-                if (zero_pad)
-#pragma unroll
-                    for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
-                        const int col = 8 * j + col0;
-                        *(uint32_t *)(h_out + row * h_ld + n0 + col) = 0u;
-                        *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = 0u;
-                        *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = 0u;
-                    }
+                if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
                 continue;
             }
             const float wr = w ? w[row] : 1.0f;
+            const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+            const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+            const float2 d = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
+            uint16_t hb[2], dgb[2], dub[2];
+            float part = 0.0f;
 #pragma unroll
-            for (int j = 8 * hc; j < 8 * hc + 8; ++j) {
-                const int col = 8 * j + col0, lc = col - 64 * hc;
-                const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + lc);
-                const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + lc);
-                uint16_t hb[2], dgb[2], dub[2];
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    float g = mok__bf16_to_f32((uint16_t)(gpair >> (16 * q)));
-                    float u = mok__bf16_to_f32((uint16_t)(upair >> (16 * q)));
-                    float dh0 = acc[4 * j + 2 * half + q];
-                    float h, dg, du; /* one sigmoid for h and the gradients */
-                    mok__swiglu_with_backward(wr * dh0, g, u, limit, &h, &dg, &du);
-                    hb[q] = mok__bf16_from_f32(h);
-                    dot[half] += dh0 * mok__bf16_to_f32(hb[q]);
-                    dgb[q] = mok__bf16_from_f32(dg);
-                    dub[q] = mok__bf16_from_f32(du);
-                }
-                *(uint32_t *)(h_out + row * h_ld + n0 + col) = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
-                *(uint32_t *)(dgu_out + row * dgu_ld + n0 + col) = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
-                *(uint32_t *)(dgu_out + row * dgu_ld + inter + n0 + col) = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+            for (int q = 0; q < 2; ++q) {
+                const float dh0 = q ? d.y : d.x;
+                float h, dg, du; /* one sigmoid for h and the gradients */
+                mok__swiglu_with_backward(wr * dh0, mok__bf16_to_f32((uint16_t)(gpair >> (16 * q))),
+                                          mok__bf16_to_f32((uint16_t)(upair >> (16 * q))), limit, &h, &dg, &du);
+                hb[q] = mok__bf16_from_f32(h);
+                part += dh0 * mok__bf16_to_f32(hb[q]);
+                dgb[q] = mok__bf16_from_f32(dg);
+                dub[q] = mok__bf16_from_f32(du);
             }
-        }
-        consumer_sync();
-    }
-    if (rdot) {
+            *(uint32_t *)hp = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
+            *(uint32_t *)gp = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
+            *(uint32_t *)up = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + 8 * half;
-            float v = dot[half];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if ((lane & 3) == 0 && row < rows) rdot[row * rdot_ld] = v;
+            for (int m = 16; m >= 1; m >>= 1) part += __shfl_xor_sync(0xffffffffu, part, m);
+            if (lane == 0) rsum[row] += part;
         }
+        consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
+    if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
 }
 
 /* A weight-gradient tile: out = init + A^T B over `rows` rows (A M-major, B N-major), where the
@@ -152,6 +152,7 @@ struct wgrad_job {
     char *dest;
     int dest_f32, m_valid, n_valid;
     long long ld;
+    int store_map, store_row, store_col; /* a bf16 destination's TMA map and box origin; -1: none */
 };
 
 static __device__ void wgrad_operands(const pass_params &p, int matrix, long long inter, long long i, long long j,
@@ -207,6 +208,9 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : nullptr;
         w->carry_out = nullptr;
+        w->store_map = MAP_DS_GATE + matrix;
+        w->store_row = (int)(i * CUDA_WGRAD_M);
+        w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
     } else {
         mok_plan plan;
@@ -224,10 +228,14 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : began_before ? carry : nullptr;
         w->carry_out = (!p.accumulate && continues) ? carry : nullptr;
+        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols] */
+        w->store_row = (int)(e * (mat_elems / w->ld) + i * CUDA_WGRAD_M);
+        w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
                        p.ring_h + ring0 * I, end - first, false, ring0, w);
     }
     w->dest_f32 = p.accumulate;
+    if (p.accumulate || w->carry_out || !((p.tma_mask >> w->store_map) & 1)) w->store_map = -1;
 }
 
 /* dy · W_down^T: A K-major, W_down read N-major. */
@@ -328,7 +336,17 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
     asm("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(*a), "=f"(*b) : "l"(p));
 }
 
+/* The operand layouts of bwd_gemm's GEMMs (walk_ws.cuh: 2 A_MN + B_MN, bwd_gemm returns 1 + it):
+ * a dh task's replay of g|u is K/K, the dgrad GEMMs (dh, dx, routed and shared) K/N-major, the
+ * weight gradients M/N-major. bwd_epilogue compiles for layout VAR only the kinds whose GEMMs
+ * have it. bwd_preset keeps its runtime test of the kind: pruned by VAR, it let ptxas see zero
+ * accumulators and serialise the wgmmas (C7512). */
+#define BWD_VAR_REPLAY 0
+#define BWD_VAR_DGRAD 1
+#define BWD_VAR_WGRAD 3
+
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
+template <int VAR>
 static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                   long long nt, float (&acc)[WS_ACC]) {
     wgrad_job w;
@@ -345,68 +363,109 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
     }
 }
 
+template <int VAR>
 static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c) {
+                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c,
+                                    const CUtensorMap *maps) {
     const int tid = threadIdx.x - WS_PRODUCERS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
-    switch (grp.kind) {
-    case MOK_TASK_DH: {
+    /* every path below writes the staging region: the last weight-gradient tile's TMA stores,
+       issued by thread 0, must have read it first */
+    if (tid == 0) bulk_wait_read();
+    consumer_sync();
+    if (VAR == BWD_VAR_REPLAY) { /* a dh task's GEMM i < replays: g|u of 64 columns into the replay rows */
         const tile_info t = row_tile(p, v, rt);
-        const int replays = t.row0 < p.context_rows ? 0 : p.n_tile / 64;
         uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
-        if (i < replays) { /* g|u of 64 columns into the replay rows */
-            const long long n0 = nt * p.n_tile + 64 * i;
-            ws_stage_bf16(c, acc);
-            for (int idx = tid; idx < t.nreal * 16; idx += WS_CONSUMERS) {
-                int r = idx >> 4, c8 = (idx & 15) * 8;
-                uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
-                *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
+        const long long n0 = nt * p.n_tile + 64 * i;
+        ws_stage_bf16(c, acc);
+        for (int idx = tid; idx < t.nreal * 16; idx += WS_CONSUMERS) {
+            int r = idx >> 4, c8 = (idx & 15) * 8;
+            uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
+            *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
+        }
+    } else if (VAR == BWD_VAR_DGRAD) {
+        switch (grp.kind) {
+        case MOK_TASK_DH:
+        case MOK_TASK_SHARED_DH: { /* one call site for both: this epilogue is the kernel's largest code */
+            const bool routed = grp.kind == MOK_TASK_DH;
+            const long long inter = routed ? I : Is;
+            int rows;
+            const uint16_t *gu;
+            const float *w = nullptr;
+            uint16_t *h, *dgu;
+            float *rdot = nullptr;
+            if (routed) {
+                const tile_info t = row_tile(p, v, rt);
+                rows = t.nreal;
+                /* rows past the context had their g|u replayed into the ring by GEMMs i < this one */
+                gu = t.row0 >= p.context_rows ? p.ring_gu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
+                w = p.ring_w + t.ring0;
+                h = p.ring_h + t.ring0 * I;
+                dgu = p.ring_dgu + t.ring0 * 2 * I;
+                rdot = p.ring_rdot + t.ring0 * (I / 64) + nt;
+            } else {
+                const long long t0 = rt * MOK_ROW_TILE;
+                rows = token_rows(p, t0);
+                gu = p.context_shared + t0 * 2 * Is;
+                h = p.sh_h + t0 * Is;
+                dgu = p.sh_dgu + t0 * 2 * Is;
             }
+            swiglu_backward_epilogue(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
+                                     2 * inter, rdot, I / 64, c, routed);
             break;
         }
-        const uint16_t *gu = replays ? ring_gu : p.context + t.row0 * 2 * I;
-        swiglu_backward_epilogue(acc, t.nreal, p.n_tile, gu, 2 * I, I, nt * p.n_tile, p.ring_w + t.ring0, p.limit,
-                                 p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
-                                 p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c, true);
-        break;
-    }
-    case MOK_TASK_SHARED_DH: {
-        const long long t0 = rt * MOK_ROW_TILE;
-        swiglu_backward_epilogue(acc, token_rows(p, t0), p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is,
-                                 nt * p.n_tile, nullptr, p.limit, p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is,
-                                 nullptr, 0, c, false);
-        break;
-    }
-    case MOK_TASK_DX: { /* from registers: no staging, no barrier */
-        const tile_info t = row_tile(p, v, rt);
-        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
-        return;
-    }
-    case MOK_TASK_SHARED_DX: {
-        const long long t0 = rt * MOK_ROW_TILE;
-        store_regs(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
-        return;
-    }
-    case MOK_TASK_WGRAD:
-    case MOK_TASK_SHARED_WGRAD: {
+        case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
+            const tile_info t = row_tile(p, v, rt);
+            store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
+            return;
+        }
+        case MOK_TASK_SHARED_DX: {
+            const long long t0 = rt * MOK_ROW_TILE;
+            store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, c);
+            return;
+        }
+        default: break;
+        }
+    } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
         wgrad_job_of(p, v, grp, nt, &w);
-        /* registers r, r + 1 are columns col, col + 1 of one row (n_valid is even) */
+        if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
+            /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
+               the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
+               the consumers go on to the next task */
+            uint8_t *box = (uint8_t *)c;
+            const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2);
 #pragma unroll
-        for (int r = 0; r < WS_ACC; r += 2) {
-            int row, col;
-            ws_acc_position(r, &row, &col);
-            if (row >= w.m_valid || col >= w.n_valid) continue;
-            const long long off = row * w.ld + col;
-            if (w.carry_out || w.dest_f32)
-                *(float2 *)((w.carry_out ? w.carry_out : (float *)w.dest) + off) = make_float2(acc[r], acc[r + 1]);
-            else
-                *(uint32_t *)((uint16_t *)w.dest + off) =
-                    (uint32_t)mok__bf16_from_f32(acc[r]) | ((uint32_t)mok__bf16_from_f32(acc[r + 1]) << 16);
+            for (int half = 0; half < 2; ++half) {
+                const int r = r0 + 8 * half;
+#pragma unroll
+                for (int j = 0; j < WS_ACC / 4; ++j)
+                    *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + swizzle(r, j % 8) + 4 * (lane & 3)) =
+                        (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
+                        ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
+            }
+            fence_proxy_async_smem();
+            consumer_sync();
+            if (tid == 0) {
+#pragma unroll
+                for (int b = 0; b < CUDA_WGRAD_N / 64; ++b)
+                    tma_store_2d(&maps[w.store_map], w.store_col + 64 * b, w.store_row,
+                                 (uint32_t)__cvta_generic_to_shared(box + b * WS_STORE_BOX_BYTES));
+                bulk_commit();
+            }
+        } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
+            store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
+        } else { /* fp32 (a carry, or accumulate mode) from registers: r, r + 1 are columns col,
+                    col + 1 of one row (n_valid is even) */
+            float *dest = w.carry_out ? w.carry_out : (float *)w.dest;
+#pragma unroll
+            for (int r = 0; r < WS_ACC; r += 2) {
+                int row, col;
+                ws_acc_position(r, &row, &col);
+                if (row < w.m_valid && col < w.n_valid)
+                    *(float2 *)(dest + row * w.ld + col) = make_float2(acc[r], acc[r + 1]);
+            }
         }
-        break;
-    }
-    default: break;
     }
     consumer_sync();
 }
@@ -438,13 +497,16 @@ struct backward_ws {
                                long long nt, int i, tile_operands *op) {
         return bwd_gemm(p, v, grp, rt, nt, i, op);
     }
+    template <int VAR>
     static __device__ void preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long,
                                   long long nt, int, float (&acc)[WS_ACC]) {
-        bwd_preset(p, v, grp, nt, acc);
+        bwd_preset<VAR>(p, v, grp, nt, acc);
     }
+    template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *) {
-        bwd_epilogue(p, v, grp, rt, nt, i, acc, c);
+                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
+                                    const CUtensorMap *maps) {
+        bwd_epilogue<VAR>(p, v, grp, rt, nt, i, acc, c, maps);
     }
     static __device__ void plain(const pass_params &p, const mok_sched_view &, const mok_task_group &grp, long long,
                                  long long) {
@@ -468,6 +530,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, 
 /* The tensor maps of a backward pass. The weight-gradient tiles read the ring's activations
  * M/N-major in whole 64-row slices: the rows between an expert's last row and its segment's end
  * are written as zeros (pull: x, w·dy; dh: h, dg|du) so that they add nothing. */
+/* Both travel as kernel parameters, which CUDA limits to 4 KB. */
+static_assert(sizeof(pass_params) + sizeof(pass_maps) <= 4096, "the backward kernel's parameters exceed 4 KB");
+
 static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
     const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
     const long long ring = p->ring_rows, T = p->num_tokens;
@@ -482,6 +547,15 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     mask |= (unsigned)tma_encode(&maps->m[MAP_DY], p->dy, T, H, 64) << MAP_DY;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_DGU], Is ? R->sh_dgu : NULL, T, 2 * Is, 64) << MAP_SH_DGU;
+    if (!p->accumulate) { /* bf16 weight gradients, stored in 128-row boxes */
+        const long long E = p->num_local_experts;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DW_GATE], p->dw[0], E * I, H, 128) << MAP_DW_GATE;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DW_UP], p->dw[1], E * I, H, 128) << MAP_DW_UP;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DW_DOWN], p->dw[2], E * H, I, 128) << MAP_DW_DOWN;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DS_GATE], Is ? p->ds[0] : NULL, Is, H, 128) << MAP_DS_GATE;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DS_UP], Is ? p->ds[1] : NULL, Is, H, 128) << MAP_DS_UP;
+        mask |= (unsigned)tma_encode(&maps->m[MAP_DS_DOWN], Is ? p->ds[2] : NULL, H, Is, 128) << MAP_DS_DOWN;
+    }
     return mask | weight_maps(p, maps);
 }
 

@@ -143,36 +143,48 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
                                     long long rt, long long nt, float (&acc)[WS_ACC]) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     switch (grp.kind) {
-    case MOK_TASK_GATEUP: {
-        const tile_info t = row_tile(p, v, rt);
+    case MOK_TASK_GATEUP:
+    case MOK_TASK_SHARED_UP: { /* one call site per width for both: the SwiGLU is most of the kernel's code */
+        const bool routed = grp.kind == MOK_TASK_GATEUP;
+        const long long inter = routed ? I : Is;
+        int rows;
+        long long ctx_row0, ctx_rows;
+        uint16_t *ctx, *h;
+        if (routed) {
+            const tile_info t = row_tile(p, v, rt);
+            rows = t.nreal;
+            ctx_row0 = t.row0;
+            ctx_rows = p.context_rows;
+            ctx = p.context;
+            h = p.ring_h + t.ring0 * I;
+        } else {
+            const long long t0 = rt * MOK_ROW_TILE;
+            rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+            ctx_row0 = t0;
+            ctx_rows = t0 + rows;
+            ctx = p.context_shared;
+            h = p.sh_h + t0 * Is;
+        }
         if (p.n_tile == 128)
-            swiglu_regs<128>(acc, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * 128, p.ring_h + t.ring0 * I,
-                             I, p.limit);
+            swiglu_regs<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h, inter, p.limit);
         else
-            swiglu_regs<64>(acc, t.nreal, t.row0, p.context_rows, p.context, 2 * I, I, nt * 64, p.ring_h + t.ring0 * I, I,
-                            p.limit);
+            swiglu_regs<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h, inter, p.limit);
         break;
     }
-    case MOK_TASK_SHARED_UP: {
-        const long long t0 = rt * MOK_ROW_TILE;
-        const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-        if (p.n_tile == 128)
-            swiglu_regs<128>(acc, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * 128, p.sh_h + t0 * Is, Is,
-                             p.limit);
-        else
-            swiglu_regs<64>(acc, rows, t0, t0 + rows, p.context_shared, 2 * Is, Is, nt * 64, p.sh_h + t0 * Is, Is,
-                            p.limit);
-        break;
-    }
-    case MOK_TASK_DOWN: {
-        const tile_info t = row_tile(p, v, rt);
-        store_regs(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
-        break;
-    }
+    case MOK_TASK_DOWN:
     case MOK_TASK_SHARED_DOWN: {
-        const long long t0 = rt * MOK_ROW_TILE;
-        const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-        store_regs(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+        int rows;
+        uint16_t *out;
+        if (grp.kind == MOK_TASK_DOWN) {
+            const tile_info t = row_tile(p, v, rt);
+            rows = t.nreal;
+            out = p.ring_y + t.ring0 * H;
+        } else {
+            const long long t0 = rt * MOK_ROW_TILE;
+            rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+            out = p.sh_out + t0 * H;
+        }
+        store_regs(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h);
         break;
     }
     default: break;
@@ -197,13 +209,16 @@ struct forward_ws {
                                long long nt, int i, tile_operands *op) {
         return fwd_gemm(p, v, grp, rt, nt, i, op);
     }
+    template <int VAR>
     static __device__ void preset(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
                                   long long, int, float (&acc)[WS_ACC]) {
 #pragma unroll
         for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
     }
+    template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *) {
+                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *,
+                                    const CUtensorMap *) {
         fwd_epilogue(p, v, grp, rt, nt, acc);
     }
     static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,

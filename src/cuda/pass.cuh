@@ -170,7 +170,7 @@ static __device__ __forceinline__ void task_decode(const mok_task_group &grp, lo
 /* One thread, after the task's writes are ordered before it (bar.sync, or an mbarrier after
  * one): the trace event (start, end), then the release of the task's done counters. */
 static __device__ void finish_task(const pass_params &p, const mok_task_group &grp, long long rt, int role,
-                                   long long start, long long end, long long gemm_ns = 0) {
+                                   long long start, long long end, long long gemm_ns = 0, long long epi_ns = 0) {
     if (TRACE_ON(p)) {
         unsigned long long n = atomicAdd(p.trace_count, 1ull);
         if ((long long)n < p.trace_cap) {
@@ -181,6 +181,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
             e.rank = p.rank;
             e.comm = role == MOK_ROLE_COMM;
             e.gemm_ns = (int32_t)gemm_ns;
+            e.epi_ns = (int32_t)epi_ns;
             e.start_ns = start;
             e.end_ns = end;
             p.trace[n] = e;
@@ -203,6 +204,7 @@ static __device__ void trace_resident(const pass_params &p, long long entry) {
     e.rank = p.rank;
     e.comm = blockIdx.x < p.comm_ctas;
     e.gemm_ns = 0;
+    e.epi_ns = 0;
     e.start_ns = entry;
     e.end_ns = globaltimer_ns();
     p.trace[n] = e;

@@ -18,12 +18,15 @@
 
 #include "cuda_common.cuh"
 
-/* The maps of a pass, all with 64 x 64 boxes: activations (read K-major as A, or M/N-major by the
- * weight gradients) and the weights (K-major in the forward, N-major in the dgrad). */
+/* The maps of a pass: activations (read K-major as A, or M/N-major by the weight gradients) and
+ * the weights (K-major in the forward, N-major in the dgrad), with 64 x 64 boxes; and the bf16
+ * weight gradients the backward stores (routed [E·rows, cols] per matrix, shared [rows, cols]),
+ * with 64-column x 128-row boxes, in the order of mok_wgrad_matrix. */
 enum {
     MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,                    /* forward */
     MAP_RING_DY, MAP_RING_DGU, MAP_DY, MAP_SH_DGU, MAP_RING_DYW, /* backward */
     MAP_W_GATE, MAP_W_UP, MAP_W_DOWN, MAP_S_GATE, MAP_S_UP, MAP_S_DOWN, /* B */
+    MAP_DW_GATE, MAP_DW_UP, MAP_DW_DOWN, MAP_DS_GATE, MAP_DS_UP, MAP_DS_DOWN, /* stores */
     NUM_MAPS
 };
 
@@ -44,6 +47,21 @@ static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorM
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
 }
+
+/* Stores (the weight gradients). The threads that wrote the box to shared memory fence it for
+ * the async proxy and sync; then one thread issues the stores and commits them as a bulk group.
+ * Before the shared memory is written again, that thread waits until its groups have read it
+ * (wait_group.read); before the kernel ends, until they are done (wait_group). Bulk groups
+ * belong to the thread that issued them. */
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, int c0, int c1, uint32_t src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map),
+                 "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+static __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+static __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+static __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+static __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 #endif
 
 static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn;

@@ -8,10 +8,17 @@
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
  *   gemm(p, v, grp, rt, nt, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
  *                                    GEMMs 0, 1, ... run in order
- *   preset(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the starting
- *                                      values (zeros, or a carried fp32 tile) on every path
- *   epilogue(p, v, grp, rt, nt, i, acc, staging, red): consumer side, after GEMM i; if it used
- *                                      `staging`, it returns with the consumers synchronised
+ *   preset<VAR>(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the
+ *                                      starting values (zeros, or a carried fp32 tile) on every path
+ *   epilogue<VAR>(p, v, grp, rt, nt, i, acc, staging, red, maps): consumer side, after GEMM i; if
+ *                                      it used `staging`, it returns with the consumers
+ *                                      synchronised; consumer thread 0 may leave TMA stores from
+ *                                      the staging region in flight (tma.cuh), which it waits
+ *                                      for before the region is written again and at the end
+ *   VAR is GEMM i's layout (2 A_MN + B_MN): each layout's consumer path is compiled apart (its
+ *   own accumulators), so an epilogue needs only the task kinds whose GEMMs have that layout.
+ *   Every other kind's code is dead there, and copies of it fill the instruction cache (the
+ *   backward kernel was 1.9 MB of code with three copies of every epilogue).
  *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
@@ -37,20 +44,35 @@ struct ws_task {
     long long stop;
 };
 
+/* config.trace: a task's time inside its GEMM main loops and when the last one ended. */
+struct ws_clock {
+    long long gemm_ns, gemm_end;
+};
+
 struct ws_done { /* a finished task, for the completer */
-    long long g, rt, start, end, gemm_ns;
+    long long g, rt, start, end, gemm_ns, gemm_end;
     long long stop;
 };
 #define WS_CQ 4
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
- * staging tile, the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
+ * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
+ * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums; backward.cu),
+ * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
 #define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
 #define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
-#define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES)
+#define WS_DH_LD 68 /* floats: 64 columns, padded */
+#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + TILE_BM) * 4)
+#define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
+/* A weight-gradient tile stored by TMA (backward.cu) occupies the staging tile and the dh scratch
+ * as four 128-row x 64-column bf16 boxes, each 1024-byte aligned for the 128B swizzle. */
+#define WS_STORE_BOX_BYTES (TILE_BM * 128)
+static_assert(4 * WS_STORE_BOX_BYTES <= WS_STAGING_BYTES + WS_DH_BYTES && WS_STAGING_OFF % 1024 == 0,
+              "the TMA store boxes fit the staging region");
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
 #define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
 #define WS_SMEM_BYTES (1024 + WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done))
+static_assert(WS_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
 struct ws_shared {
@@ -153,27 +175,30 @@ static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &
 template <typename Runner, bool A_MN, bool B_MN>
 static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                                 long long rt, long long nt, int i, ws_ring &r, const tile_operands &op,
-                                                uint16_t *staging, float *red, long long &gemm_ns) {
+                                                uint16_t *staging, float *red, ws_clock &clk) {
     float acc[WS_ACC];
-    Runner::preset(p, v, grp, rt, nt, i, acc);
+    Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
     ws_consume_gemm<A_MN, B_MN>(r, op, acc);
-    if (TRACE_ON(p)) gemm_ns += globaltimer_ns() - g0;
-    Runner::epilogue(p, v, grp, rt, nt, i, acc, staging, red);
+    if (TRACE_ON(p)) {
+        clk.gemm_end = globaltimer_ns();
+        clk.gemm_ns += clk.gemm_end - g0;
+    }
+    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc, staging, red, r.maps);
 }
 
 template <typename Runner>
 static __device__ __forceinline__ void ws_consume(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
                                   long long rt, long long nt, int i, ws_ring &r, int variant, const tile_operands &op,
-                                  uint16_t *staging, float *red, long long &gemm_ns) {
+                                  uint16_t *staging, float *red, ws_clock &clk) {
     if (ws_variant_used<Runner, false, false>(variant))
-        ws_phase<Runner, false, false>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, false, false>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, false, true>(variant))
-        ws_phase<Runner, false, true>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, false, true>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, true, false>(variant))
-        ws_phase<Runner, true, false>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, true, false>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, true, true>(variant))
-        ws_phase<Runner, true, true>(p, v, grp, rt, nt, i, r, op, staging, red, gemm_ns);
+        ws_phase<Runner, true, true>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
 }
 
 template <typename Runner>
@@ -237,14 +262,14 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
         const bool stop = s_stop;
         const long long g = sh.queue[q].g, rt = sh.queue[q].rt, nt = sh.queue[q].nt;
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
-        long long gemm_ns = 0;
+        ws_clock clk = {0, 0};
         if (!stop) {
             const mok_task_group grp = p.groups[g];
             for (int i = 0;; ++i) {
                 tile_operands op;
                 const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
                 if (!kind) break;
-                ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red, gemm_ns);
+                ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red, clk);
             }
             Runner::plain(p, v, grp, rt, nt);
         }
@@ -257,13 +282,15 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
             sh.cq[c].rt = rt;
             sh.cq[c].start = start;
             sh.cq[c].end = TRACE_ON(p) ? globaltimer_ns() : 0;
-            sh.cq[c].gemm_ns = gemm_ns;
+            sh.cq[c].gemm_ns = clk.gemm_ns;
+            sh.cq[c].gemm_end = clk.gemm_end;
             sh.cq[c].stop = stop;
             mbar_arrive(sh.cfull + 8 * c);
             ++ncq;
         }
         if (stop) break;
     }
+    if (threadIdx.x == WS_PRODUCERS) bulk_wait(); /* the epilogues' TMA stores are done */
 }
 
 /* Warp 3 of the producer warpgroup, lane 0: releases the done counters of finished tasks. */
@@ -274,9 +301,9 @@ static __device__ void ws_completer_loop(const pass_params &p, const ws_ring &r,
         mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / WS_CQ) & 1), r.abort, r.error, r.timeout_ns);
         if (sh.cq[c].stop || *(volatile unsigned long long *)r.abort) break;
         const long long g = sh.cq[c].g, rt = sh.cq[c].rt, start = sh.cq[c].start, end = sh.cq[c].end;
-        const long long gemm_ns = sh.cq[c].gemm_ns;
+        const long long gemm_ns = sh.cq[c].gemm_ns, epi_ns = sh.cq[c].gemm_end ? end - sh.cq[c].gemm_end : 0;
         mbar_arrive(sh.cempty + 8 * c);
-        finish_task(p, p.groups[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns);
+        finish_task(p, p.groups[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
     }
 }
 

@@ -335,6 +335,35 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
     consumer_sync();
 }
 
+/* A tile's bf16 through the staging tile c[128][TILE_C_LD], TILE_C_COLS columns at a time:
+ * rows < rows, columns < cols (a multiple of 8) of out + n0, row stride ld (out + n0 and ld
+ * 16-byte aligned). Each warp's global store then covers whole 16-byte chunks of one row
+ * rather than 4 bytes of 8 rows. The consumers sync before each round's copy and after it, so
+ * c is free again on return. */
+static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out,
+                                                    long long ld, long long n0, uint16_t *c) {
+    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
+    const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
+#pragma unroll
+    for (int h = 0; h < WS_ACC / 4 / (TILE_C_COLS / 8); ++h) {
+        if (h * TILE_C_COLS >= cols) break;
+#pragma unroll
+        for (int j = 0; j < TILE_C_COLS / 8; ++j) {
+            const int a = 4 * (j + h * (TILE_C_COLS / 8));
+            *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) =
+                (uint32_t)mok__bf16_from_f32(acc[a]) | ((uint32_t)mok__bf16_from_f32(acc[a + 1]) << 16);
+            *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) =
+                (uint32_t)mok__bf16_from_f32(acc[a + 2]) | ((uint32_t)mok__bf16_from_f32(acc[a + 3]) << 16);
+        }
+        consumer_sync();
+        for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
+            const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8, oc = h * TILE_C_COLS + c8;
+            if (r < rows && oc < cols) *(int4 *)(out + r * ld + n0 + oc) = *(const int4 *)(c + r * TILE_C_LD + c8);
+        }
+        consumer_sync();
+    }
+}
+
 /* A down tile straight from the accumulators: rows < rows, columns < cols, bf16 pairs. */
 static __device__ __forceinline__ void store_regs(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out, long long ld,
                                   long long n0) {
