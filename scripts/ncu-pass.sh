@@ -4,7 +4,8 @@
 # kernel in `mok run` with Nsight Compute, clocks left alone (--clock-control none), with
 # source-level warp-stall sampling, and prints the source lines with the most stall samples
 # (scripts/ncu_lines.py). Default layer: Qwen3-30B-A3B, 16384 tokens, one GPU. Writes to $OUT (or
-# build/ncu): the report, its details page and the per-line CSV. Build first (make CUDA=1 all).
+# build/ncu): the report, its details page, the SASS-view CSV, the
+# cubins' listing and the per-line table. Build first (make CUDA=1 all).
 set -u
 cd "$(dirname "$0")/.."
 kind=${1:-backward}
@@ -23,7 +24,13 @@ echo "ncu exit $? (log: $rep-run.txt)"
 [ -f "$rep.ncu-rep" ] || { tail -20 "$rep-run.txt"; exit 1; }
 ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
 grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Compute \(SM\) Throughput|Memory Throughput" "$rep-details.txt"
-ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda >"$rep-source.csv" 2>&1 ||
-    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-source.csv" 2>&1
-python3 scripts/ncu_lines.py "$rep-source.csv" 40
-gzip -f "$rep-source.csv"
+# the SASS view carries the per-instruction samples (the CUDA view of this ncu printed the source
+# text alone); the listing of the library's cubins gives each instruction's source line
+ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
+tmp=$(mktemp -d)
+lib=$PWD/build/libmok.so
+(cd "$tmp" && cuobjdump -xelf all "$lib" >/dev/null 2>&1)
+for f in "$tmp"/*.cubin; do [ -f "$f" ] && nvdisasm -g -c "$f"; done >"$rep-listing.sass" 2>/dev/null
+rm -rf "$tmp"
+python3 scripts/ncu_lines.py "$rep-sass.csv" 40 --lines "$rep-listing.sass" --kernel "${kind}_kernel" | tee "$rep-lines.txt"
+gzip -f "$rep-sass.csv" "$rep-listing.sass"

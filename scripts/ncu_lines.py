@@ -1,14 +1,22 @@
-"""The source lines with the most warp-stall samples in an Nsight Compute source-page CSV
-(`ncu -i R --page source --csv --print-source cuda`), with each line's largest stall columns.
+"""Where a kernel's warps stall, by instruction and by source line, from an Nsight Compute
+source-page CSV of the SASS view (`ncu -i R --page source --csv --print-source sass`).
 
-    python3 scripts/ncu_lines.py build/ncu/ncu-backward-source.csv [N]
+    python3 scripts/ncu_lines.py SASS.csv [N] [--lines LISTING --kernel NAME]
 
-Column names differ between ncu versions, so the sample column is found by name: the first whose
-header has "Sampling" and "All" in it, else the first with "Samples". If none is found the CSV's
-first lines are printed instead, to adapt this script.
+LISTING is `nvdisasm -g -c` of the cubin that ran (scripts/ncu-pass.sh makes it from
+build/libmok.so): its `//## File "...", line L` comments give each instruction's source line, so
+the samples can be summed per line. The CSV's rows are matched to the listing's instructions of
+function NAME by their offset from the function's first instruction; the opcodes of the first
+rows are compared, and a mismatch drops the per-line table rather than print a wrong one.
+
+Column names differ between ncu versions, so the sample column is found by name: the first
+whose header has "Sampling" and "All" in it, else the first with "Samples". If none is found the
+CSV's first lines are printed instead, to adapt this script.
 """
 import csv
+import re
 import sys
+from collections import defaultdict
 
 
 def number(s):
@@ -18,9 +26,43 @@ def number(s):
         return None
 
 
+def listing_lines(path, kernel):
+    """{offset: "file:line"} and {offset: opcode} for the instructions of the function whose
+    name contains `kernel` in an `nvdisasm -g -c` listing."""
+    where, ops, inside, cur = {}, {}, False, "?"
+    for line in open(path, errors="replace"):
+        s = line.strip()
+        if s.endswith(":") and not s.startswith("/*") and not s.startswith("."):
+            if s.startswith("_Z") or re.match(r"^[A-Za-z_]\w*:$", s):  # a function; $ labels stay in it
+                inside = kernel in s
+            continue
+        if not inside:
+            continue
+        m = re.search(r'//## File "([^"]+)", line (\d+)', s)
+        if m:
+            cur = f"{m.group(1).split('/')[-1]}:{m.group(2)}"
+            continue
+        m = re.match(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", s)
+        if m:
+            off = int(m.group(1), 16)
+            where[off] = cur
+            ops[off] = m.group(2).split(".")[0]
+    return where, ops
+
+
 def main():
-    path = sys.argv[1]
-    top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    args = [a for a in sys.argv[1:]]
+    lines_path = kernel = None
+    if "--lines" in args:
+        i = args.index("--lines")
+        lines_path = args[i + 1]
+        del args[i:i + 2]
+    if "--kernel" in args:
+        i = args.index("--kernel")
+        kernel = args[i + 1]
+        del args[i:i + 2]
+    path = args[0]
+    top = int(args[1]) if len(args) > 1 else 40
     with open(path, newline="", errors="replace") as f:
         rows = list(csv.reader(f))
     head_i = next((i for i, r in enumerate(rows) if len(r) > 3 and any("Source" in c for c in r)), None)
@@ -37,16 +79,48 @@ def main():
         print("ncu_lines: no sampling column in", head)
         return 1
     src = next(i for i, c in enumerate(head) if "Source" in c)
-    line_col = next((i for i, c in enumerate(head) if c.strip("# ").lower() in ("line", "address")), None)
+    addr = next((i for i, c in enumerate(head) if c.strip("# ").lower() == "address"), None)
     stall_cols = [i for i, c in enumerate(head) if "stall" in c.lower() and i != col]
-    data = [r for r in rows[head_i + 1:] if len(r) == len(head) and number(r[col])]
-    total = sum(number(r[col]) for r in data) or 1.0
-    print(f"{path}: {len(data)} lines with samples, {total:.0f} samples ({head[col]})")
-    for r in sorted(data, key=lambda r: -number(r[col]))[:top]:
+    data = [r for r in rows[head_i + 1:] if len(r) == len(head)]
+    sampled = [r for r in data if number(r[col])]
+    total = sum(number(r[col]) for r in sampled) or 1.0
+    print(f"{path}: {len(data)} instructions, {len(sampled)} with samples, {total:.0f} samples ({head[col]})")
+    print("columns:", ", ".join(head))
+
+    def why(r):
         reasons = sorted(((number(r[i]) or 0.0, head[i]) for i in stall_cols), reverse=True)[:3]
-        why = ", ".join(f"{name} {v:.0f}" for v, name in reasons if v > 0)
-        where = r[line_col] if line_col is not None else ""
-        print(f"{100 * number(r[col]) / total:6.2f}%  {where:>6}  {r[src].strip()[:90]}  [{why}]")
+        return ", ".join(f"{name} {v:.0f}" for v, name in reasons if v > 0)
+
+    line_of = {}
+    if lines_path and kernel and addr is not None:
+        where, ops = listing_lines(lines_path, kernel)
+        offs = [int(r[addr], 16) for r in data]
+        base = min(offs) if offs else 0
+        checked = [(o - base, r[src].split()) for o, r in zip(offs[:200], data[:200])]
+        bad = 0
+        for o, words in checked:
+            words = [w for w in words if not w.startswith("@")]
+            if o in ops and words and words[0].split(".")[0] != ops[o]:
+                bad += 1
+        if not where or bad > len(checked) // 10:
+            print(f"ncu_lines: the listing does not match the CSV ({bad} of {len(checked)} opcodes differ); "
+                  "no per-line table")
+        else:
+            line_of = {id(r): where.get(o - base, "?") for o, r in zip(offs, data)}
+    if line_of:
+        per = defaultdict(lambda: [0.0, 0])
+        for r in sampled:
+            e = per[line_of[id(r)]]
+            e[0] += number(r[col])
+            e[1] += 1
+        print(f"\nby source line (top {top}):")
+        for ln, (s, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"{100 * s / total:6.2f}%  {ln:<28} {n:5d} instructions")
+    print(f"\nby instruction (top {top}):")
+    for r in sorted(sampled, key=lambda r: -number(r[col]))[:top]:
+        where = r[addr] if addr is not None else ""
+        ln = line_of.get(id(r), "")
+        print(f"{100 * number(r[col]) / total:6.2f}%  {where:>10} {ln:<24} {r[src].strip()[:70]}  [{why(r)}]")
     return 0
 
 
