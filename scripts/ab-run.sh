@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--env VAR=V,...]... — on a GPU machine, after scripts/ab-export.sh:
+# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--env VAR=V,...]... — on a GPU
+# machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
 # --base-tests: the checkout's GPU code is what gpu-check.sh tests), the EP1 benchmark beside PyTorch
@@ -9,13 +10,15 @@
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
 # --compare-env, one build). --probe first builds and runs dev/icache_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
-# case. Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
+# case. --hash runs `mok run --check --repeat 2` on a DeepSeek-V3 layer at scale 4, EP1 and EP2, in
+# every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
+# (a change meant to keep every sum's order). Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 envs=()
+tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 envs=()
 while [ $# -gt 0 ]; do
     a=$1
     shift
@@ -27,6 +30,7 @@ while [ $# -gt 0 ]; do
     --nccl) nccl=1 ;;
     --no-base) base=0 ;;
     --probe) probe=1 ;;
+    --hash) hash=1 ;;
     --env) envs+=(--compare-env "$1"); shift ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
@@ -54,6 +58,12 @@ for t in "${trees[@]}"; do
     (
         cd "$t" || exit 1
         export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
+        if [ $hash -eq 1 ]; then
+            for P in 1 2; do
+                timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --scale 4 --tokens 2048 --ranks $P \
+                    --check --repeat 2 2>&1 | grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP$P: /"
+            done
+        fi
         [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
         timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
         [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
@@ -62,7 +72,7 @@ for t in "${trees[@]}"; do
             --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 compute"
     ) >>"$log" 2>&1
     echo "==== $t ($(grep -h "passed," "$log" | tail -1))"
-    grep -E "^(deepseek|qwen)" "$log" | cut -c1-150
+    grep -E "^(deepseek|qwen|hash)" "$log" | cut -c1-150
 done
 if [ $nccl -eq 1 ]; then
     echo "==== EP2 baseline: NCCL all-to-all + grouped GEMM (torchrun, 2 processes)"

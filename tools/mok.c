@@ -908,6 +908,8 @@ static int check_against_reference(run_state *st) {
         int same = 1;
         for (int i = 1; i < st->opt->repeat; ++i) same &= st->output_hashes[i] == st->output_hashes[0];
         printf("outputs bitwise identical over %d runs: %s\n", st->opt->repeat, same ? "yes" : "NO");
+        /* the same inputs (--seed) on another build give the same hash when it computes the same bits */
+        printf("outputs hash (FNV-1a, first run): %016llx\n", (unsigned long long)st->output_hashes[0]);
         failed |= !same;
     }
     printf("%s\n", failed ? "FAIL" : "PASS");
