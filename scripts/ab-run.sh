@@ -10,8 +10,8 @@
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
 # --compare-env, one build). --probe first builds and runs dev/icache_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
-# case. --hash runs `mok run --check --repeat 2` on a DeepSeek-V3 layer at scale 4, EP1 and EP2, in
-# every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
+# case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
+# replay, EP1 and EP2; full size, EP1) in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
 # (a change meant to keep every sum's order). Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
@@ -59,10 +59,15 @@ for t in "${trees[@]}"; do
         cd "$t" || exit 1
         export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
         if [ $hash -eq 1 ]; then
+            # scale 4 with four macrobatches (carried weight gradients) and replayed rows past the
+            # context, on 1 and 2 GPUs; then full size on one GPU (SwiGLU-backward tiles 256 wide)
             for P in 1 2; do
                 timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --scale 4 --tokens 2048 --ranks $P \
-                    --check --repeat 2 2>&1 | grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP$P: /"
+                    --minibatch 1024 --ring 4096 --context-rows 4096 --check --repeat 2 2>&1 |
+                    grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP$P scale 4: /"
             done
+            timeout 180 ./build/mok run --backend cuda --preset deepseek-v3 --tokens 1024 --check --check-tokens 8 \
+                --repeat 2 2>&1 | grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP1 full size: /"
         fi
         [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
         timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
