@@ -8,7 +8,7 @@
 # trace summary; with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
 # torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
-# --compare-env, one build). --probe first builds and runs dev/icache_probe.cu (while the trees
+# --compare-env, one build). --probe first builds and runs every dev/*_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
 # replay, EP1 and EP2; full size, EP1) in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
@@ -47,8 +47,11 @@ for t in "${trees[@]}"; do # build side by side
 done
 if [ $probe -eq 1 ]; then
     mkdir -p build
-    nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a dev/icache_probe.cu -o build/icache_probe &&
-        timeout 120 ./build/icache_probe | tee "$out/icache_probe.txt"
+    for f in dev/*_probe.cu; do
+        n=$(basename "$f" .cu)
+        nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a "$f" -o "build/$n" &&
+            timeout 120 "./build/$n" | tee "$out/$n.txt"
+    done
 fi
 wait
 for t in "${trees[@]}"; do
