@@ -51,7 +51,7 @@ if [ $probe -eq 1 ]; then
     mkdir -p build
     for f in dev/*_probe.cu; do
         n=$(basename "$f" .cu)
-        nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a "$f" -o "build/$n" &&
+        nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a "$f" -o "build/$n" &&
             timeout 120 "./build/$n" | tee "$out/$n.txt"
     done
 fi

@@ -1,0 +1,91 @@
+/* bf16x2_probe.cu — check: does cvt.rn.bf16x2.f32 round every fp32 value to the same bf16 bits as
+ * the portable rounding of src/core/portable.h (mok__bf16_from_f32), NaNs aside?
+ *
+ * Branch `bf16-cvt` (docs/perf.md, 2026-11-30 second session) rounds every epilogue through the
+ * instruction; its outputs must keep their bits. This walks all 2^32 bit patterns on the GPU as
+ * the low half of the pair (the high half gets a pseudo-random partner pattern, checked too)
+ * and counts the patterns where the two disagree: subnormals, ties, the values that overflow to Inf and the
+ * largest finite ones included. For NaN inputs it only checks that the result is a NaN (the
+ * instruction returns the canonical 0x7fff; the portable code keeps the sign and payload).
+ *
+ * Build and run from the repository root (sm_80 or newer; sm_90a here):
+ *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a dev/bf16x2_probe.cu \
+ *        -o build/bf16x2_probe && ./build/bf16x2_probe
+ * It ends with `N passed, N failed`. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/portable.h"
+
+#define TRY(x)                                                                                 \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+__device__ static inline uint32_t cvt_pair(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ static inline bool bf16_is_nan(uint16_t b) { return (b & 0x7fffu) > 0x7f80u; }
+
+/* counts[0]: non-NaN patterns whose bits differ; counts[1]: NaN patterns not giving a NaN;
+ * counts[2]: patterns checked; first[0]: one differing pattern (for the report). */
+__global__ void check(uint64_t base, unsigned long long *counts, unsigned int *first) {
+    const uint64_t i = base + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t a = (uint32_t)i, b = (uint32_t)(i * 2654435761u + 0x9e3779b9u); /* b: a partner pattern */
+    float fa, fb;
+    memcpy(&fa, &a, 4);
+    memcpy(&fb, &b, 4);
+    const uint32_t r = cvt_pair(fa, fb);
+    const uint16_t lo = (uint16_t)r, hi = (uint16_t)(r >> 16);
+    unsigned long long bad = 0, bad_nan = 0;
+    if (fa != fa) bad_nan += !bf16_is_nan(lo);
+    else if (lo != mok__bf16_from_f32(fa)) {
+        ++bad;
+        atomicCAS(first, 0u, a);
+    }
+    if (fb != fb) bad_nan += !bf16_is_nan(hi);
+    else if (hi != mok__bf16_from_f32(fb)) ++bad;
+    if (bad) atomicAdd(&counts[0], bad);
+    if (bad_nan) atomicAdd(&counts[1], bad_nan);
+}
+
+int main(void) {
+    unsigned long long *counts;
+    unsigned int *first;
+    TRY(cudaMalloc(&counts, 3 * sizeof *counts));
+    TRY(cudaMalloc(&first, sizeof *first));
+    TRY(cudaMemset(counts, 0, 3 * sizeof *counts));
+    TRY(cudaMemset(first, 0, sizeof *first));
+    const uint64_t total = 1ull << 32, per_launch = 1ull << 30;
+    const int threads = 256;
+    for (uint64_t base = 0; base < total; base += per_launch) {
+        check<<<(unsigned)(per_launch / threads), threads>>>(base, counts, first);
+        TRY(cudaGetLastError());
+    }
+    TRY(cudaDeviceSynchronize());
+    unsigned long long c[3];
+    unsigned int f;
+    TRY(cudaMemcpy(c, counts, sizeof c, cudaMemcpyDeviceToHost));
+    TRY(cudaMemcpy(&f, first, sizeof f, cudaMemcpyDeviceToHost));
+    int passed = 0, failed = 0;
+    printf("bf16x2 probe: all 2^32 fp32 patterns as the low half, and a spread of partners as the high half\n");
+    printf("non-NaN values rounded to other bits than mok__bf16_from_f32: %llu%s", c[0], c[0] ? "" : "\n");
+    if (c[0]) printf(" (e.g. 0x%08x)\n", f);
+    c[0] ? ++failed : ++passed;
+    printf("NaN values not rounded to a NaN: %llu\n", c[1]);
+    c[1] ? ++failed : ++passed;
+    printf("%d passed, %d failed\n", passed, failed);
+    TRY(cudaFree(counts));
+    TRY(cudaFree(first));
+    return failed ? 1 : 0;
+}
