@@ -9,22 +9,8 @@
 
 static size_t align64(size_t v) { return (v + 63u) & ~(size_t)63u; }
 
-/* The worst case of a pass's plan, for the bounds of its task list and counters. */
 static mok_plan worst_plan(const mok_workspace *ws) {
-    const mok_shape *s = &ws->shape;
-    mok_plan worst = {0};
-    worst.hidden = s->hidden;
-    worst.intermediate = s->intermediate;
-    worst.shared_intermediate = s->shared_intermediate;
-    worst.num_local_experts = (int)ws->num_local_experts;
-    worst.minibatch_rows = ws->config.minibatch_rows;
-    worst.ring_rows = ws->config.ring_rows;
-    worst.n_tile = CPU_N_TILE;
-    worst.n_tile_h = CPU_N_TILE;
-    worst.wgrad_tile = CPU_WGRAD_TILE;
-    worst.combine_pull = ws->config.fwd_combine == MOK_PULL;
-    worst.nranks = ws->group->nranks;
-    return worst;
+    return mok__plan_worst(ws, CPU_N_TILE, CPU_N_TILE, CPU_WGRAD_TILE);
 }
 
 static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
