@@ -9,6 +9,24 @@
 #include "internal.h"
 
 
+mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile) {
+    const mok_shape *s = &ws->shape;
+    mok_plan worst;
+    memset(&worst, 0, sizeof worst);
+    worst.hidden = s->hidden;
+    worst.intermediate = s->intermediate;
+    worst.shared_intermediate = s->shared_intermediate;
+    worst.num_local_experts = (int)ws->num_local_experts;
+    worst.minibatch_rows = ws->config.minibatch_rows;
+    worst.ring_rows = ws->config.ring_rows;
+    worst.n_tile = n_tile;
+    worst.n_tile_h = n_tile_h;
+    worst.wgrad_tile = wgrad_tile;
+    worst.combine_pull = ws->config.fwd_combine == MOK_PULL;
+    worst.nranks = ws->group->nranks;
+    return worst;
+}
+
 mok_status mok__check_ptr(const void *ptr, const char *name, int required) {
     if (!ptr) return required ? mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: must not be NULL", name) : MOK_OK;
     if ((uintptr_t)ptr % MOK_ALIGN != 0)
@@ -188,12 +206,13 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     TRY(mok_shape_validate(shape, g->nranks));
     mok_config cfg = config ? *config : g->config;
     TRY(mok_config_validate(&cfg));
-    if (cfg.fwd_dispatch != MOK_PULL || cfg.fwd_combine != MOK_PUSH || cfg.bwd_combine != MOK_PULL ||
-        cfg.bwd_dispatch != MOK_PUSH)
+    /* the cpu backend also pulls the forward's combine (core/tasks.h); the rest is not built yet */
+    const int combine_ok = cfg.fwd_combine == MOK_PUSH || (cfg.fwd_combine == MOK_PULL && g->backend == MOK_BACKEND_CPU);
+    if (cfg.fwd_dispatch != MOK_PULL || !combine_ok || cfg.bwd_combine != MOK_PULL || cfg.bwd_dispatch != MOK_PUSH)
         return mok__fail(MOK_ERR_UNSUPPORTED,
                          "config.fwd_dispatch/fwd_combine/bwd_combine/bwd_dispatch: the %s backend runs pull "
-                         "dispatch, push combine, pull reverse-combine and push reverse-dispatch only",
-                         mok_backend_name(g->backend));
+                         "dispatch, %s combine, pull reverse-combine and push reverse-dispatch only",
+                         mok_backend_name(g->backend), g->backend == MOK_BACKEND_CPU ? "push or pull" : "push");
 
     mok_workspace *ws = calloc(1, sizeof *ws);
     if (!ws) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");

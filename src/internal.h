@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/schedule.h"
+#include "core/tasks.h"
 #include "mok.h"
 
 /* Records the thread-local message (printf format) and returns `status`. */
@@ -57,6 +58,10 @@ mok_status mok__trace_write_json(const char *path, const mok_trace_event *const 
 
 /* Validation shared by every backend (api.c). */
 mok_status mok__check_ptr(const void *ptr, const char *name, int required);
+
+/* The worst case of a pass's plan on a workspace, for the bounds of its task list and counters
+ * (the backend's tile widths). */
+mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile);
 
 /* The cpu backend's cross-rank barrier (ok = 0: this rank rejected its arguments). */
 mok_status mok__cpu_barrier(mok_group *group, int local_rank, int ok);

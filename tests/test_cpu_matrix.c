@@ -769,3 +769,48 @@ MOK_TEST(cpu_recompute_context) {
     replay.context_rows = 128;
     recompute_case("recompute, context_rows 128, ring 128", &replay);
 }
+
+/* fwd_combine = MOK_PULL: every rank gathers its expert outputs from the peers' rings (GATHER
+ * tasks, core/tasks.h) instead of the peers pushing them. The rows are the same bytes, so the
+ * outputs and gradients must equal the pushed combine's bit for bit, at P = 1, 2, 4 and 8, with
+ * uneven tokens (one rank with none), skewed routing and several macrobatches; one case also
+ * against the reference. */
+MOK_TEST(cpu_combine_pull) {
+    const int quick = mok_test_quick();
+    const mok_shape s4 = make_shape(128, 128, 8, 6, 64);
+    const int sizes[] = {1, 2, 4, 8};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
+        const int P = sizes[i];
+        const mok_shape s = P == 8 ? make_shape(128, 64, 16, 4, 0) : s4;
+        int64_t tokens[MOK_MAX_RANKS];
+        for (int p = 0; p < P; ++p) tokens[p] = p == 1 ? 0 : (quick ? 40 : 64) + 9 * p;
+        for (int ring = 0; ring < 2; ++ring) {
+            mok_config push = base_config();
+            if (ring) {
+                push.minibatch_rows = 128;
+                push.ring_rows = 128;
+            }
+            mok_config pull = push;
+            pull.fwd_combine = MOK_PULL;
+            char tag[96];
+            snprintf(tag, sizeof tag, "P = %d, %s", P, ring ? "ring = minibatch = 128" : "one macrobatch");
+            layer L;
+            if (layer_make(&L, &s, P, tokens, case_seed(tag), LAYER_ROUTE_SKEWED) != 0) {
+                CHECK(0, "%s: layer_make failed", tag);
+                layer_free(&L);
+                continue;
+            }
+            layer_result a = {0}, b = {0};
+            mok_status sa = layer_run_backend(&L, &push, 0, &a), sb = layer_run_backend(&L, &pull, 0, &b);
+            CHECK(sa == MOK_OK && sb == MOK_OK, "%s: push %s / pull %s", tag, a.message, b.message);
+            if (sa == MOK_OK && sb == MOK_OK) {
+                char what[256] = "";
+                CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: pulled combine differs: %s", tag, what);
+            }
+            if (P == 4 && ring) check_layer(tag, &L, &pull, BF16_ONLY);
+            layer_result_free(&a);
+            layer_result_free(&b);
+            layer_free(&L);
+        }
+    }
+}

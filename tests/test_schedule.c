@@ -1092,3 +1092,105 @@ MOK_TEST(schedule_tasks_broken_list) {
     free(buf);
     routing_free(&rt);
 }
+
+/* ---- transfer directions: lists that name peers ------------------------------------------- */
+
+/* The forward with combine_pull on every rank of a routing: each list holds one GATHER per row
+ * tile of every rank (its own included) and no COMBINE, and the lists run together to the end
+ * with one worker per role per rank. Moving one rank's first GATHER behind all its other tasks
+ * must deadlock when a ring slot is refilled (its DISPATCH then waits on that GATHER). Returns
+ * failed checks. */
+static int check_combine_pull(const routing *rt, int mb_tiles_per_mb, int ring_mbs, const char *what) {
+    const int P = rt->P;
+    mok_sched_layout lay;
+    mok__sched_layout(&lay, P, rt->L, rt->k, rt->T_max);
+    void *buf[MAX_P];
+    mok_sched_view v[MAX_P];
+    int64_t padded[MAX_P];
+    for (int r = 0; r < P; ++r) {
+        buf[r] = sched_alloc(&lay, 0xA5);
+        sched_build(rt, &lay, buf[r], r);
+        v[r] = mok__sched_view(&lay, buf[r]);
+        padded[r] = v[r].header->padded_rows;
+    }
+    plan_case c = {0};
+    c.minibatch_rows = mb_tiles_per_mb * MOK_ROW_TILE;
+    c.ring_rows = c.minibatch_rows * ring_mbs;
+    c.context_rows = lay.max_rows;
+    c.shared = 1;
+    mok_task *tasks[MAX_P];
+    int64_t counts[MAX_P], ncounters[MAX_P], *counters[MAX_P], total = 0;
+    int bad = 0;
+    for (int r = 0; r < P; ++r) {
+        mok_plan p = plan_from(&c, &v[r], rt->L, rt->T[r], 128, 128, 128);
+        p.combine_pull = 1;
+        p.nranks = P;
+        p.rank = r;
+        p.peer_padded_rows = padded;
+        mok_counters_layout CL;
+        mok__counters_layout(&p, &CL);
+        const int64_t cap = mok__tasks_max(&p, lay.max_rows, rt->T_max);
+        tasks[r] = malloc(sizeof(mok_task) * (size_t)(cap + 1));
+        counts[r] = mok__tasks_build(&p, tasks[r], cap);
+        CHECK(counts[r] >= 0, "%s: rank %d: the list exceeds its bound %lld", what, r, (long long)cap);
+        if (counts[r] < 0) counts[r] = 0;
+        CHECK(CL.total <= mok__counters_max(&p, lay.max_rows, rt->T_max), "%s: rank %d: counters over the bound",
+              what, r);
+        ncounters[r] = CL.total;
+        counters[r] = malloc(sizeof(int64_t) * (size_t)(CL.total + 1));
+        total += counts[r];
+        /* coverage: GATHER (q, tile) once for every row tile of every rank q; no COMBINE */
+        for (int q = 0; q < P; ++q)
+            for (int64_t t = 0; t < padded[q] / MOK_ROW_TILE; ++t) {
+                int seen = 0;
+                for (int64_t i = 0; i < counts[r]; ++i)
+                    seen += tasks[r][i].kind == MOK_TASK_GATHER && tasks[r][i].peer == q && tasks[r][i].a == t;
+                CHECK(seen == 1, "%s: rank %d gathers rank %d's tile %lld %d times", what, r, q, (long long)t, seen);
+                bad += seen != 1;
+            }
+        for (int64_t i = 0; i < counts[r]; ++i) {
+            CHECK(tasks[r][i].kind != MOK_TASK_COMBINE, "%s: rank %d: a COMBINE in a combine_pull list", what, r);
+            bad += tasks[r][i].kind == MOK_TASK_COMBINE;
+        }
+    }
+    int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
+    CHECK(ran == total, "%s: the ranks' lists deadlock after %lld of %lld tasks", what, (long long)ran, (long long)total);
+    bad += ran != total;
+    /* a refill that waits on a GATHER placed after it */
+    int64_t first_gather = -1, refills = 0;
+    for (int64_t i = 0; i < counts[0]; ++i) {
+        if (tasks[0][i].kind == MOK_TASK_GATHER && first_gather < 0 && tasks[0][i].peer == 0) first_gather = i;
+        refills += tasks[0][i].kind == MOK_TASK_DISPATCH && tasks[0][i].wait[0] >= 0;
+    }
+    if (first_gather >= 0 && refills > 0) {
+        mok_task moved = tasks[0][first_gather];
+        memmove(&tasks[0][first_gather], &tasks[0][first_gather + 1],
+                sizeof(mok_task) * (size_t)(counts[0] - first_gather - 1));
+        tasks[0][counts[0] - 1] = moved;
+        ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
+        CHECK(ran < total, "%s: a GATHER moved behind the refill it frees is not a deadlock", what);
+        bad += ran >= total;
+    }
+    for (int r = 0; r < P; ++r) {
+        free(tasks[r]);
+        free(counters[r]);
+        free(buf[r]);
+    }
+    return bad;
+}
+
+MOK_TEST(schedule_combine_pull_ranks) {
+    rng r = rng_for(7);
+    const int cases = mok_test_quick() ? 40 : 120;
+    int failures = 0;
+    for (int c = 0; c < cases && failures < 8; ++c) {
+        routing rt;
+        routing_random(&rt, &r, 1 + c % MAX_P, 700);
+        char what[128];
+        const int mb = (int)rng_range(&r, 1, 2), ring = (int)rng_range(&r, 1, 3);
+        snprintf(what, sizeof what, "case %d (P %d E_local %d k %d T_max %lld mb %d ring %d)", c, rt.P, rt.L, rt.k,
+                 (long long)rt.T_max, mb * MOK_ROW_TILE, ring);
+        failures += check_combine_pull(&rt, mb, ring, what);
+        routing_free(&rt);
+    }
+}

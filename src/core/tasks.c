@@ -9,12 +9,24 @@
 
 static MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* The rows the counter blocks are sized for: the rank's own, or with combine_pull the most of
+ * any rank, so that the blocks peers address (down_tile, combined: the first five blocks depend
+ * on nothing else) sit at the same offsets on every rank. */
+static MOK_HD int64_t layout_rows(const mok_plan *plan) {
+    int64_t rows = plan->padded_rows;
+    if (plan->combine_pull && plan->peer_padded_rows) /* a worst-case plan has none: its own rows bound all */
+        for (int r = 0; r < plan->nranks; ++r)
+            if (plan->peer_padded_rows[r] > rows) rows = plan->peer_padded_rows[r];
+    return rows;
+}
+
 MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l) {
-    int64_t nmb = ceil_div(plan->padded_rows, plan->minibatch_rows);
-    int64_t nmacro = ceil_div(plan->padded_rows, plan->ring_rows);
+    const int64_t rows = layout_rows(plan);
+    int64_t nmb = ceil_div(rows, plan->minibatch_rows);
+    int64_t nmacro = ceil_div(rows, plan->ring_rows);
     int64_t ntt = ceil_div(plan->num_tokens, MOK_ROW_TILE);
     int64_t off = 0;
-    int64_t nrt = ceil_div(plan->padded_rows, MOK_ROW_TILE);
+    int64_t nrt = ceil_div(rows, MOK_ROW_TILE);
     l->num_minibatches = nmb;
     l->num_macrobatches = nmacro;
     l->num_token_tiles = ntt;
@@ -61,6 +73,7 @@ MOK_CORE const char *mok__task_kind_name(int kind) {
     case MOK_TASK_WGRAD: return "wgrad";
     case MOK_TASK_SHARED_WGRAD: return "shared_wgrad";
     case MOK_TASK_WGRAD_ZERO: return "wgrad_zero";
+    case MOK_TASK_GATHER: return "gather";
     }
     return "?";
 }
@@ -117,9 +130,11 @@ typedef struct emitter {
     int64_t cap, count;
 } emitter;
 
-static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int64_t first_tile, int64_t num_tiles,
-                        int64_t n_tiles, int64_t done0, int done_per_tile, int64_t done1, int64_t wait0,
-                        int64_t target0, int wait_per_tile, int64_t wait1, int64_t target1) {
+/* A group whose waits and bumps may be on a peer's counters (wait[0] and done[0] only). */
+static MOK_HD void emit_peer(emitter *em, int kind, int role, int64_t minibatch, int64_t first_tile,
+                             int64_t num_tiles, int64_t n_tiles, int64_t done0, int done_per_tile, int64_t done1,
+                             int64_t wait0, int64_t target0, int wait_per_tile, int64_t wait1, int64_t target1,
+                             int peer, int wait_peer, int done_peer) {
     mok_task_group g;
     g.kind = (int16_t)kind;
     g.role = (int16_t)role;
@@ -135,6 +150,10 @@ static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int6
     g.done[1] = (int32_t)done1;
     g.wait_per_tile = (int8_t)wait_per_tile;
     g.done_per_tile = (int8_t)done_per_tile;
+    g.peer = (int8_t)peer;
+    g.wait_peer = (int8_t)wait_peer;
+    g.done_peer = (int8_t)done_peer;
+    g.reserved = 0;
     /* runs only pay for GEMMs with several sub-tiles per tile (compute role, not weight gradients) */
     g.raster = (int16_t)(role == MOK_ROLE_COMPUTE && n_tiles > 1 && num_tiles > 1 && kind != MOK_TASK_WGRAD &&
                                  kind != MOK_TASK_SHARED_WGRAD && em->plan->raster > 1
@@ -148,6 +167,14 @@ static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int6
     }
     for (int64_t t = 0; t < num_tiles * n_tiles; ++t, ++em->count)
         if (em->count < em->cap) mok__group_task(em->plan, &g, t, &em->tasks[em->count]);
+}
+
+/* A group on this rank's counters only. */
+static MOK_HD void emit(emitter *em, int kind, int role, int64_t minibatch, int64_t first_tile, int64_t num_tiles,
+                        int64_t n_tiles, int64_t done0, int done_per_tile, int64_t done1, int64_t wait0,
+                        int64_t target0, int wait_per_tile, int64_t wait1, int64_t target1) {
+    emit_peer(em, kind, role, minibatch, first_tile, num_tiles, n_tiles, done0, done_per_tile, done1, wait0, target0,
+              wait_per_tile, wait1, target1, -1, -1, -1);
 }
 
 MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *g, int64_t t, mok_task *task) {
@@ -179,6 +206,9 @@ MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *g, int
     task->target[1] = g->target[1];
     task->done[0] = g->done[0] < 0 ? -1 : g->done[0] + (g->done_per_tile ? (int32_t)(tile - g->first_tile) : 0);
     task->done[1] = g->done[1];
+    task->peer = g->peer;
+    task->wait_peer = g->wait_peer;
+    task->done_peer = g->done_peer;
 }
 
 /* Row tiles [first, end) of minibatch b. */
@@ -208,8 +238,12 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
     if (p->recompute && p->context_rows < rows) rows = p->context_rows;
     const int64_t nmb = ceil_div(rows, p->minibatch_rows);
     const int64_t ring_mbs = p->ring_rows / p->minibatch_rows, ahead = lookahead(p);
+    /* combine_pull: a ring slot is free once every rank has gathered from its tile, and the
+       list runs over the minibatches of every rank (it gathers from peers with more) */
+    const int pull = p->combine_pull && !p->recompute;
+    const int64_t gatherers = pull ? p->nranks : 1, nmb_all = pull ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
     int64_t next = 0;
-    for (int64_t b = 0; b < nmb; ++b) {
+    for (int64_t b = 0; b < nmb_all; ++b) {
         while (next < nmb && next <= b + ahead && next - ring_mbs <= b - 1) {
             int64_t t0, t1, wait = -1, target = 0;
             mb_tiles(p, rows, next, &t0, &t1);
@@ -217,24 +251,38 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
                 int64_t prev = next - ring_mbs, q0, q1;
                 mb_tiles(p, rows, prev, &q0, &q1);
                 wait = p->recompute ? L->gateup_done + prev : L->combined + prev;
-                target = p->recompute ? (q1 - q0) * nI : (q1 - q0);
+                target = p->recompute ? (q1 - q0) * nI : (q1 - q0) * gatherers;
             }
             emit(em, MOK_TASK_DISPATCH, MOK_ROLE_COMM, next, t0, t1 - t0, 1, L->dispatched + next, 0, -1, wait, target,
                  0, -1, 0);
             ++next;
         }
-        int64_t t0, t1;
-        mb_tiles(p, rows, b, &t0, &t1);
-        const int64_t tiles = t1 - t0;
-        /* gate/up bumps its row tile's counter (down waits on it) and the minibatch's (a recompute
-           pass refills the ring slot after it); down and combine hand over per row tile */
-        emit(em, MOK_TASK_GATEUP, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->gateup_tile + t0, 1, L->gateup_done + b,
-             L->dispatched + b, tiles, 0, -1, 0);
-        if (p->recompute) continue;
-        emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->down_tile + t0, 1, -1, L->gateup_tile + t0, nI,
-             1, -1, 0);
-        emit(em, MOK_TASK_COMBINE, MOK_ROLE_COMM, b, t0, tiles, 1, L->combined + b, 0, -1, L->down_tile + t0, nH, 1,
-             -1, 0);
+        if (b < nmb) {
+            int64_t t0, t1;
+            mb_tiles(p, rows, b, &t0, &t1);
+            const int64_t tiles = t1 - t0;
+            /* gate/up bumps its row tile's counter (down waits on it) and the minibatch's (a
+               recompute pass refills the ring slot after it); down and combine hand over per row
+               tile */
+            emit(em, MOK_TASK_GATEUP, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->gateup_tile + t0, 1, L->gateup_done + b,
+                 L->dispatched + b, tiles, 0, -1, 0);
+            if (p->recompute) continue;
+            emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->down_tile + t0, 1, -1, L->gateup_tile + t0,
+                 nI, 1, -1, 0);
+            if (!pull)
+                emit(em, MOK_TASK_COMBINE, MOK_ROLE_COMM, b, t0, tiles, 1, L->combined + b, 0, -1, L->down_tile + t0, nH,
+                     1, -1, 0);
+        }
+        /* each rank's row tiles of minibatch b, in rank order: the counter offsets are the same
+           on every rank (mok__counters_layout) */
+        for (int r = 0; pull && r < p->nranks; ++r) {
+            const int64_t rr = p->peer_padded_rows[r];
+            if (b >= ceil_div(rr, p->minibatch_rows)) continue;
+            int64_t t0, t1;
+            mb_tiles(p, rr, b, &t0, &t1);
+            emit_peer(em, MOK_TASK_GATHER, MOK_ROLE_COMM, b, t0, t1 - t0, 1, L->combined + b, 0, -1, L->down_tile + t0,
+                      nH, 1, -1, 0, r, r, r);
+        }
     }
 }
 
@@ -356,7 +404,8 @@ MOK_CORE int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     int64_t wg = (p->num_local_experts + max_macro) * mok__wgrad_tiles(p, p->intermediate);
     int64_t shared = ntt * (nIs + nH) + mok__wgrad_tiles(p, p->shared_intermediate);
-    return tiles * per_tile + wg + shared + p->num_local_experts;
+    int64_t gathers = p->combine_pull ? (int64_t)p->nranks * tiles : 0;
+    return tiles * per_tile + wg + shared + p->num_local_experts + gathers;
 }
 
 MOK_CORE int64_t mok__groups_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {
@@ -365,13 +414,15 @@ MOK_CORE int64_t mok__groups_max(const mok_plan *p, int64_t max_rows, int64_t ma
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     /* per minibatch at most 4 groups (forward) or 4 (backward); weight gradients one group per
        (expert, macrobatch it has rows in); the shared expert 3; zeroing one per expert */
-    return 4 * nmb + (p->num_local_experts + max_macro) + 3 + p->num_local_experts;
+    return 4 * nmb + (p->num_local_experts + max_macro) + 3 + p->num_local_experts +
+           (p->combine_pull ? (int64_t)p->nranks * nmb : 0);
 }
 
 MOK_CORE int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {
     mok_plan worst = *p;
     worst.padded_rows = max_rows;
     worst.num_tokens = max_tokens;
+    worst.peer_padded_rows = 0; /* max_rows bounds every rank's */
     mok_counters_layout L;
     mok__counters_layout(&worst, &L);
     return L.total;
@@ -395,5 +446,44 @@ int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_count
         }
     }
     return 0;
+}
+
+/* One worker per (rank, role): the head of each role's subsequence runs when its waits are met.
+ * Rounds over all heads until a round makes no progress. */
+int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const int64_t *counts,
+                               const int64_t *num_counters, int64_t *const *counters) {
+    int64_t cursor[MOK_MAX_RANKS][2], done = 0;
+    for (int r = 0; r < nranks; ++r) {
+        cursor[r][0] = cursor[r][1] = 0;
+        for (int64_t c = 0; c < num_counters[r]; ++c) counters[r][c] = 0;
+    }
+    for (int progress = 1; progress;) {
+        progress = 0;
+        for (int r = 0; r < nranks; ++r)
+            for (int role = 0; role < 2; ++role) {
+                for (;;) {
+                    int64_t *i = &cursor[r][role];
+                    while (*i < counts[r] && tasks[r][*i].role != role) ++*i;
+                    if (*i >= counts[r]) break;
+                    const mok_task *t = &tasks[r][*i];
+                    int ready = 1;
+                    for (int w = 0; w < 2 && ready; ++w) {
+                        if (t->wait[w] < 0) continue;
+                        const int q = w == 0 && t->wait_peer >= 0 ? t->wait_peer : r;
+                        ready = q < nranks && t->wait[w] < num_counters[q] && counters[q][t->wait[w]] >= t->target[w];
+                    }
+                    if (!ready) break;
+                    for (int d = 0; d < 2; ++d) {
+                        if (t->done[d] < 0) continue;
+                        const int q = d == 0 && t->done_peer >= 0 ? t->done_peer : r;
+                        if (q < nranks && t->done[d] < num_counters[q]) counters[q][t->done[d]] += 1;
+                    }
+                    ++*i;
+                    ++done;
+                    progress = 1;
+                }
+            }
+    }
+    return done;
 }
 #endif

@@ -8,7 +8,15 @@
  *
  * Counters are per minibatch, per row tile (the GEMM-to-GEMM and GEMM-to-transfer hand-offs: a
  * down tile waits only for the gate/up tiles of its own rows), per shared row tile or per
- * macrobatch, and only grow within a pass; a task's wait is "counter >= target". Portable C: built on the host for the cpu backend,
+ * macrobatch, and only grow within a pass; a task's wait is "counter >= target".
+ *
+ * Transfer directions (DESIGN 2.4). By default every wait and every bump is on the rank's own
+ * counters. With plan.combine_pull the forward's combine is pulled: each rank gathers the rows
+ * it owns from every peer's ring (GATHER tasks, one per peer row tile), waiting on that peer's
+ * down-tile counter and bumping that peer's `combined` counter, so a wait or a bump may name a
+ * peer (wait_peer, done_peer). Deadlock freedom then spans the ranks: every rank lays its list
+ * out by minibatch index over the largest minibatch count of any rank, so that all lists
+ * project one global order; mok__tasks_check_ranks simulates the lists together. Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */
 #ifndef MOK_CORE_TASKS_H
 #define MOK_CORE_TASKS_H
@@ -41,6 +49,7 @@ enum mok_task_kind {
     MOK_TASK_WGRAD,         /* one weight-gradient tile of a local expert over a macrobatch's rows */
     MOK_TASK_SHARED_WGRAD,  /* one weight-gradient tile of the shared expert over all local tokens */
     MOK_TASK_WGRAD_ZERO,    /* zero the gradients of an expert that received no rows (bf16 mode) */
+    MOK_TASK_GATHER,        /* forward, combine_pull: this rank's expert outputs of peer `peer`'s row tile a */
     MOK_TASK_NUM_KINDS
 };
 
@@ -56,6 +65,9 @@ typedef struct mok_task {
     int32_t done[2];     /* counters bumped when done, -1 none */
     int32_t wait[2];     /* counters waited on, -1 none */
     int32_t target[2];
+    int32_t peer;        /* GATHER: the rank whose ring it reads; else -1 */
+    int32_t wait_peer;   /* the rank whose counter wait[0] is; -1: this rank (wait[1] is always its own) */
+    int32_t done_peer;   /* the rank whose counter done[0] is; -1: this rank (done[1] is always its own) */
 } mok_task;
 
 /* What the list is built from. Tiles: rows MOK_ROW_TILE; n_tile columns for the routed and
@@ -77,6 +89,11 @@ typedef struct mok_plan {
     int raster;         /* GEMM groups walk their tiles in runs of `raster` (mok__group_tile); 0, 1: tile-major */
     const int64_t *expert_start; /* [E_local + 1] padded row offsets */
     const int64_t *expert_rows;  /* [E_local] */
+    /* Transfer directions other than the default (zero: pull dispatch, push combine, pull
+       reverse-combine, push reverse-dispatch, and the fields below unused). */
+    int combine_pull;            /* forward: owners gather expert outputs from the peers' rings */
+    int nranks, rank;
+    const int64_t *peer_padded_rows; /* [nranks]: every rank's padded rows (combine_pull) */
 } mok_plan;
 
 /* Counter layout for a plan: [kind-major blocks]. */
@@ -109,6 +126,8 @@ typedef struct mok_task_group {
     int8_t wait_per_tile;          /* wait[0] + (tile - first_tile) */
     int8_t done_per_tile;          /* done[0] + (tile - first_tile) */
     int16_t raster;                /* tiles per run of the walk (mok__group_tile); 0, 1: tile-major */
+    int8_t peer, wait_peer, done_peer; /* as in mok_task; -1 none / this rank */
+    int8_t reserved;
 } mok_task_group;
 
 /* Task t of a group: its tile and sub-tile. Tile-major by default (all sub-tiles of a tile, then the
@@ -147,9 +166,15 @@ MOK_CORE void mok__wgrad_tile(const mok_plan *plan, int64_t inter, int64_t t, in
                               int64_t *col_tile);
 
 /* Returns 0 if every wait of every task is satisfied by tasks earlier in the list; else the
- * index + 1 of the first task that breaks it. scratch: num_counters int64 (host only). */
+ * index + 1 of the first task that breaks it. scratch: num_counters int64 (host only). Lists
+ * that name peers (wait_peer, done_peer) need mok__tasks_check_ranks. */
 #ifndef __CUDACC__
 int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch);
+/* The lists of ranks 0..nranks-1 run together, one worker per role per rank, each role's tasks
+ * in list order, counters per rank: returns the number of tasks that ran (the sum of counts when
+ * none deadlocks). counters[r]: num_counters[r] int64 of rank r (zeroed here). */
+int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const int64_t *counts,
+                               const int64_t *num_counters, int64_t *const *counters);
 #endif
 
 /* The task kind's name, for traces. */

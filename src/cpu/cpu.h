@@ -49,6 +49,11 @@ typedef struct cpu_sym_layout {
     size_t dxbuf;    /* bf16 [T_max * k, H]: routed dx parts pushed in by the experts' owners */
     size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
     size_t tokens;   /* i64: this rank's T for the current pass */
+    /* Read by peers only when a transfer direction other than the default is on (core/tasks.h): */
+    size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs (cpu_rank.ring_y) */
+    size_t counters; /* i64 [counters_cap]: the rank's counters (cpu_rank.counters) */
+    size_t sched;    /* the rank's schedule of the current pass, copied in before the start barrier */
+    size_t failed;   /* i32: set when this rank's pass stops early; peers waiting on it stop too */
     size_t bytes;
 } cpu_sym_layout;
 
@@ -61,7 +66,7 @@ typedef struct cpu_rank {
     /* ring: row i of a pass lives in slot i % ring_rows */
     uint16_t *ring_x;   /* [ring, H] */
     uint16_t *ring_h;   /* [ring, I] */
-    uint16_t *ring_y;   /* [ring, H]: expert outputs (forward), dx parts (backward) */
+    uint16_t *ring_y;   /* [ring, H]: expert outputs (forward), dx parts (backward); in the region */
     uint16_t *ring_dy;  /* [ring, H] */
     float *ring_w;      /* [ring] router weight of each row */
     uint16_t *ring_dgu; /* [ring, 2I]: dg then du */
@@ -76,7 +81,7 @@ typedef struct cpu_rank {
     /* the pass */
     mok_task *tasks;
     int64_t tasks_cap, num_tasks;
-    _Atomic int64_t *counters;
+    _Atomic int64_t *counters;    /* in the region: peers wait on and bump them (combine_pull) */
     int64_t counters_cap;
     _Atomic int64_t cursor[2];
     _Atomic int abort;            /* a worker failed: the others stop waiting */
@@ -109,6 +114,7 @@ typedef struct cpu_pass {
     mok_sched_view sched;
     mok_plan plan;
     mok_counters_layout counters;
+    int64_t peer_padded_rows[MOK_MAX_RANKS]; /* plan.peer_padded_rows with combine_pull */
 } cpu_pass;
 
 enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };

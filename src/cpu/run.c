@@ -26,11 +26,28 @@ typedef struct worker_job {
 
 /* ---- task execution ------------------------------------------------------------------------ */
 
-static int wait_counter(cpu_rank *R, int32_t counter, int32_t target) {
+/* The counters a task's wait[0] / done[0] names: this rank's, or peer q's (in q's region). */
+static _Atomic int64_t *counters_of(const cpu_pass *pass, int q) {
+    return q < 0 ? pass->R->counters : (_Atomic int64_t *)(pass->R->peers[q] + pass->cw->sym.counters);
+}
+
+/* Stops this rank's pass: its workers stop waiting, and so do peers' workers waiting on it. */
+static void abort_pass(const cpu_pass *pass) {
+    atomic_store(&pass->R->abort, 1);
+    atomic_store((_Atomic int32_t *)(pass->R->region + pass->cw->sym.failed), 1);
+}
+
+/* Spins until counters[counter] >= target; 0 if this rank's pass stopped, or peer q's (q >= 0:
+ * the counter is q's). */
+static int wait_counter(const cpu_pass *pass, int q, int32_t counter, int32_t target) {
     if (counter < 0) return 1;
+    cpu_rank *R = pass->R;
+    _Atomic int64_t *counters = counters_of(pass, q);
+    _Atomic int32_t *peer_failed = q < 0 ? NULL : (_Atomic int32_t *)(R->peers[q] + pass->cw->sym.failed);
     int round = 0;
-    while (atomic_load_explicit(&R->counters[counter], memory_order_acquire) < target) {
+    while (atomic_load_explicit(&counters[counter], memory_order_acquire) < target) {
         if (atomic_load_explicit(&R->abort, memory_order_relaxed)) return 0;
+        if (peer_failed && atomic_load_explicit(peer_failed, memory_order_relaxed)) return 0;
         if (++round > 64) sched_yield();
     }
     return 1;
@@ -46,7 +63,11 @@ static void *worker_main(void *arg) {
         if (i >= R->num_tasks) break;
         const mok_task *t = &R->tasks[i];
         if (t->role != job->role) continue;
-        if (!wait_counter(R, t->wait[0], t->target[0]) || !wait_counter(R, t->wait[1], t->target[1])) break;
+        if (!wait_counter(pass, t->wait_peer, t->wait[0], t->target[0]) ||
+            !wait_counter(pass, -1, t->wait[1], t->target[1])) {
+            abort_pass(pass); /* a task of this rank will not run: the pass has failed */
+            break;
+        }
         int64_t start = R->trace ? mok__cpu_now_ns() : 0;
         if (pass->kind == CPU_PASS_BACKWARD) mok__cpu_run_backward_task(pass, t, scratch);
         else mok__cpu_run_forward_task(pass, t, scratch);
@@ -63,16 +84,18 @@ static void *worker_main(void *arg) {
                                                 .start_ns = start,
                                                 .end_ns = mok__cpu_now_ns()};
         }
-        /* NOTE: release: the tile's writes are visible to whoever acquires this counter. */
+        /* NOTE: release: the tile's writes are visible to whoever acquires this counter (a peer's
+           counter too, with combine_pull). */
         for (int d = 0; d < 2; ++d)
-            if (t->done[d] >= 0) atomic_fetch_add_explicit(&R->counters[t->done[d]], 1, memory_order_release);
+            if (t->done[d] >= 0)
+                atomic_fetch_add_explicit(&counters_of(pass, d == 0 ? t->done_peer : -1)[t->done[d]], 1,
+                                          memory_order_release);
     }
     return NULL;
 }
 
 static mok_status run_workers(cpu_pass *pass) {
     cpu_workspace *cw = pass->cw;
-    cpu_rank *R = pass->R;
     worker_job jobs[1024];
     pthread_t threads[1024];
     int n = cw->workers;
@@ -82,7 +105,7 @@ static mok_status run_workers(cpu_pass *pass) {
         if (pthread_create(&threads[w], NULL, worker_main, &jobs[w]) != 0) break;
     if (started < n) {
         /* Too few threads for both roles would leave tasks unclaimed: stop the ones we have. */
-        atomic_store(&R->abort, 1);
+        abort_pass(pass);
         for (int w = 1; w < started; ++w) pthread_join(threads[w], NULL);
         return mok__fail(MOK_ERR_BACKEND, "cpu backend: could not start %d worker threads", n);
     }
@@ -112,6 +135,25 @@ static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t nu
     return MOK_OK;
 }
 
+/* The pass's task list and counter layout from its plan. With combine_pull it also needs every
+ * rank's padded rows, from the schedules the ranks copied into their regions: call it after the
+ * start barrier then. */
+static mok_status build_list(cpu_pass *pass) {
+    cpu_rank *R = pass->R;
+    mok_plan *p = &pass->plan;
+    int64_t *padded = pass->peer_padded_rows;
+    if (p->combine_pull) {
+        for (int q = 0; q < p->nranks; ++q)
+            padded[q] = ((const mok_sched_header *)(R->peers[q] + pass->cw->sym.sched))->padded_rows;
+        p->peer_padded_rows = padded;
+    }
+    mok__counters_layout(p, &pass->counters);
+    R->num_tasks = mok__tasks_build(p, R->tasks, R->tasks_cap);
+    if (R->num_tasks < 0 || pass->counters.total > R->counters_cap)
+        return mok__fail(MOK_ERR_INTERNAL, "cpu backend: task list larger than its bound");
+    return MOK_OK;
+}
+
 static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedule, int accumulate) {
     mok_workspace *ws = pass->ws;
     cpu_rank *R = pass->R;
@@ -136,11 +178,18 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     p->wgrad_tile = CPU_WGRAD_TILE;
     p->expert_start = pass->sched.expert_start;
     p->expert_rows = pass->sched.expert_rows;
-    mok__counters_layout(p, &pass->counters);
-    R->num_tasks = mok__tasks_build(p, R->tasks, R->tasks_cap);
-    if (R->num_tasks < 0 || pass->counters.total > R->counters_cap)
-        return mok__fail(MOK_ERR_INTERNAL, "cpu backend: task list larger than its bound");
-    for (int64_t c = 0; c < pass->counters.total; ++c) atomic_store_explicit(&R->counters[c], 0, memory_order_relaxed);
+    p->combine_pull = pass->kind == CPU_PASS_FORWARD && ws->config.fwd_combine == MOK_PULL;
+    p->nranks = ws->group->nranks;
+    p->rank = R->rank;
+    /* every counter, before the start barrier: after it, peers may bump this rank's */
+    for (int64_t c = 0; c < R->counters_cap; ++c) atomic_store_explicit(&R->counters[c], 0, memory_order_relaxed);
+    atomic_store((_Atomic int32_t *)(R->region + pass->cw->sym.failed), 0);
+    if (p->combine_pull) { /* peers read the schedule; the list needs theirs (build_list) */
+        memcpy(R->region + pass->cw->sym.sched, schedule, ws->sched_layout.bytes);
+    } else {
+        mok_status bst = build_list(pass);
+        if (bst != MOK_OK) return bst;
+    }
     atomic_store(&R->cursor[0], 0);
     atomic_store(&R->cursor[1], 0);
     atomic_store(&R->abort, 0);
@@ -229,7 +278,13 @@ static mok_status run_pass(rank_job *job) {
     mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
     if (st != MOK_OK) return mok__fail(st, "%s", message);
     if (bst != MOK_OK) return bst;
-    st = run_workers(&pass);
+    if (pass.plan.combine_pull) {
+        st = build_list(&pass);
+        if (st != MOK_OK) abort_pass(&pass); /* its workers run nothing; peers waiting on it stop */
+    }
+    if (st == MOK_OK) st = run_workers(&pass);
+    if (st == MOK_OK && atomic_load(&R->abort))
+        st = mok__fail(MOK_ERR_BACKEND, "cpu backend: the pass stopped early (a peer's pass failed)");
     /* End barrier: every push into this rank's buffers has landed, and no peer still reads from
        this rank's region. */
     bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);

@@ -144,6 +144,20 @@ static void combine(cpu_pass *pass, int64_t rt) {
     }
 }
 
+/* combine_pull: the rows of peer q's row tile rt that this rank owns, from q's ring into this
+ * rank's combine buffer; q's schedule is the copy in its region. */
+static void gather(cpu_pass *pass, int q, int64_t rt) {
+    const int64_t H = pass->ws->shape.hidden, ring = pass->ws->config.ring_rows;
+    cpu_rank *R = pass->R;
+    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
+    const uint16_t *ring_y = (const uint16_t *)(R->peers[q] + L->ring_y);
+    uint16_t *comb = (uint16_t *)(R->region + L->comb);
+    for (int64_t row = rt * MOK_ROW_TILE; row < (rt + 1) * MOK_ROW_TILE; ++row)
+        if (v.row_peer[row] == R->rank)
+            memcpy(comb + (int64_t)v.row_slot[row] * H, ring_y + (row % ring) * H, (size_t)H * 2);
+}
+
 void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *t, float *scratch) {
     switch (t->kind) {
     case MOK_TASK_SHARED_UP: shared_up(pass, t->a, t->b, scratch); break;
@@ -152,6 +166,7 @@ void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *t, float *scratch
     case MOK_TASK_GATEUP: gateup(pass, t->a, t->b, scratch); break;
     case MOK_TASK_DOWN: down(pass, t->a, t->b, scratch); break;
     case MOK_TASK_COMBINE: combine(pass, t->a); break;
+    case MOK_TASK_GATHER: gather(pass, t->peer, t->a); break;
     default: break;
     }
 }

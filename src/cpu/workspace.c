@@ -9,8 +9,15 @@
 
 static size_t align64(size_t v) { return (v + 63u) & ~(size_t)63u; }
 
-static void sym_layout(cpu_sym_layout *L, const mok_shape *s) {
+static mok_plan worst_plan(const mok_workspace *ws) {
+    return mok__plan_worst(ws, CPU_N_TILE, CPU_N_TILE, CPU_WGRAD_TILE);
+}
+
+static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
+    const mok_shape *s = &ws->shape;
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
+    const mok_plan worst = worst_plan(ws);
+    const size_t counters = (size_t)mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     L->tokens = off; off = align64(off + sizeof(int64_t));
     L->x = off; off = align64(off + T * H * 2);
     L->router_w = off; off = align64(off + T * k * 4);
@@ -19,6 +26,10 @@ static void sym_layout(cpu_sym_layout *L, const mok_shape *s) {
     L->dy = off; off = align64(off + T * H * 2);
     L->dxbuf = off; off = align64(off + T * k * H * 2);
     L->drw = off; off = align64(off + T * k * 4);
+    L->ring_y = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
+    L->counters = off; off = align64(off + counters * sizeof(int64_t));
+    L->sched = off; off = align64(off + ws->sched_layout.bytes);
+    L->failed = off; off = align64(off + sizeof(int32_t));
     L->bytes = off;
 }
 
@@ -28,11 +39,11 @@ static void *alloc_bytes(size_t bytes, size_t *total) {
 }
 
 static void rank_free(cpu_rank *R) {
-    free(R->region);
-    free(R->ring_x); free(R->ring_h); free(R->ring_y); free(R->ring_dy); free(R->ring_w);
+    free(R->region); /* ring_y and counters live in it */
+    free(R->ring_x); free(R->ring_h); free(R->ring_dy); free(R->ring_w);
     free(R->ring_dgu); free(R->ring_rdot);
     free(R->sh_h); free(R->sh_out); free(R->sh_dgu);
-    free(R->carry); free(R->tasks); free((void *)R->counters); free(R->scratch); free(R->trace);
+    free(R->carry); free(R->tasks); free(R->scratch); free(R->trace);
     memset(R, 0, sizeof *R);
 }
 
@@ -42,16 +53,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
     const int64_t max_rows = ws->sched_layout.max_rows;
 
-    mok_plan worst = {0};
-    worst.hidden = s->hidden;
-    worst.intermediate = s->intermediate;
-    worst.shared_intermediate = s->shared_intermediate;
-    worst.num_local_experts = (int)ws->num_local_experts;
-    worst.minibatch_rows = ws->config.minibatch_rows;
-    worst.ring_rows = ws->config.ring_rows;
-    worst.n_tile = CPU_N_TILE;
-    worst.n_tile_h = CPU_N_TILE;
-    worst.wgrad_tile = CPU_WGRAD_TILE;
+    const mok_plan worst = worst_plan(ws);
     R->tasks_cap = mok__tasks_max(&worst, max_rows, s->max_tokens);
     R->counters_cap = mok__counters_max(&worst, max_rows, s->max_tokens);
     int64_t max_macro = (max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
@@ -65,7 +67,6 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->region = alloc_bytes(cw->sym.bytes, total);
     R->ring_x = alloc_bytes(ring * H * 2, total);
     R->ring_h = alloc_bytes(ring * I * 2, total);
-    R->ring_y = alloc_bytes(ring * H * 2, total);
     R->ring_dy = alloc_bytes(ring * H * 2, total);
     R->ring_w = alloc_bytes(ring * 4, total);
     R->ring_dgu = alloc_bytes(ring * 2 * I * 2, total);
@@ -75,19 +76,20 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->sh_dgu = alloc_bytes(T * 2 * Is * 2, total);
     R->carry = alloc_bytes((size_t)R->carry_slots * 3 * I * H * 4, total);
     R->tasks = alloc_bytes((size_t)R->tasks_cap * sizeof(mok_task), total);
-    R->counters = alloc_bytes((size_t)R->counters_cap * sizeof(int64_t), total);
     R->scratch = alloc_bytes((size_t)cw->workers * R->scratch_floats * 4, total);
     if (ws->config.trace) {
         R->trace_cap = R->tasks_cap + 16;
         R->trace = alloc_bytes((size_t)R->trace_cap * sizeof(mok_trace_event), total);
     }
-    if (!R->region || !R->ring_x || !R->ring_h || !R->ring_y || !R->ring_dy || !R->ring_w || !R->ring_dgu ||
-        !R->ring_rdot || !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->counters ||
-        !R->scratch || (ws->config.trace && !R->trace)) {
+    if (!R->region || !R->ring_x || !R->ring_h || !R->ring_dy || !R->ring_w || !R->ring_dgu || !R->ring_rdot ||
+        !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->scratch ||
+        (ws->config.trace && !R->trace)) {
         rank_free(R);
         return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory (%zu bytes per rank)", *total);
     }
     memset(R->region, 0, cw->sym.bytes);
+    R->ring_y = (uint16_t *)(R->region + cw->sym.ring_y);
+    R->counters = (_Atomic int64_t *)(R->region + cw->sym.counters);
     return MOK_OK;
 }
 
@@ -103,7 +105,7 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     cpu_domain *d = cg->domain;
     cpu_workspace *cw = calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
-    sym_layout(&cw->sym, &ws->shape);
+    sym_layout(&cw->sym, ws);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     /* Auto: every core computes; the movers come on top (they sleep in memcpy-sized bursts). */
     cw->workers = ws->config.cpu_threads ? ws->config.cpu_threads

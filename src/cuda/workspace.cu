@@ -192,17 +192,8 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     const mok_shape *s = &ws->shape;
     const size_t ring = (size_t)ws->config.ring_rows, H = (size_t)s->hidden, I = (size_t)s->intermediate;
     const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
-    mok_plan worst;
-    memset(&worst, 0, sizeof worst);
-    worst.hidden = s->hidden;
-    worst.intermediate = s->intermediate;
-    worst.shared_intermediate = s->shared_intermediate;
-    worst.num_local_experts = (int)ws->num_local_experts;
-    worst.minibatch_rows = ws->config.minibatch_rows;
-    worst.ring_rows = ws->config.ring_rows;
-    worst.n_tile = CUDA_N_TILE;
-    worst.n_tile_h = CUDA_N_TILE;
-    worst.wgrad_tile = CUDA_WGRAD_M; /* square 128 x 128: more tiles than the real 128 x 256 */
+    /* weight-gradient tiles square 128 x 128: more tiles than the real 128 x 256 */
+    const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
     R->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->peers, sizeof(char *) * MOK_MAX_RANKS);
     ALLOC(R->ring_x, ring * H * 2);
