@@ -116,7 +116,8 @@ typedef struct mok_config {
     int fwd_combine;        /* MOK_PUSH; MOK_PULL on the cpu backend (each rank gathers its
                                expert outputs from the peers' rings; MOK_ERR_UNSUPPORTED on cuda) */
     int bwd_combine;        /* reverse-combine of dy: MOK_PULL (the only one built yet) */
-    int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH (the only one built yet) */
+    int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH; MOK_PULL on the cpu backend
+                               (each rank gathers its dx parts and router-weight gradients) */
     int trace;              /* 1: record each worker's tasks for mok_trace_write */
 } mok_config;
 

@@ -494,17 +494,19 @@ MOK_TEST(api_config_rules) {
 
     /* Directions the cpu backend does not run: valid values, unsupported here. Through the
        workspace's own config, and through the group's (config = NULL). It pulls the forward's
-       combine (fwd_combine = MOK_PULL); the other three run in their default direction only. */
+       combine (fwd_combine = MOK_PULL) and the backward's reverse-dispatch (bwd_dispatch =
+       MOK_PULL); the dispatch and the reverse-combine run in their default direction only. */
     static const char *fields[4] = {"fwd_dispatch", "fwd_combine", "bwd_combine", "bwd_dispatch"};
     {
         mok_config c = tiny_config();
         c.fwd_combine = MOK_PULL;
+        c.bwd_dispatch = MOK_PULL;
         mok_workspace *ws = NULL;
         EXPECT_OK(mok_workspace_create(&ws, g, &shape, &c));
         if (ws) mok_workspace_destroy(ws);
     }
     for (int f = 0; f < 4; ++f) {
-        if (f == 1) continue;
+        if (f == 1 || f == 3) continue;
         mok_config c = tiny_config();
         int *field = f == 0 ? &c.fwd_dispatch : f == 1 ? &c.fwd_combine : f == 2 ? &c.bwd_combine : &c.bwd_dispatch;
         *field = *field == MOK_PULL ? MOK_PUSH : MOK_PULL;

@@ -770,12 +770,13 @@ MOK_TEST(cpu_recompute_context) {
     recompute_case("recompute, context_rows 128, ring 128", &replay);
 }
 
-/* fwd_combine = MOK_PULL: every rank gathers its expert outputs from the peers' rings (GATHER
- * tasks, core/tasks.h) instead of the peers pushing them. The rows are the same bytes, so the
- * outputs and gradients must equal the pushed combine's bit for bit, at P = 1, 2, 4 and 8, with
+/* fwd_combine = MOK_PULL and bwd_dispatch = MOK_PULL: every rank gathers its expert outputs, and
+ * in the backward its dx parts and router-weight gradients, from the peers' rings (GATHER tasks,
+ * core/tasks.h) instead of the peers pushing them. The rows are the same bytes, so the outputs
+ * and gradients must equal the pushed transfers' bit for bit, at P = 1, 2, 4 and 8, with
  * uneven tokens (one rank with none), skewed routing and several macrobatches; one case also
  * against the reference. */
-MOK_TEST(cpu_combine_pull) {
+MOK_TEST(cpu_gather_transfers) {
     const int quick = mok_test_quick();
     const mok_shape s4 = make_shape(128, 128, 8, 6, 64);
     const int sizes[] = {1, 2, 4, 8};
@@ -792,6 +793,7 @@ MOK_TEST(cpu_combine_pull) {
             }
             mok_config pull = push;
             pull.fwd_combine = MOK_PULL;
+            pull.bwd_dispatch = MOK_PULL;
             char tag[96];
             snprintf(tag, sizeof tag, "P = %d, %s", P, ring ? "ring = minibatch = 128" : "one macrobatch");
             layer L;
@@ -805,7 +807,7 @@ MOK_TEST(cpu_combine_pull) {
             CHECK(sa == MOK_OK && sb == MOK_OK, "%s: push %s / pull %s", tag, a.message, b.message);
             if (sa == MOK_OK && sb == MOK_OK) {
                 char what[256] = "";
-                CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: pulled combine differs: %s", tag, what);
+                CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: the gathered transfers differ: %s", tag, what);
             }
             if (P == 4 && ring) check_layer(tag, &L, &pull, BF16_ONLY);
             layer_result_free(&a);

@@ -1095,12 +1095,12 @@ MOK_TEST(schedule_tasks_broken_list) {
 
 /* ---- transfer directions: lists that name peers ------------------------------------------- */
 
-/* The forward with combine_pull on every rank of a routing: each list holds one GATHER per row
- * tile of every rank (its own included) and no COMBINE, and the lists run together to the end
- * with one worker per role per rank. Moving one rank's first GATHER behind all its other tasks
- * must deadlock when a ring slot is refilled (its DISPATCH then waits on that GATHER). Returns
- * failed checks. */
-static int check_combine_pull(const routing *rt, int mb_tiles_per_mb, int ring_mbs, const char *what) {
+/* The forward with combine_pull (or the backward with dispatch_pull) on every rank of a routing:
+ * each list holds one GATHER per row tile of every rank (its own included) and no COMBINE (PUSH),
+ * and the lists run together to the end with one worker per role per rank. Moving one rank's
+ * first GATHER of its own tiles behind all its other tasks must deadlock when a ring slot is
+ * refilled (its DISPATCH or PULL then waits on that GATHER). Returns failed checks. */
+static int check_gather_lists(const routing *rt, int backward, int mb_tiles_per_mb, int ring_mbs, const char *what) {
     const int P = rt->P;
     mok_sched_layout lay;
     mok__sched_layout(&lay, P, rt->L, rt->k, rt->T_max);
@@ -1118,12 +1118,15 @@ static int check_combine_pull(const routing *rt, int mb_tiles_per_mb, int ring_m
     c.ring_rows = c.minibatch_rows * ring_mbs;
     c.context_rows = lay.max_rows;
     c.shared = 1;
+    c.backward = backward;
+    const int replaced = backward ? MOK_TASK_PUSH : MOK_TASK_COMBINE, refill = backward ? MOK_TASK_PULL : MOK_TASK_DISPATCH;
     mok_task *tasks[MAX_P];
     int64_t counts[MAX_P], ncounters[MAX_P], *counters[MAX_P], total = 0;
     int bad = 0;
     for (int r = 0; r < P; ++r) {
         mok_plan p = plan_from(&c, &v[r], rt->L, rt->T[r], 128, 128, 128);
-        p.combine_pull = 1;
+        p.combine_pull = !backward;
+        p.dispatch_pull = backward;
         p.nranks = P;
         p.rank = r;
         p.peer_padded_rows = padded;
@@ -1149,8 +1152,9 @@ static int check_combine_pull(const routing *rt, int mb_tiles_per_mb, int ring_m
                 bad += seen != 1;
             }
         for (int64_t i = 0; i < counts[r]; ++i) {
-            CHECK(tasks[r][i].kind != MOK_TASK_COMBINE, "%s: rank %d: a COMBINE in a combine_pull list", what, r);
-            bad += tasks[r][i].kind == MOK_TASK_COMBINE;
+            CHECK(tasks[r][i].kind != replaced, "%s: rank %d: a %s in a gathering list", what, r,
+                  mok__task_kind_name(replaced));
+            bad += tasks[r][i].kind == replaced;
         }
     }
     int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
@@ -1160,7 +1164,7 @@ static int check_combine_pull(const routing *rt, int mb_tiles_per_mb, int ring_m
     int64_t first_gather = -1, refills = 0;
     for (int64_t i = 0; i < counts[0]; ++i) {
         if (tasks[0][i].kind == MOK_TASK_GATHER && first_gather < 0 && tasks[0][i].peer == 0) first_gather = i;
-        refills += tasks[0][i].kind == MOK_TASK_DISPATCH && tasks[0][i].wait[0] >= 0;
+        refills += tasks[0][i].kind == refill && tasks[0][i].wait[0] >= 0;
     }
     if (first_gather >= 0 && refills > 0) {
         mok_task moved = tasks[0][first_gather];
@@ -1179,7 +1183,7 @@ static int check_combine_pull(const routing *rt, int mb_tiles_per_mb, int ring_m
     return bad;
 }
 
-MOK_TEST(schedule_combine_pull_ranks) {
+MOK_TEST(schedule_gather_lists_ranks) {
     rng r = rng_for(7);
     const int cases = mok_test_quick() ? 40 : 120;
     int failures = 0;
@@ -1190,7 +1194,9 @@ MOK_TEST(schedule_combine_pull_ranks) {
         const int mb = (int)rng_range(&r, 1, 2), ring = (int)rng_range(&r, 1, 3);
         snprintf(what, sizeof what, "case %d (P %d E_local %d k %d T_max %lld mb %d ring %d)", c, rt.P, rt.L, rt.k,
                  (long long)rt.T_max, mb * MOK_ROW_TILE, ring);
-        failures += check_combine_pull(&rt, mb, ring, what);
+        failures += check_gather_lists(&rt, 0, mb, ring, what);
+        strncat(what, " backward", sizeof what - strlen(what) - 1);
+        failures += check_gather_lists(&rt, 1, mb, ring, what);
         routing_free(&rt);
     }
 }

@@ -9,12 +9,16 @@
 
 static MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* The rows the counter blocks are sized for: the rank's own, or with combine_pull the most of
- * any rank, so that the blocks peers address (down_tile, combined: the first five blocks depend
- * on nothing else) sit at the same offsets on every rank. */
+/* Whether a plan's list names peers' counters. */
+static MOK_HD int peer_lists(const mok_plan *plan) { return plan->combine_pull || plan->dispatch_pull; }
+
+/* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
+ * of any rank, so that the blocks peers address (down_tile, combined, dx_tile, pushed: every
+ * block before the two token-tile blocks, which come last) sit at the same offsets on every
+ * rank. */
 static MOK_HD int64_t layout_rows(const mok_plan *plan) {
     int64_t rows = plan->padded_rows;
-    if (plan->combine_pull && plan->peer_padded_rows) /* a worst-case plan has none: its own rows bound all */
+    if (peer_lists(plan) && plan->peer_padded_rows) /* a worst-case plan has none: its own rows bound all */
         for (int r = 0; r < plan->nranks; ++r)
             if (plan->peer_padded_rows[r] > rows) rows = plan->peer_padded_rows[r];
     return rows;
@@ -36,13 +40,13 @@ MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l)
     l->combined = off; off += nmb;
     l->gateup_tile = off; off += nrt;
     l->down_tile = off; off += nrt;
-    l->shared_up_done = off; off += ntt;
     l->pulled = off; off += nmb;
     l->pushed = off; off += nmb;
     l->dh_tile = off; off += nrt;
     l->dx_tile = off; off += nrt;
     l->wgrad_done = off; off += nmacro;
     l->dh_macro_done = off; off += nmacro;
+    l->shared_up_done = off; off += ntt; /* per token tile: last, as its size differs between ranks */
     l->shared_dh_all = off; off += 1;
     l->total = off;
 }
@@ -325,9 +329,13 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
     const int64_t rows = p->padded_rows;
     const int64_t nmb = ceil_div(rows, p->minibatch_rows);
     const int64_t ring_mbs = p->ring_rows / p->minibatch_rows, ahead = lookahead(p);
+    /* dispatch_pull: a ring slot is refilled once every rank has gathered from its tile, and the
+       list runs over the minibatches of every rank (as build_forward's combine_pull) */
+    const int gather = p->dispatch_pull;
+    const int64_t gatherers = gather ? p->nranks : 1, nmb_all = gather ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
     int64_t next = 0, counted_m = -1, counted = 0;
     int pull_lo = 0, wgrad_lo = 0; /* experts_in cursors */
-    for (int64_t b = 0; b < nmb; ++b) {
+    for (int64_t b = 0; b < nmb_all; ++b) {
         /* A pull into macrobatch M waits for macrobatch M-1's weight gradients, emitted after
            M-1's last minibatch: only pull minibatches whose macrobatch has started. */
         while (next < nmb && next <= b + ahead && next - ring_mbs <= b - 1 && (next / ring_mbs) * ring_mbs <= b) {
@@ -337,7 +345,7 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
                 int64_t prev = next - ring_mbs, q0, q1, m = next / ring_mbs - 1;
                 mb_tiles(p, rows, prev, &q0, &q1);
                 w0 = L->pushed + prev;
-                g0 = q1 - q0;
+                g0 = (q1 - q0) * gatherers;
                 w1 = L->wgrad_done + m;
                 if (m != counted_m) {
                     counted = wgrad_tasks_in(p, m, &pull_lo);
@@ -348,6 +356,15 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
             emit(em, MOK_TASK_PULL, MOK_ROLE_COMM, next, t0, t1 - t0, 1, L->pulled + next, 0, -1, w0, g0, 0, w1, g1);
             ++next;
         }
+        for (int r = 0; gather && r < p->nranks; ++r) { /* the peers' tiles of minibatch b (see build_forward) */
+            const int64_t rr = p->peer_padded_rows[r];
+            if (b >= ceil_div(rr, p->minibatch_rows)) continue;
+            int64_t g0, g1;
+            mb_tiles(p, rr, b, &g0, &g1);
+            emit_peer(em, MOK_TASK_GATHER, MOK_ROLE_COMM, b, g0, g1 - g0, 1, L->pushed + b, 0, -1, L->dx_tile + g0, nH,
+                      1, -1, 0, r, r, r);
+        }
+        if (b >= nmb) continue;
         int64_t t0, t1, m = b / ring_mbs;
         mb_tiles(p, rows, b, &t0, &t1);
         const int64_t tiles = t1 - t0;
@@ -355,7 +372,9 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
              L->pulled + b, tiles, 0, -1, 0);
         emit(em, MOK_TASK_DX, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->dx_tile + t0, 1, -1, L->dh_tile + t0, nI, 1, -1,
              0);
-        emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_tile + t0, nH, 1, -1, 0);
+        if (!gather)
+            emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_tile + t0, nH, 1, -1,
+                 0);
         if ((b + 1) % ring_mbs == 0 || b == nmb - 1) {
             const int64_t per_expert = mok__wgrad_tiles(p, p->intermediate);
             int hi;
@@ -404,7 +423,7 @@ MOK_CORE int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     int64_t wg = (p->num_local_experts + max_macro) * mok__wgrad_tiles(p, p->intermediate);
     int64_t shared = ntt * (nIs + nH) + mok__wgrad_tiles(p, p->shared_intermediate);
-    int64_t gathers = p->combine_pull ? (int64_t)p->nranks * tiles : 0;
+    int64_t gathers = peer_lists(p) ? (int64_t)p->nranks * tiles : 0;
     return tiles * per_tile + wg + shared + p->num_local_experts + gathers;
 }
 
@@ -415,7 +434,7 @@ MOK_CORE int64_t mok__groups_max(const mok_plan *p, int64_t max_rows, int64_t ma
     /* per minibatch at most 4 groups (forward) or 4 (backward); weight gradients one group per
        (expert, macrobatch it has rows in); the shared expert 3; zeroing one per expert */
     return 4 * nmb + (p->num_local_experts + max_macro) + 3 + p->num_local_experts +
-           (p->combine_pull ? (int64_t)p->nranks * nmb : 0);
+           (peer_lists(p) ? (int64_t)p->nranks * nmb : 0);
 }
 
 MOK_CORE int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {

@@ -14,7 +14,9 @@
  * counters. With plan.combine_pull the forward's combine is pulled: each rank gathers the rows
  * it owns from every peer's ring (GATHER tasks, one per peer row tile), waiting on that peer's
  * down-tile counter and bumping that peer's `combined` counter, so a wait or a bump may name a
- * peer (wait_peer, done_peer). Deadlock freedom then spans the ranks: every rank lays its list
+ * peer (wait_peer, done_peer). plan.dispatch_pull does the same for the backward's
+ * reverse-dispatch: GATHER tasks take each row's dx part and router-weight gradient from the
+ * expert rank's ring after its dx tile, and bump its `pushed` counter. Deadlock freedom then spans the ranks: every rank lays its list
  * out by minibatch index over the largest minibatch count of any rank, so that all lists
  * project one global order; mok__tasks_check_ranks simulates the lists together. Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */
@@ -49,7 +51,9 @@ enum mok_task_kind {
     MOK_TASK_WGRAD,         /* one weight-gradient tile of a local expert over a macrobatch's rows */
     MOK_TASK_SHARED_WGRAD,  /* one weight-gradient tile of the shared expert over all local tokens */
     MOK_TASK_WGRAD_ZERO,    /* zero the gradients of an expert that received no rows (bf16 mode) */
-    MOK_TASK_GATHER,        /* forward, combine_pull: this rank's expert outputs of peer `peer`'s row tile a */
+    MOK_TASK_GATHER,        /* this rank's rows of peer `peer`'s row tile a: expert outputs (forward,
+                               combine_pull), dx parts and router-weight gradients (backward,
+                               dispatch_pull) */
     MOK_TASK_NUM_KINDS
 };
 
@@ -92,8 +96,9 @@ typedef struct mok_plan {
     /* Transfer directions other than the default (zero: pull dispatch, push combine, pull
        reverse-combine, push reverse-dispatch, and the fields below unused). */
     int combine_pull;            /* forward: owners gather expert outputs from the peers' rings */
+    int dispatch_pull;           /* backward: owners gather dx parts and router-weight gradients */
     int nranks, rank;
-    const int64_t *peer_padded_rows; /* [nranks]: every rank's padded rows (combine_pull) */
+    const int64_t *peer_padded_rows; /* [nranks]: every rank's padded rows (either of the two) */
 } mok_plan;
 
 /* Counter layout for a plan: [kind-major blocks]. */

@@ -50,7 +50,8 @@ typedef struct cpu_sym_layout {
     size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
     size_t tokens;   /* i64: this rank's T for the current pass */
     /* Read by peers only when a transfer direction other than the default is on (core/tasks.h): */
-    size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs (cpu_rank.ring_y) */
+    size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs / dx parts (cpu_rank.ring_y) */
+    size_t ring_rdot; /* f32 [ring, I / CPU_N_TILE]: partial router-weight gradients (cpu_rank.ring_rdot) */
     size_t counters; /* i64 [counters_cap]: the rank's counters (cpu_rank.counters) */
     size_t sched;    /* the rank's schedule of the current pass, copied in before the start barrier */
     size_t failed;   /* i32: set when this rank's pass stops early; peers waiting on it stop too */
@@ -70,7 +71,7 @@ typedef struct cpu_rank {
     uint16_t *ring_dy;  /* [ring, H] */
     float *ring_w;      /* [ring] router weight of each row */
     uint16_t *ring_dgu; /* [ring, 2I]: dg then du */
-    float *ring_rdot;   /* [ring, I / CPU_N_TILE]: partial router-weight gradients */
+    float *ring_rdot;   /* [ring, I / CPU_N_TILE]: partial router-weight gradients; in the region */
     /* shared expert, over local tokens */
     uint16_t *sh_h;     /* [T_max, I_s] */
     uint16_t *sh_out;   /* [T_max, H]: output (forward), dx part (backward) */

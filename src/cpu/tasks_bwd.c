@@ -155,6 +155,25 @@ static void push(cpu_pass *pass, int64_t rt) {
     }
 }
 
+/* dispatch_pull: the rows of peer q's row tile rt that this rank owns: their dx parts and
+ * router-weight gradients (summed as push sums them), from q's ring into this rank's buffers. */
+static void gather(cpu_pass *pass, int q, int64_t rt) {
+    const int64_t H = pass->ws->shape.hidden, nI = pass->ws->shape.intermediate / NT, ring = pass->ws->config.ring_rows;
+    cpu_rank *R = pass->R;
+    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
+    const uint16_t *ring_y = (const uint16_t *)(R->peers[q] + L->ring_y);
+    const float *rdot = (const float *)(R->peers[q] + L->ring_rdot);
+    for (int64_t row = rt * MOK_ROW_TILE; row < (rt + 1) * MOK_ROW_TILE; ++row) {
+        if (v.row_peer[row] != R->rank) continue;
+        const int64_t slot = v.row_slot[row], r = row % ring;
+        memcpy(sym_bf16(R, L, R->rank, L->dxbuf) + slot * H, ring_y + r * H, (size_t)H * 2);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < nI; ++j) sum += rdot[r * nI + j];
+        ((float *)(R->region + L->drw))[slot] = sum;
+    }
+}
+
 /* One weight-gradient tile: out[i0 + ii][j0 + jj] (+)= sum over rows of coef[row][ii] * vec[row][jj]. */
 typedef struct wgrad_job {
     int matrix;
@@ -265,6 +284,7 @@ void mok__cpu_run_backward_task(cpu_pass *pass, const mok_task *t, float *scratc
     case MOK_TASK_DH: dh_task(pass, t->a, t->b, scratch); break;
     case MOK_TASK_DX: dx_task(pass, t->a, t->b, scratch); break;
     case MOK_TASK_PUSH: push(pass, t->a); break;
+    case MOK_TASK_GATHER: gather(pass, t->peer, t->a); break;
     case MOK_TASK_WGRAD: wgrad(pass, t, scratch); break;
     case MOK_TASK_SHARED_WGRAD: shared_wgrad(pass, t, scratch); break;
     case MOK_TASK_WGRAD_ZERO: wgrad_zero(pass, t->expert); break;

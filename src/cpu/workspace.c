@@ -27,6 +27,7 @@ static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
     L->dxbuf = off; off = align64(off + T * k * H * 2);
     L->drw = off; off = align64(off + T * k * 4);
     L->ring_y = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
+    L->ring_rdot = off; off = align64(off + (size_t)ws->config.ring_rows * (size_t)(s->intermediate / CPU_N_TILE) * 4);
     L->counters = off; off = align64(off + counters * sizeof(int64_t));
     L->sched = off; off = align64(off + ws->sched_layout.bytes);
     L->failed = off; off = align64(off + sizeof(int32_t));
@@ -39,9 +40,9 @@ static void *alloc_bytes(size_t bytes, size_t *total) {
 }
 
 static void rank_free(cpu_rank *R) {
-    free(R->region); /* ring_y and counters live in it */
+    free(R->region); /* ring_y, ring_rdot and the counters live in it */
     free(R->ring_x); free(R->ring_h); free(R->ring_dy); free(R->ring_w);
-    free(R->ring_dgu); free(R->ring_rdot);
+    free(R->ring_dgu);
     free(R->sh_h); free(R->sh_out); free(R->sh_dgu);
     free(R->carry); free(R->tasks); free(R->scratch); free(R->trace);
     memset(R, 0, sizeof *R);
@@ -70,7 +71,6 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->ring_dy = alloc_bytes(ring * H * 2, total);
     R->ring_w = alloc_bytes(ring * 4, total);
     R->ring_dgu = alloc_bytes(ring * 2 * I * 2, total);
-    R->ring_rdot = alloc_bytes(ring * (I / CPU_N_TILE) * 4, total);
     R->sh_h = alloc_bytes(T * Is * 2, total);
     R->sh_out = alloc_bytes(T * H * 2, total);
     R->sh_dgu = alloc_bytes(T * 2 * Is * 2, total);
@@ -81,7 +81,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
         R->trace_cap = R->tasks_cap + 16;
         R->trace = alloc_bytes((size_t)R->trace_cap * sizeof(mok_trace_event), total);
     }
-    if (!R->region || !R->ring_x || !R->ring_h || !R->ring_dy || !R->ring_w || !R->ring_dgu || !R->ring_rdot ||
+    if (!R->region || !R->ring_x || !R->ring_h || !R->ring_dy || !R->ring_w || !R->ring_dgu ||
         !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->scratch ||
         (ws->config.trace && !R->trace)) {
         rank_free(R);
@@ -90,6 +90,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     memset(R->region, 0, cw->sym.bytes);
     R->ring_y = (uint16_t *)(R->region + cw->sym.ring_y);
     R->counters = (_Atomic int64_t *)(R->region + cw->sym.counters);
+    R->ring_rdot = (float *)(R->region + cw->sym.ring_rdot);
     return MOK_OK;
 }
 
