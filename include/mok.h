@@ -112,10 +112,12 @@ typedef struct mok_config {
     int cpu_threads;        /* cpu backend: worker threads per rank, movers included (0 = one
                                compute thread per core plus cpu_comm_threads movers; else >= 2) */
     int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; >= 1 */
-    int fwd_dispatch;       /* mok_direction; MOK_PULL (the only one built yet) */
+    int fwd_dispatch;       /* mok_direction; MOK_PULL; MOK_PUSH on the cpu backend (each rank
+                               writes its x rows into the peers' rings) */
     int fwd_combine;        /* MOK_PUSH; MOK_PULL on the cpu backend (each rank gathers its
                                expert outputs from the peers' rings; MOK_ERR_UNSUPPORTED on cuda) */
     int bwd_combine;        /* reverse-combine of dy: MOK_PULL (the only one built yet) */
+                            /* cuda runs the defaults only (MOK_ERR_UNSUPPORTED otherwise) */
     int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH; MOK_PULL on the cpu backend
                                (each rank gathers its dx parts and router-weight gradients) */
     int trace;              /* 1: record each worker's tasks for mok_trace_write */

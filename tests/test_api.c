@@ -493,12 +493,13 @@ MOK_TEST(api_config_rules) {
     EXPECT_ERR(mok_config_validate(NULL), MOK_ERR_INVALID_ARGUMENT, "config");
 
     /* Directions the cpu backend does not run: valid values, unsupported here. Through the
-       workspace's own config, and through the group's (config = NULL). It pulls the forward's
-       combine (fwd_combine = MOK_PULL) and the backward's reverse-dispatch (bwd_dispatch =
-       MOK_PULL); the dispatch and the reverse-combine run in their default direction only. */
+       workspace's own config, and through the group's (config = NULL). It pushes the forward's
+       dispatch and pulls its combine and the backward's reverse-dispatch; the reverse-combine
+       runs in its default direction only. */
     static const char *fields[4] = {"fwd_dispatch", "fwd_combine", "bwd_combine", "bwd_dispatch"};
     {
         mok_config c = tiny_config();
+        c.fwd_dispatch = MOK_PUSH;
         c.fwd_combine = MOK_PULL;
         c.bwd_dispatch = MOK_PULL;
         mok_workspace *ws = NULL;
@@ -506,7 +507,7 @@ MOK_TEST(api_config_rules) {
         if (ws) mok_workspace_destroy(ws);
     }
     for (int f = 0; f < 4; ++f) {
-        if (f == 1 || f == 3) continue;
+        if (f != 2) continue; /* bwd_combine */
         mok_config c = tiny_config();
         int *field = f == 0 ? &c.fwd_dispatch : f == 1 ? &c.fwd_combine : f == 2 ? &c.bwd_combine : &c.bwd_dispatch;
         *field = *field == MOK_PULL ? MOK_PUSH : MOK_PULL;

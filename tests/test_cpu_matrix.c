@@ -770,10 +770,11 @@ MOK_TEST(cpu_recompute_context) {
     recompute_case("recompute, context_rows 128, ring 128", &replay);
 }
 
-/* fwd_combine = MOK_PULL and bwd_dispatch = MOK_PULL: every rank gathers its expert outputs, and
- * in the backward its dx parts and router-weight gradients, from the peers' rings (GATHER tasks,
- * core/tasks.h) instead of the peers pushing them. The rows are the same bytes, so the outputs
- * and gradients must equal the pushed transfers' bit for bit, at P = 1, 2, 4 and 8, with
+/* The transfer directions the cpu backend can turn (core/tasks.h): fwd_dispatch = MOK_PUSH (each
+ * rank writes its x rows into the peers' rings: SCATTER), fwd_combine = MOK_PULL and bwd_dispatch
+ * = MOK_PULL (each rank gathers its expert outputs, and its dx parts and router-weight
+ * gradients, from the peers' rings: GATHER). The rows are the same bytes, so the outputs and
+ * gradients must equal the defaults' bit for bit, all three turned and the dispatch alone, at P = 1, 2, 4 and 8, with
  * uneven tokens (one rank with none), skewed routing and several macrobatches; one case also
  * against the reference. */
 MOK_TEST(cpu_gather_transfers) {
@@ -791,9 +792,12 @@ MOK_TEST(cpu_gather_transfers) {
                 push.minibatch_rows = 128;
                 push.ring_rows = 128;
             }
-            mok_config pull = push;
+            mok_config pull = push; /* every direction the cpu backend can turn, turned */
+            pull.fwd_dispatch = MOK_PUSH;
             pull.fwd_combine = MOK_PULL;
             pull.bwd_dispatch = MOK_PULL;
+            mok_config scatter = push; /* the pushed dispatch beside the pushed combine */
+            scatter.fwd_dispatch = MOK_PUSH;
             char tag[96];
             snprintf(tag, sizeof tag, "P = %d, %s", P, ring ? "ring = minibatch = 128" : "one macrobatch");
             layer L;
@@ -802,16 +806,20 @@ MOK_TEST(cpu_gather_transfers) {
                 layer_free(&L);
                 continue;
             }
-            layer_result a = {0}, b = {0};
+            layer_result a = {0}, b = {0}, c = {0};
             mok_status sa = layer_run_backend(&L, &push, 0, &a), sb = layer_run_backend(&L, &pull, 0, &b);
-            CHECK(sa == MOK_OK && sb == MOK_OK, "%s: push %s / pull %s", tag, a.message, b.message);
-            if (sa == MOK_OK && sb == MOK_OK) {
+            mok_status sc = layer_run_backend(&L, &scatter, 0, &c);
+            CHECK(sa == MOK_OK && sb == MOK_OK && sc == MOK_OK, "%s: defaults %s / turned %s / pushed dispatch %s", tag,
+                  a.message, b.message, c.message);
+            if (sa == MOK_OK && sb == MOK_OK && sc == MOK_OK) {
                 char what[256] = "";
-                CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: the gathered transfers differ: %s", tag, what);
+                CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: the turned transfers differ: %s", tag, what);
+                CHECK(layer_equal(&L, &a, &c, what, sizeof what), "%s: the pushed dispatch differs: %s", tag, what);
             }
             if (P == 4 && ring) check_layer(tag, &L, &pull, BF16_ONLY);
             layer_result_free(&a);
             layer_result_free(&b);
+            layer_result_free(&c);
             layer_free(&L);
         }
     }

@@ -1095,13 +1095,22 @@ MOK_TEST(schedule_tasks_broken_list) {
 
 /* ---- transfer directions: lists that name peers ------------------------------------------- */
 
-/* The forward with combine_pull (or the backward with dispatch_pull) on every rank of a routing:
- * each list holds one GATHER per row tile of every rank (its own included) and no COMBINE (PUSH),
- * and the lists run together to the end with one worker per role per rank. Moving one rank's
- * first GATHER of its own tiles behind all its other tasks must deadlock when a ring slot is
- * refilled (its DISPATCH or PULL then waits on that GATHER). Returns failed checks. */
-static int check_gather_lists(const routing *rt, int backward, int mb_tiles_per_mb, int ring_mbs, const char *what) {
-    const int P = rt->P;
+/* Lists that name peers, built on every rank of a routing: the forward with combine_pull and/or
+ * dispatch_push, or the backward with dispatch_pull. Each list holds one GATHER (SCATTER) per row
+ * tile of every rank, its own included, and none of the tasks they replace (COMBINE, PUSH,
+ * DISPATCH); the lists run together to the end with one worker per role per rank. Moving one
+ * rank's first GATHER or SCATTER of its own tiles behind all its other tasks must deadlock (a
+ * refill, or its own gate/up, waits on it). Returns failed checks. */
+enum { LISTS_FWD_GATHER = 1, LISTS_FWD_SCATTER = 2, LISTS_BWD_GATHER = 4 };
+
+static int count_peer_tasks(const mok_task *tasks, int64_t n, int kind, int q, int64_t tile) {
+    int seen = 0;
+    for (int64_t i = 0; i < n; ++i) seen += tasks[i].kind == kind && tasks[i].peer == q && tasks[i].a == tile;
+    return seen;
+}
+
+static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, int ring_mbs, const char *what) {
+    const int P = rt->P, backward = (mode & LISTS_BWD_GATHER) != 0;
     mok_sched_layout lay;
     mok__sched_layout(&lay, P, rt->L, rt->k, rt->T_max);
     void *buf[MAX_P];
@@ -1119,13 +1128,14 @@ static int check_gather_lists(const routing *rt, int backward, int mb_tiles_per_
     c.context_rows = lay.max_rows;
     c.shared = 1;
     c.backward = backward;
-    const int replaced = backward ? MOK_TASK_PUSH : MOK_TASK_COMBINE, refill = backward ? MOK_TASK_PULL : MOK_TASK_DISPATCH;
+    const int gathers = mode & (LISTS_FWD_GATHER | LISTS_BWD_GATHER), scatters = mode & LISTS_FWD_SCATTER;
     mok_task *tasks[MAX_P];
     int64_t counts[MAX_P], ncounters[MAX_P], *counters[MAX_P], total = 0;
     int bad = 0;
     for (int r = 0; r < P; ++r) {
         mok_plan p = plan_from(&c, &v[r], rt->L, rt->T[r], 128, 128, 128);
-        p.combine_pull = !backward;
+        p.combine_pull = (mode & LISTS_FWD_GATHER) != 0;
+        p.dispatch_push = scatters != 0;
         p.dispatch_pull = backward;
         p.nranks = P;
         p.rank = r;
@@ -1142,37 +1152,41 @@ static int check_gather_lists(const routing *rt, int backward, int mb_tiles_per_
         ncounters[r] = CL.total;
         counters[r] = malloc(sizeof(int64_t) * (size_t)(CL.total + 1));
         total += counts[r];
-        /* coverage: GATHER (q, tile) once for every row tile of every rank q; no COMBINE */
         for (int q = 0; q < P; ++q)
             for (int64_t t = 0; t < padded[q] / MOK_ROW_TILE; ++t) {
-                int seen = 0;
-                for (int64_t i = 0; i < counts[r]; ++i)
-                    seen += tasks[r][i].kind == MOK_TASK_GATHER && tasks[r][i].peer == q && tasks[r][i].a == t;
-                CHECK(seen == 1, "%s: rank %d gathers rank %d's tile %lld %d times", what, r, q, (long long)t, seen);
-                bad += seen != 1;
+                const int g = count_peer_tasks(tasks[r], counts[r], MOK_TASK_GATHER, q, t);
+                const int sc = count_peer_tasks(tasks[r], counts[r], MOK_TASK_SCATTER, q, t);
+                CHECK(g == (gathers != 0) && sc == (scatters != 0),
+                      "%s: rank %d: rank %d's tile %lld gathered %d and scattered %d times", what, r, q, (long long)t, g,
+                      sc);
+                bad += g != (gathers != 0) || sc != (scatters != 0);
             }
         for (int64_t i = 0; i < counts[r]; ++i) {
-            CHECK(tasks[r][i].kind != replaced, "%s: rank %d: a %s in a gathering list", what, r,
-                  mok__task_kind_name(replaced));
-            bad += tasks[r][i].kind == replaced;
+            const int kind = tasks[r][i].kind;
+            const int replaced = (kind == MOK_TASK_COMBINE && (mode & LISTS_FWD_GATHER)) ||
+                                 (kind == MOK_TASK_PUSH && backward) || (kind == MOK_TASK_DISPATCH && scatters);
+            CHECK(!replaced, "%s: rank %d: a %s in a list that replaces it", what, r, mok__task_kind_name(kind));
+            bad += replaced;
         }
     }
     int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
     CHECK(ran == total, "%s: the ranks' lists deadlock after %lld of %lld tasks", what, (long long)ran, (long long)total);
     bad += ran != total;
-    /* a refill that waits on a GATHER placed after it */
-    int64_t first_gather = -1, refills = 0;
+    /* rank 0's first GATHER (or SCATTER) of its own tiles moved last: a refill (or its gate/up)
+       that waits on it then blocks the comm tasks before it */
+    const int moved_kind = scatters ? MOK_TASK_SCATTER : MOK_TASK_GATHER, refill = backward ? MOK_TASK_PULL : MOK_TASK_DISPATCH;
+    int64_t first = -1, refills = 0;
     for (int64_t i = 0; i < counts[0]; ++i) {
-        if (tasks[0][i].kind == MOK_TASK_GATHER && first_gather < 0 && tasks[0][i].peer == 0) first_gather = i;
-        refills += tasks[0][i].kind == refill && tasks[0][i].wait[0] >= 0;
+        if (tasks[0][i].kind == moved_kind && first < 0 && tasks[0][i].peer == 0) first = i;
+        refills += (tasks[0][i].kind == refill || tasks[0][i].kind == MOK_TASK_SCATTER) && tasks[0][i].wait[0] >= 0;
     }
-    if (first_gather >= 0 && refills > 0) {
-        mok_task moved = tasks[0][first_gather];
-        memmove(&tasks[0][first_gather], &tasks[0][first_gather + 1],
-                sizeof(mok_task) * (size_t)(counts[0] - first_gather - 1));
+    if (first >= 0 && (scatters || refills > 0)) {
+        mok_task moved = tasks[0][first];
+        memmove(&tasks[0][first], &tasks[0][first + 1], sizeof(mok_task) * (size_t)(counts[0] - first - 1));
         tasks[0][counts[0] - 1] = moved;
         ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
-        CHECK(ran < total, "%s: a GATHER moved behind the refill it frees is not a deadlock", what);
+        CHECK(ran < total, "%s: rank 0's first %s of its own tiles, moved last, is not a deadlock", what,
+              mok__task_kind_name(moved_kind));
         bad += ran >= total;
     }
     for (int r = 0; r < P; ++r) {
@@ -1183,7 +1197,7 @@ static int check_gather_lists(const routing *rt, int backward, int mb_tiles_per_
     return bad;
 }
 
-MOK_TEST(schedule_gather_lists_ranks) {
+MOK_TEST(schedule_peer_lists_ranks) {
     rng r = rng_for(7);
     const int cases = mok_test_quick() ? 40 : 120;
     int failures = 0;
@@ -1194,9 +1208,18 @@ MOK_TEST(schedule_gather_lists_ranks) {
         const int mb = (int)rng_range(&r, 1, 2), ring = (int)rng_range(&r, 1, 3);
         snprintf(what, sizeof what, "case %d (P %d E_local %d k %d T_max %lld mb %d ring %d)", c, rt.P, rt.L, rt.k,
                  (long long)rt.T_max, mb * MOK_ROW_TILE, ring);
-        failures += check_gather_lists(&rt, 0, mb, ring, what);
-        strncat(what, " backward", sizeof what - strlen(what) - 1);
-        failures += check_gather_lists(&rt, 1, mb, ring, what);
+        static const struct {
+            int mode;
+            const char *name;
+        } modes[] = {{LISTS_FWD_GATHER, "forward, pulled combine"},
+                     {LISTS_FWD_SCATTER, "forward, pushed dispatch"},
+                     {LISTS_FWD_GATHER | LISTS_FWD_SCATTER, "forward, both"},
+                     {LISTS_BWD_GATHER, "backward, pulled reverse-dispatch"}};
+        for (size_t m = 0; m < sizeof modes / sizeof modes[0]; ++m) {
+            char tag[192];
+            snprintf(tag, sizeof tag, "%s: %s", what, modes[m].name);
+            failures += check_peer_lists(&rt, modes[m].mode, mb, ring, tag);
+        }
         routing_free(&rt);
     }
 }

@@ -69,6 +69,8 @@ static void usage(FILE *out) {
             "  --comm-threads N    config cpu_comm_threads\n"
             "  --comm-sms N        config fwd_comm_sms and bwd_comm_sms (cuda; 0 = auto)\n"
             "  --limit L           config swiglu_limit (0 = no clamp)\n"
+            "  --fwd-dispatch D    config fwd_dispatch: pull (default) or push (the cpu backend:\n"
+            "                      each rank writes its x rows into the peers' rings)\n"
             "  --fwd-combine D     config fwd_combine: push (default) or pull (the cpu backend:\n"
             "                      each rank gathers its expert outputs from the peers' rings)\n"
             "  --bwd-dispatch D    config bwd_dispatch: push (default) or pull (the cpu backend:\n"
@@ -220,8 +222,8 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
         static const char *const valued[] = {"--preset", "--scale", "--ranks", "--tokens", "--skew",
                                              "--seed", "--backend", "--repeat", "--minibatch", "--ring",
                                              "--context-rows", "--threads", "--comm-threads", "--limit",
-                                             "--trace", "--check-tokens", "--comm-sms", "--fwd-combine",
-                                             "--bwd-dispatch"};
+                                             "--trace", "--check-tokens", "--comm-sms", "--fwd-dispatch",
+                                             "--fwd-combine", "--bwd-dispatch"};
         int known = 0;
         for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= strcmp(flag, valued[k]) == 0;
         if (!known) {
@@ -284,8 +286,11 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
         } else if (strcmp(flag, "--trace") == 0) {
             opt->trace_path = value;
             opt->config.trace = 1;
-        } else if (strcmp(flag, "--fwd-combine") == 0 || strcmp(flag, "--bwd-dispatch") == 0) {
-            int *field = flag[2] == 'f' ? &opt->config.fwd_combine : &opt->config.bwd_dispatch;
+        } else if (strcmp(flag, "--fwd-dispatch") == 0 || strcmp(flag, "--fwd-combine") == 0 ||
+                   strcmp(flag, "--bwd-dispatch") == 0) {
+            int *field = strcmp(flag, "--fwd-dispatch") == 0  ? &opt->config.fwd_dispatch
+                         : strcmp(flag, "--fwd-combine") == 0 ? &opt->config.fwd_combine
+                                                              : &opt->config.bwd_dispatch;
             if (strcmp(value, "push") == 0) *field = MOK_PUSH;
             else if (strcmp(value, "pull") == 0) *field = MOK_PULL;
             else rc = bad_value(flag, value, "push or pull");

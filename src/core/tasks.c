@@ -10,7 +10,9 @@
 static MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Whether a plan's list names peers' counters. */
-static MOK_HD int peer_lists(const mok_plan *plan) { return plan->combine_pull || plan->dispatch_pull; }
+static MOK_HD int peer_lists(const mok_plan *plan) {
+    return plan->combine_pull || plan->dispatch_pull || plan->dispatch_push;
+}
 
 /* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
  * of any rank, so that the blocks peers address (down_tile, combined, dx_tile, pushed: every
@@ -78,6 +80,7 @@ MOK_CORE const char *mok__task_kind_name(int kind) {
     case MOK_TASK_SHARED_WGRAD: return "shared_wgrad";
     case MOK_TASK_WGRAD_ZERO: return "wgrad_zero";
     case MOK_TASK_GATHER: return "gather";
+    case MOK_TASK_SCATTER: return "scatter";
     }
     return "?";
 }
@@ -244,11 +247,31 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
     const int64_t ring_mbs = p->ring_rows / p->minibatch_rows, ahead = lookahead(p);
     /* combine_pull: a ring slot is free once every rank has gathered from its tile, and the
        list runs over the minibatches of every rank (it gathers from peers with more) */
-    const int pull = p->combine_pull && !p->recompute;
-    const int64_t gatherers = pull ? p->nranks : 1, nmb_all = pull ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
+    const int pull = p->combine_pull && !p->recompute, push = p->dispatch_push && !p->recompute;
+    const int64_t gatherers = pull ? p->nranks : 1, senders = push ? p->nranks : 1;
+    const int64_t nmb_all = pull || push ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
     int64_t next = 0;
     for (int64_t b = 0; b < nmb_all; ++b) {
-        while (next < nmb && next <= b + ahead && next - ring_mbs <= b - 1) {
+        /* dispatch_push: this rank's rows into every rank's tiles of the minibatches in reach,
+           each after the slot's previous occupant was combined on that rank */
+        while (push && next < nmb_all && next <= b + ahead && next - ring_mbs <= b - 1) {
+            for (int r = 0; r < p->nranks; ++r) {
+                const int64_t rr = p->peer_padded_rows[r];
+                if (next >= ceil_div(rr, p->minibatch_rows)) continue;
+                int64_t t0, t1, wait = -1, target = 0;
+                mb_tiles(p, rr, next, &t0, &t1);
+                if (next >= ring_mbs) {
+                    int64_t q0, q1;
+                    mb_tiles(p, rr, next - ring_mbs, &q0, &q1);
+                    wait = L->combined + next - ring_mbs;
+                    target = (q1 - q0) * gatherers;
+                }
+                emit_peer(em, MOK_TASK_SCATTER, MOK_ROLE_COMM, next, t0, t1 - t0, 1, L->dispatched + next, 0, -1, wait,
+                          target, 0, -1, 0, r, r, r);
+            }
+            ++next;
+        }
+        while (!push && next < nmb && next <= b + ahead && next - ring_mbs <= b - 1) {
             int64_t t0, t1, wait = -1, target = 0;
             mb_tiles(p, rows, next, &t0, &t1);
             if (next >= ring_mbs) {
@@ -269,7 +292,7 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
                recompute pass refills the ring slot after it); down and combine hand over per row
                tile */
             emit(em, MOK_TASK_GATEUP, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->gateup_tile + t0, 1, L->gateup_done + b,
-                 L->dispatched + b, tiles, 0, -1, 0);
+                 L->dispatched + b, tiles * senders, 0, -1, 0);
             if (p->recompute) continue;
             emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->down_tile + t0, 1, -1, L->gateup_tile + t0,
                  nI, 1, -1, 0);
@@ -423,7 +446,7 @@ MOK_CORE int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     int64_t wg = (p->num_local_experts + max_macro) * mok__wgrad_tiles(p, p->intermediate);
     int64_t shared = ntt * (nIs + nH) + mok__wgrad_tiles(p, p->shared_intermediate);
-    int64_t gathers = peer_lists(p) ? (int64_t)p->nranks * tiles : 0;
+    int64_t gathers = peer_lists(p) ? (int64_t)p->nranks * tiles * 2 : 0; /* gathers and scatters */
     return tiles * per_tile + wg + shared + p->num_local_experts + gathers;
 }
 
@@ -434,7 +457,7 @@ MOK_CORE int64_t mok__groups_max(const mok_plan *p, int64_t max_rows, int64_t ma
     /* per minibatch at most 4 groups (forward) or 4 (backward); weight gradients one group per
        (expert, macrobatch it has rows in); the shared expert 3; zeroing one per expert */
     return 4 * nmb + (p->num_local_experts + max_macro) + 3 + p->num_local_experts +
-           (peer_lists(p) ? (int64_t)p->nranks * nmb : 0);
+           (peer_lists(p) ? (int64_t)p->nranks * nmb * 2 : 0);
 }
 
 MOK_CORE int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {

@@ -16,7 +16,11 @@
  * down-tile counter and bumping that peer's `combined` counter, so a wait or a bump may name a
  * peer (wait_peer, done_peer). plan.dispatch_pull does the same for the backward's
  * reverse-dispatch: GATHER tasks take each row's dx part and router-weight gradient from the
- * expert rank's ring after its dx tile, and bump its `pushed` counter. Deadlock freedom then spans the ranks: every rank lays its list
+ * expert rank's ring after its dx tile, and bump its `pushed` counter. plan.dispatch_push turns
+ * the forward's dispatch around: each rank writes its own rows into every peer's ring (SCATTER
+ * tasks, one per peer row tile), after that slot's previous occupant was combined there (a wait
+ * on the peer's `combined`), and bumps the peer's `dispatched`; a rank's gate/up waits for a
+ * SCATTER from every rank per tile. Deadlock freedom then spans the ranks: every rank lays its list
  * out by minibatch index over the largest minibatch count of any rank, so that all lists
  * project one global order; mok__tasks_check_ranks simulates the lists together. Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */
@@ -54,6 +58,7 @@ enum mok_task_kind {
     MOK_TASK_GATHER,        /* this rank's rows of peer `peer`'s row tile a: expert outputs (forward,
                                combine_pull), dx parts and router-weight gradients (backward,
                                dispatch_pull) */
+    MOK_TASK_SCATTER,       /* forward, dispatch_push: this rank's x rows into peer `peer`'s row tile a */
     MOK_TASK_NUM_KINDS
 };
 
@@ -97,6 +102,7 @@ typedef struct mok_plan {
        reverse-combine, push reverse-dispatch, and the fields below unused). */
     int combine_pull;            /* forward: owners gather expert outputs from the peers' rings */
     int dispatch_pull;           /* backward: owners gather dx parts and router-weight gradients */
+    int dispatch_push;           /* forward (not recompute): owners write x rows into the peers' rings */
     int nranks, rank;
     const int64_t *peer_padded_rows; /* [nranks]: every rank's padded rows (either of the two) */
 } mok_plan;

@@ -50,6 +50,7 @@ typedef struct cpu_sym_layout {
     size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
     size_t tokens;   /* i64: this rank's T for the current pass */
     /* Read by peers only when a transfer direction other than the default is on (core/tasks.h): */
+    size_t ring_x;   /* bf16 [ring, H]: the rank's ring of routed x rows (cpu_rank.ring_x) */
     size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs / dx parts (cpu_rank.ring_y) */
     size_t ring_rdot; /* f32 [ring, I / CPU_N_TILE]: partial router-weight gradients (cpu_rank.ring_rdot) */
     size_t counters; /* i64 [counters_cap]: the rank's counters (cpu_rank.counters) */
@@ -65,7 +66,7 @@ typedef struct cpu_rank {
     char *region;                 /* own symmetric region */
     char *peers[MOK_MAX_RANKS];   /* every rank's region (peers[rank] == region) */
     /* ring: row i of a pass lives in slot i % ring_rows */
-    uint16_t *ring_x;   /* [ring, H] */
+    uint16_t *ring_x;   /* [ring, H]; in the region (peers write it with dispatch_push) */
     uint16_t *ring_h;   /* [ring, I] */
     uint16_t *ring_y;   /* [ring, H]: expert outputs (forward), dx parts (backward); in the region */
     uint16_t *ring_dy;  /* [ring, H] */

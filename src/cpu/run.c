@@ -142,7 +142,7 @@ static mok_status build_list(cpu_pass *pass) {
     cpu_rank *R = pass->R;
     mok_plan *p = &pass->plan;
     int64_t *padded = pass->peer_padded_rows;
-    if (p->combine_pull || p->dispatch_pull) {
+    if (p->combine_pull || p->dispatch_pull || p->dispatch_push) {
         for (int q = 0; q < p->nranks; ++q)
             padded[q] = ((const mok_sched_header *)(R->peers[q] + pass->cw->sym.sched))->padded_rows;
         p->peer_padded_rows = padded;
@@ -180,12 +180,13 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     p->expert_rows = pass->sched.expert_rows;
     p->combine_pull = pass->kind == CPU_PASS_FORWARD && ws->config.fwd_combine == MOK_PULL;
     p->dispatch_pull = pass->kind == CPU_PASS_BACKWARD && ws->config.bwd_dispatch == MOK_PULL;
+    p->dispatch_push = pass->kind == CPU_PASS_FORWARD && ws->config.fwd_dispatch == MOK_PUSH;
     p->nranks = ws->group->nranks;
     p->rank = R->rank;
     /* every counter, before the start barrier: after it, peers may bump this rank's */
     for (int64_t c = 0; c < R->counters_cap; ++c) atomic_store_explicit(&R->counters[c], 0, memory_order_relaxed);
     atomic_store((_Atomic int32_t *)(R->region + pass->cw->sym.failed), 0);
-    if (p->combine_pull || p->dispatch_pull) { /* peers read the schedule; the list needs theirs */
+    if (p->combine_pull || p->dispatch_pull || p->dispatch_push) { /* peers read the schedule; the list needs theirs */
         memcpy(R->region + pass->cw->sym.sched, schedule, ws->sched_layout.bytes);
     } else {
         mok_status bst = build_list(pass);
@@ -279,7 +280,7 @@ static mok_status run_pass(rank_job *job) {
     mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
     if (st != MOK_OK) return mok__fail(st, "%s", message);
     if (bst != MOK_OK) return bst;
-    if (pass.plan.combine_pull || pass.plan.dispatch_pull) {
+    if (pass.plan.combine_pull || pass.plan.dispatch_pull || pass.plan.dispatch_push) {
         st = build_list(&pass);
         if (st != MOK_OK) abort_pass(&pass); /* its workers run nothing; peers waiting on it stop */
     }

@@ -158,6 +158,20 @@ static void gather(cpu_pass *pass, int q, int64_t rt) {
             memcpy(comb + (int64_t)v.row_slot[row] * H, ring_y + (row % ring) * H, (size_t)H * 2);
 }
 
+/* dispatch_push: this rank's x rows of peer q's row tile rt, into q's ring (q's schedule is the
+ * copy in its region). */
+static void scatter(cpu_pass *pass, int q, int64_t rt) {
+    const int64_t H = pass->ws->shape.hidden, k = pass->ws->shape.topk, ring = pass->ws->config.ring_rows;
+    cpu_rank *R = pass->R;
+    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
+    uint16_t *ring_x = (uint16_t *)(R->peers[q] + L->ring_x);
+    const uint16_t *x = (const uint16_t *)(R->region + L->x);
+    for (int64_t row = rt * MOK_ROW_TILE; row < (rt + 1) * MOK_ROW_TILE; ++row)
+        if (v.row_peer[row] == R->rank)
+            memcpy(ring_x + (row % ring) * H, x + (v.row_slot[row] / k) * H, (size_t)H * 2);
+}
+
 void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *t, float *scratch) {
     switch (t->kind) {
     case MOK_TASK_SHARED_UP: shared_up(pass, t->a, t->b, scratch); break;
@@ -167,6 +181,7 @@ void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *t, float *scratch
     case MOK_TASK_DOWN: down(pass, t->a, t->b, scratch); break;
     case MOK_TASK_COMBINE: combine(pass, t->a); break;
     case MOK_TASK_GATHER: gather(pass, t->peer, t->a); break;
+    case MOK_TASK_SCATTER: scatter(pass, t->peer, t->a); break;
     default: break;
     }
 }
