@@ -116,8 +116,10 @@ typedef struct mok_config {
                                writes its x rows into the peers' rings) */
     int fwd_combine;        /* MOK_PUSH; MOK_PULL on the cpu backend (each rank gathers its
                                expert outputs from the peers' rings; MOK_ERR_UNSUPPORTED on cuda) */
-    int bwd_combine;        /* reverse-combine of dy: MOK_PULL (the only one built yet) */
-                            /* cuda runs the defaults only (MOK_ERR_UNSUPPORTED otherwise) */
+    int bwd_combine;        /* reverse-combine of dy: MOK_PULL; MOK_PUSH on the cpu backend (each
+                               rank writes its dy and x rows and router weights into the peers'
+                               rings). The cuda backend runs the four defaults only
+                               (MOK_ERR_UNSUPPORTED otherwise) */
     int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH; MOK_PULL on the cpu backend
                                (each rank gathers its dx parts and router-weight gradients) */
     int trace;              /* 1: record each worker's tasks for mok_trace_write */

@@ -25,6 +25,7 @@ mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int 
     worst.combine_pull = ws->config.fwd_combine == MOK_PULL;
     worst.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
     worst.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
+    worst.combine_push = ws->config.bwd_combine == MOK_PUSH;
     worst.nranks = ws->group->nranks;
     return worst;
 }
@@ -208,18 +209,13 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     TRY(mok_shape_validate(shape, g->nranks));
     mok_config cfg = config ? *config : g->config;
     TRY(mok_config_validate(&cfg));
-    /* the cpu backend also pushes the forward's dispatch and pulls its combine and the backward's
-       reverse-dispatch (core/tasks.h); the pushed reverse-combine is not built yet */
-    const int cpu = g->backend == MOK_BACKEND_CPU;
-    const int dispatch_ok = cfg.fwd_dispatch == MOK_PULL || (cfg.fwd_dispatch == MOK_PUSH && cpu);
-    const int combine_ok = cfg.fwd_combine == MOK_PUSH || (cfg.fwd_combine == MOK_PULL && cpu);
-    const int rdispatch_ok = cfg.bwd_dispatch == MOK_PUSH || (cfg.bwd_dispatch == MOK_PULL && cpu);
-    if (!dispatch_ok || !combine_ok || cfg.bwd_combine != MOK_PULL || !rdispatch_ok)
+    /* the cpu backend runs every transfer in either direction (core/tasks.h); cuda the defaults */
+    if (g->backend != MOK_BACKEND_CPU && (cfg.fwd_dispatch != MOK_PULL || cfg.fwd_combine != MOK_PUSH ||
+                                         cfg.bwd_combine != MOK_PULL || cfg.bwd_dispatch != MOK_PUSH))
         return mok__fail(MOK_ERR_UNSUPPORTED,
-                         "config.fwd_dispatch/fwd_combine/bwd_combine/bwd_dispatch: the %s backend runs %s "
-                         "dispatch, %s combine, pull reverse-combine and %s reverse-dispatch only",
-                         mok_backend_name(g->backend), cpu ? "pull or push" : "pull", cpu ? "push or pull" : "push",
-                         cpu ? "push or pull" : "push");
+                         "config.fwd_dispatch/fwd_combine/bwd_combine/bwd_dispatch: the %s backend runs pull "
+                         "dispatch, push combine, pull reverse-combine and push reverse-dispatch only",
+                         mok_backend_name(g->backend));
 
     mok_workspace *ws = calloc(1, sizeof *ws);
     if (!ws) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");

@@ -89,11 +89,12 @@ check_run one-rank-shared --preset glm-4.5 --scale 16 --ranks 1 --tokens 96 --re
 check_run no-tokens --preset deepseek-v3 --scale 16 --ranks 2 --tokens 0 --repeat 1 --check --backend cpu
 check_run experts-rounded-up-to-ranks --preset mixtral-8x7b --scale 32 --ranks 8 --tokens 16 --repeat 1 \
     --check --backend cpu
-# The transfers turned around: the token owners push the forward's dispatch and pull its combine
-# and the backward's reverse-dispatch (config fwd_dispatch = MOK_PUSH, fwd_combine = bwd_dispatch
-# = MOK_PULL), several macrobatches, uneven tokens.
+# Every transfer turned around: the token owners push the dispatch and the reverse-combine and
+# pull the combine and the reverse-dispatch (config fwd_dispatch = bwd_combine = MOK_PUSH,
+# fwd_combine = bwd_dispatch = MOK_PULL), several macrobatches, uneven tokens.
 check_run turned-transfers --preset qwen3-30b-a3b --scale 16 --ranks 4 --uneven --tokens 192 --minibatch 128 \
-    --ring 256 --fwd-dispatch push --fwd-combine pull --bwd-dispatch pull --repeat 2 --check --backend cpu
+    --ring 256 --fwd-dispatch push --fwd-combine pull --bwd-combine push --bwd-dispatch pull --repeat 2 --check \
+    --backend cpu
 
 # ---- what the report holds -----------------------------------------------------------------------
 # --no-backward: the forward alone, checked; the backward row says why it is missing.

@@ -770,11 +770,12 @@ MOK_TEST(cpu_recompute_context) {
     recompute_case("recompute, context_rows 128, ring 128", &replay);
 }
 
-/* The transfer directions the cpu backend can turn (core/tasks.h): fwd_dispatch = MOK_PUSH (each
- * rank writes its x rows into the peers' rings: SCATTER), fwd_combine = MOK_PULL and bwd_dispatch
- * = MOK_PULL (each rank gathers its expert outputs, and its dx parts and router-weight
- * gradients, from the peers' rings: GATHER). The rows are the same bytes, so the outputs and
- * gradients must equal the defaults' bit for bit, all three turned and the dispatch alone, at P = 1, 2, 4 and 8, with
+/* The transfer directions turned around (core/tasks.h): fwd_dispatch = bwd_combine = MOK_PUSH
+ * (each rank writes its x rows, and its dy, x and router weights, into the peers' rings:
+ * SCATTER), fwd_combine = bwd_dispatch = MOK_PULL (each rank gathers its expert outputs, and its
+ * dx parts and router-weight gradients, from the peers' rings: GATHER). The rows are the same
+ * bytes, so the outputs and gradients must equal the defaults' bit for bit, all four turned and
+ * the two pushes alone, at P = 1, 2, 4 and 8, with
  * uneven tokens (one rank with none), skewed routing and several macrobatches; one case also
  * against the reference. */
 MOK_TEST(cpu_gather_transfers) {
@@ -792,12 +793,14 @@ MOK_TEST(cpu_gather_transfers) {
                 push.minibatch_rows = 128;
                 push.ring_rows = 128;
             }
-            mok_config pull = push; /* every direction the cpu backend can turn, turned */
+            mok_config pull = push; /* every direction turned */
             pull.fwd_dispatch = MOK_PUSH;
             pull.fwd_combine = MOK_PULL;
+            pull.bwd_combine = MOK_PUSH;
             pull.bwd_dispatch = MOK_PULL;
-            mok_config scatter = push; /* the pushed dispatch beside the pushed combine */
+            mok_config scatter = push; /* the pushes beside the other defaults */
             scatter.fwd_dispatch = MOK_PUSH;
+            scatter.bwd_combine = MOK_PUSH;
             char tag[96];
             snprintf(tag, sizeof tag, "P = %d, %s", P, ring ? "ring = minibatch = 128" : "one macrobatch");
             layer L;
@@ -809,12 +812,12 @@ MOK_TEST(cpu_gather_transfers) {
             layer_result a = {0}, b = {0}, c = {0};
             mok_status sa = layer_run_backend(&L, &push, 0, &a), sb = layer_run_backend(&L, &pull, 0, &b);
             mok_status sc = layer_run_backend(&L, &scatter, 0, &c);
-            CHECK(sa == MOK_OK && sb == MOK_OK && sc == MOK_OK, "%s: defaults %s / turned %s / pushed dispatch %s", tag,
+            CHECK(sa == MOK_OK && sb == MOK_OK && sc == MOK_OK, "%s: defaults %s / turned %s / pushes %s", tag,
                   a.message, b.message, c.message);
             if (sa == MOK_OK && sb == MOK_OK && sc == MOK_OK) {
                 char what[256] = "";
                 CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: the turned transfers differ: %s", tag, what);
-                CHECK(layer_equal(&L, &a, &c, what, sizeof what), "%s: the pushed dispatch differs: %s", tag, what);
+                CHECK(layer_equal(&L, &a, &c, what, sizeof what), "%s: the pushes differ: %s", tag, what);
             }
             if (P == 4 && ring) check_layer(tag, &L, &pull, BF16_ONLY);
             layer_result_free(&a);

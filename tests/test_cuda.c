@@ -1113,6 +1113,31 @@ MOK_TEST(cuda_trace) {
 
 /* The API's argument rules on a cuda workspace: the same messages as on cpu, and the workspace
  * keeps working after each refusal. */
+/* The cuda backend runs the default transfer directions only: each flipped one is refused at
+ * workspace creation, with a message that names it (the cpu backend runs them all). */
+MOK_TEST(cuda_directions_unsupported) {
+    if (skip(1, "cuda_directions_unsupported")) return;
+    mok_shape s = small_shape(128, 64, 4, 2, 0);
+    int devices[1] = {0};
+    mok_group *g = NULL;
+    if (mok_group_create_local(&g, MOK_BACKEND_CUDA, 1, devices, NULL) != MOK_OK) {
+        CHECK(0, "group: %s", mok_last_error());
+        return;
+    }
+    static const char *fields[4] = {"fwd_dispatch", "fwd_combine", "bwd_combine", "bwd_dispatch"};
+    for (int f = 0; f < 4; ++f) {
+        mok_config c = mok_config_default();
+        int *field = f == 0 ? &c.fwd_dispatch : f == 1 ? &c.fwd_combine : f == 2 ? &c.bwd_combine : &c.bwd_dispatch;
+        *field = *field == MOK_PULL ? MOK_PUSH : MOK_PULL;
+        mok_workspace *ws = NULL;
+        mok_status st = mok_workspace_create(&ws, g, &s, &c);
+        CHECK(st == MOK_ERR_UNSUPPORTED && ws == NULL && strstr(mok_last_error(), fields[f]),
+              "%s flipped: status %d, message '%s'", fields[f], (int)st, mok_last_error());
+        if (ws) mok_workspace_destroy(ws);
+    }
+    mok_group_destroy(g);
+}
+
 MOK_TEST(cuda_bad_inputs) {
     if (skip(1, "cuda_bad_inputs")) return;
     int64_t tokens[1] = {100};

@@ -1101,7 +1101,7 @@ MOK_TEST(schedule_tasks_broken_list) {
  * DISPATCH); the lists run together to the end with one worker per role per rank. Moving one
  * rank's first GATHER or SCATTER of its own tiles behind all its other tasks must deadlock (a
  * refill, or its own gate/up, waits on it). Returns failed checks. */
-enum { LISTS_FWD_GATHER = 1, LISTS_FWD_SCATTER = 2, LISTS_BWD_GATHER = 4 };
+enum { LISTS_FWD_GATHER = 1, LISTS_FWD_SCATTER = 2, LISTS_BWD_GATHER = 4, LISTS_BWD_SCATTER = 8, LISTS_BWD = 16 };
 
 static int count_peer_tasks(const mok_task *tasks, int64_t n, int kind, int q, int64_t tile) {
     int seen = 0;
@@ -1109,8 +1109,71 @@ static int count_peer_tasks(const mok_task *tasks, int64_t n, int kind, int q, i
     return seen;
 }
 
+/* Whether task t (of rank `owner`) reads or writes the ring of rank `ring_rank` for minibatch mb
+ * (a macrobatch's weight gradients read all its minibatches' rows). */
+static int uses_ring(const mok_task *t, int owner, int ring_rank, int64_t mb, int ring_mbs) {
+    switch (t->kind) {
+    case MOK_TASK_GATEUP: case MOK_TASK_DOWN: case MOK_TASK_COMBINE: case MOK_TASK_DH: case MOK_TASK_DX:
+    case MOK_TASK_PUSH: case MOK_TASK_DISPATCH: case MOK_TASK_PULL:
+        return owner == ring_rank && t->minibatch == mb;
+    case MOK_TASK_WGRAD: return owner == ring_rank && t->minibatch == mb / ring_mbs;
+    case MOK_TASK_GATHER: case MOK_TASK_SCATTER: return t->peer == ring_rank && t->minibatch == mb;
+    default: return 0;
+    }
+}
+
+/* The lists run together as mok__tasks_check_ranks runs them, and every task that writes a ring
+ * slot (DISPATCH, PULL, SCATTER into minibatch mb >= ring_mbs) must find every task that uses the
+ * slot's previous occupant (minibatch mb - ring_mbs, on that ring's rank) done. Returns the
+ * number of writes that would overwrite rows still in use. */
+static int64_t ring_overwrites(int P, mok_task *const *tasks, const int64_t *counts, const int64_t *ncounters,
+                               int64_t *const *counters, int ring_mbs) {
+    int64_t cursor[MAX_P][2] = {{0}}, bad = 0;
+    char *done[MAX_P];
+    for (int r = 0; r < P; ++r) {
+        done[r] = calloc((size_t)counts[r] + 1, 1);
+        for (int64_t c = 0; c < ncounters[r]; ++c) counters[r][c] = 0;
+    }
+    for (int progress = 1; progress;) {
+        progress = 0;
+        for (int r = 0; r < P; ++r)
+            for (int role = 0; role < 2; ++role)
+                for (;;) {
+                    int64_t *i = &cursor[r][role];
+                    while (*i < counts[r] && tasks[r][*i].role != role) ++*i;
+                    if (*i >= counts[r]) break;
+                    const mok_task *t = &tasks[r][*i];
+                    int ready = 1;
+                    for (int w = 0; w < 2 && ready; ++w)
+                        if (t->wait[w] >= 0) {
+                            const int q = w == 0 && t->wait_peer >= 0 ? t->wait_peer : r;
+                            ready = counters[q][t->wait[w]] >= t->target[w];
+                        }
+                    if (!ready) break;
+                    const int writes = t->kind == MOK_TASK_DISPATCH || t->kind == MOK_TASK_PULL || t->kind == MOK_TASK_SCATTER;
+                    if (writes && t->minibatch >= ring_mbs) {
+                        const int ring_rank = t->kind == MOK_TASK_SCATTER ? t->peer : r;
+                        for (int q = 0; q < P; ++q)
+                            for (int64_t j = 0; j < counts[q]; ++j)
+                                if (!done[q][j] && uses_ring(&tasks[q][j], q, ring_rank, t->minibatch - ring_mbs, ring_mbs)) {
+                                    ++bad;
+                                    q = P;
+                                    break;
+                                }
+                    }
+                    for (int d = 0; d < 2; ++d)
+                        if (t->done[d] >= 0) counters[d == 0 && t->done_peer >= 0 ? t->done_peer : r][t->done[d]] += 1;
+                    done[r][*i] = 1;
+                    ++*i;
+                    progress = 1;
+                }
+    }
+    for (int r = 0; r < P; ++r) free(done[r]);
+    return bad;
+}
+
 static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, int ring_mbs, const char *what) {
-    const int P = rt->P, backward = (mode & LISTS_BWD_GATHER) != 0;
+    const int P = rt->P, backward = (mode & (LISTS_BWD_GATHER | LISTS_BWD_SCATTER | LISTS_BWD)) != 0;
     mok_sched_layout lay;
     mok__sched_layout(&lay, P, rt->L, rt->k, rt->T_max);
     void *buf[MAX_P];
@@ -1128,15 +1191,16 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
     c.context_rows = lay.max_rows;
     c.shared = 1;
     c.backward = backward;
-    const int gathers = mode & (LISTS_FWD_GATHER | LISTS_BWD_GATHER), scatters = mode & LISTS_FWD_SCATTER;
+    const int gathers = mode & (LISTS_FWD_GATHER | LISTS_BWD_GATHER), scatters = mode & (LISTS_FWD_SCATTER | LISTS_BWD_SCATTER);
     mok_task *tasks[MAX_P];
     int64_t counts[MAX_P], ncounters[MAX_P], *counters[MAX_P], total = 0;
     int bad = 0;
     for (int r = 0; r < P; ++r) {
         mok_plan p = plan_from(&c, &v[r], rt->L, rt->T[r], 128, 128, 128);
         p.combine_pull = (mode & LISTS_FWD_GATHER) != 0;
-        p.dispatch_push = scatters != 0;
-        p.dispatch_pull = backward;
+        p.dispatch_push = (mode & LISTS_FWD_SCATTER) != 0;
+        p.dispatch_pull = (mode & LISTS_BWD_GATHER) != 0;
+        p.combine_push = (mode & LISTS_BWD_SCATTER) != 0;
         p.nranks = P;
         p.rank = r;
         p.peer_padded_rows = padded;
@@ -1164,7 +1228,9 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
         for (int64_t i = 0; i < counts[r]; ++i) {
             const int kind = tasks[r][i].kind;
             const int replaced = (kind == MOK_TASK_COMBINE && (mode & LISTS_FWD_GATHER)) ||
-                                 (kind == MOK_TASK_PUSH && backward) || (kind == MOK_TASK_DISPATCH && scatters);
+                                 (kind == MOK_TASK_PUSH && (mode & LISTS_BWD_GATHER)) ||
+                                 (kind == MOK_TASK_DISPATCH && (mode & LISTS_FWD_SCATTER)) ||
+                                 (kind == MOK_TASK_PULL && (mode & LISTS_BWD_SCATTER));
             CHECK(!replaced, "%s: rank %d: a %s in a list that replaces it", what, r, mok__task_kind_name(kind));
             bad += replaced;
         }
@@ -1172,6 +1238,9 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
     int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
     CHECK(ran == total, "%s: the ranks' lists deadlock after %lld of %lld tasks", what, (long long)ran, (long long)total);
     bad += ran != total;
+    const int64_t overwrites = ring_overwrites(P, tasks, counts, ncounters, counters, ring_mbs);
+    CHECK(overwrites == 0, "%s: %lld ring writes overwrite rows still in use", what, (long long)overwrites);
+    bad += overwrites != 0;
     /* rank 0's first GATHER (or SCATTER) of its own tiles moved last: a refill (or its gate/up)
        that waits on it then blocks the comm tasks before it */
     const int moved_kind = scatters ? MOK_TASK_SCATTER : MOK_TASK_GATHER, refill = backward ? MOK_TASK_PULL : MOK_TASK_DISPATCH;
@@ -1211,10 +1280,14 @@ MOK_TEST(schedule_peer_lists_ranks) {
         static const struct {
             int mode;
             const char *name;
-        } modes[] = {{LISTS_FWD_GATHER, "forward, pulled combine"},
+        } modes[] = {{0, "forward, default transfers"},
+                     {LISTS_BWD, "backward, default transfers"},
+                     {LISTS_FWD_GATHER, "forward, pulled combine"},
                      {LISTS_FWD_SCATTER, "forward, pushed dispatch"},
                      {LISTS_FWD_GATHER | LISTS_FWD_SCATTER, "forward, both"},
-                     {LISTS_BWD_GATHER, "backward, pulled reverse-dispatch"}};
+                     {LISTS_BWD_GATHER, "backward, pulled reverse-dispatch"},
+                     {LISTS_BWD_SCATTER, "backward, pushed reverse-combine"},
+                     {LISTS_BWD_GATHER | LISTS_BWD_SCATTER, "backward, both"}};
         for (size_t m = 0; m < sizeof modes / sizeof modes[0]; ++m) {
             char tag[192];
             snprintf(tag, sizeof tag, "%s: %s", what, modes[m].name);

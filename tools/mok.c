@@ -73,6 +73,8 @@ static void usage(FILE *out) {
             "                      each rank writes its x rows into the peers' rings)\n"
             "  --fwd-combine D     config fwd_combine: push (default) or pull (the cpu backend:\n"
             "                      each rank gathers its expert outputs from the peers' rings)\n"
+            "  --bwd-combine D     config bwd_combine: pull (default) or push (the cpu backend:\n"
+            "                      each rank writes its dy rows into the peers' rings)\n"
             "  --bwd-dispatch D    config bwd_dispatch: push (default) or pull (the cpu backend:\n"
             "                      each rank gathers its dx parts and router-weight gradients)\n"
             "  --trace PATH        record the last run's tasks as Chrome trace JSON\n"
@@ -223,7 +225,7 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
                                              "--seed", "--backend", "--repeat", "--minibatch", "--ring",
                                              "--context-rows", "--threads", "--comm-threads", "--limit",
                                              "--trace", "--check-tokens", "--comm-sms", "--fwd-dispatch",
-                                             "--fwd-combine", "--bwd-dispatch"};
+                                             "--fwd-combine", "--bwd-combine", "--bwd-dispatch"};
         int known = 0;
         for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= strcmp(flag, valued[k]) == 0;
         if (!known) {
@@ -287,9 +289,10 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
             opt->trace_path = value;
             opt->config.trace = 1;
         } else if (strcmp(flag, "--fwd-dispatch") == 0 || strcmp(flag, "--fwd-combine") == 0 ||
-                   strcmp(flag, "--bwd-dispatch") == 0) {
+                   strcmp(flag, "--bwd-combine") == 0 || strcmp(flag, "--bwd-dispatch") == 0) {
             int *field = strcmp(flag, "--fwd-dispatch") == 0  ? &opt->config.fwd_dispatch
                          : strcmp(flag, "--fwd-combine") == 0 ? &opt->config.fwd_combine
+                         : strcmp(flag, "--bwd-combine") == 0 ? &opt->config.bwd_combine
                                                               : &opt->config.bwd_dispatch;
             if (strcmp(value, "push") == 0) *field = MOK_PUSH;
             else if (strcmp(value, "pull") == 0) *field = MOK_PULL;

@@ -11,7 +11,7 @@ static MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Whether a plan's list names peers' counters. */
 static MOK_HD int peer_lists(const mok_plan *plan) {
-    return plan->combine_pull || plan->dispatch_pull || plan->dispatch_push;
+    return plan->combine_pull || plan->dispatch_pull || plan->dispatch_push || plan->combine_push;
 }
 
 /* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
@@ -48,6 +48,7 @@ MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *l)
     l->dx_tile = off; off += nrt;
     l->wgrad_done = off; off += nmacro;
     l->dh_macro_done = off; off += nmacro;
+    l->opened = off; off += nmb;
     l->shared_up_done = off; off += ntt; /* per token tile: last, as its size differs between ranks */
     l->shared_dh_all = off; off += 1;
     l->total = off;
@@ -81,6 +82,7 @@ MOK_CORE const char *mok__task_kind_name(int kind) {
     case MOK_TASK_WGRAD_ZERO: return "wgrad_zero";
     case MOK_TASK_GATHER: return "gather";
     case MOK_TASK_SCATTER: return "scatter";
+    case MOK_TASK_OPEN: return "open";
     }
     return "?";
 }
@@ -354,17 +356,19 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
     const int64_t ring_mbs = p->ring_rows / p->minibatch_rows, ahead = lookahead(p);
     /* dispatch_pull: a ring slot is refilled once every rank has gathered from its tile, and the
        list runs over the minibatches of every rank (as build_forward's combine_pull) */
-    const int gather = p->dispatch_pull;
-    const int64_t gatherers = gather ? p->nranks : 1, nmb_all = gather ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
+    const int gather = p->dispatch_pull, scatter = p->combine_push;
+    const int64_t gatherers = gather ? p->nranks : 1, senders = scatter ? p->nranks : 1;
+    const int64_t nmb_all = gather || scatter ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
     int64_t next = 0, counted_m = -1, counted = 0;
     int pull_lo = 0, wgrad_lo = 0; /* experts_in cursors */
     for (int64_t b = 0; b < nmb_all; ++b) {
         /* A pull into macrobatch M waits for macrobatch M-1's weight gradients, emitted after
            M-1's last minibatch: only pull minibatches whose macrobatch has started. */
-        while (next < nmb && next <= b + ahead && next - ring_mbs <= b - 1 && (next / ring_mbs) * ring_mbs <= b) {
+        while (next < (scatter ? nmb_all : nmb) && next <= b + ahead && next - ring_mbs <= b - 1 &&
+               (next / ring_mbs) * ring_mbs <= b) {
             int64_t t0, t1, w0 = -1, g0 = 0, w1 = -1, g1 = 0;
             mb_tiles(p, rows, next, &t0, &t1);
-            if (next >= ring_mbs) {
+            if (next >= ring_mbs && next < nmb) {
                 int64_t prev = next - ring_mbs, q0, q1, m = next / ring_mbs - 1;
                 mb_tiles(p, rows, prev, &q0, &q1);
                 w0 = L->pushed + prev;
@@ -376,7 +380,23 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
                 }
                 g1 = counted;
             }
-            emit(em, MOK_TASK_PULL, MOK_ROLE_COMM, next, t0, t1 - t0, 1, L->pulled + next, 0, -1, w0, g0, 0, w1, g1);
+            if (!scatter) {
+                emit(em, MOK_TASK_PULL, MOK_ROLE_COMM, next, t0, t1 - t0, 1, L->pulled + next, 0, -1, w0, g0, 0, w1, g1);
+                ++next;
+                continue;
+            }
+            /* combine_push: open this rank's slots of minibatch next (the refill waits a pull would
+               have), then write this rank's rows into every rank's tiles of it */
+            if (next < nmb)
+                emit(em, MOK_TASK_OPEN, MOK_ROLE_COMM, next, 0, 1, 1, L->opened + next, 0, -1, w0, g0, 0, w1, g1);
+            for (int r = 0; r < p->nranks; ++r) {
+                const int64_t rr = p->peer_padded_rows[r];
+                if (next >= ceil_div(rr, p->minibatch_rows)) continue;
+                int64_t s0, s1;
+                mb_tiles(p, rr, next, &s0, &s1);
+                emit_peer(em, MOK_TASK_SCATTER, MOK_ROLE_COMM, next, s0, s1 - s0, 1, L->pulled + next, 0, -1,
+                          L->opened + next, 1, 0, -1, 0, r, r, r);
+            }
             ++next;
         }
         for (int r = 0; gather && r < p->nranks; ++r) { /* the peers' tiles of minibatch b (see build_forward) */
@@ -392,7 +412,7 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
         mb_tiles(p, rows, b, &t0, &t1);
         const int64_t tiles = t1 - t0;
         emit(em, MOK_TASK_DH, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->dh_tile + t0, 1, L->dh_macro_done + m,
-             L->pulled + b, tiles, 0, -1, 0);
+             L->pulled + b, tiles * senders, 0, -1, 0);
         emit(em, MOK_TASK_DX, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->dx_tile + t0, 1, -1, L->dh_tile + t0, nI, 1, -1,
              0);
         if (!gather)
@@ -446,7 +466,8 @@ MOK_CORE int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     int64_t wg = (p->num_local_experts + max_macro) * mok__wgrad_tiles(p, p->intermediate);
     int64_t shared = ntt * (nIs + nH) + mok__wgrad_tiles(p, p->shared_intermediate);
-    int64_t gathers = peer_lists(p) ? (int64_t)p->nranks * tiles * 2 : 0; /* gathers and scatters */
+    int64_t gathers = peer_lists(p) ? (int64_t)p->nranks * tiles * 2 + ceil_div(max_rows, p->minibatch_rows) : 0;
+    /* gathers and scatters, and the OPEN tasks */
     return tiles * per_tile + wg + shared + p->num_local_experts + gathers;
 }
 
@@ -457,7 +478,7 @@ MOK_CORE int64_t mok__groups_max(const mok_plan *p, int64_t max_rows, int64_t ma
     /* per minibatch at most 4 groups (forward) or 4 (backward); weight gradients one group per
        (expert, macrobatch it has rows in); the shared expert 3; zeroing one per expert */
     return 4 * nmb + (p->num_local_experts + max_macro) + 3 + p->num_local_experts +
-           (peer_lists(p) ? (int64_t)p->nranks * nmb * 2 : 0);
+           (peer_lists(p) ? (int64_t)(2 * p->nranks + 1) * nmb : 0);
 }
 
 MOK_CORE int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {

@@ -20,7 +20,10 @@
  * the forward's dispatch around: each rank writes its own rows into every peer's ring (SCATTER
  * tasks, one per peer row tile), after that slot's previous occupant was combined there (a wait
  * on the peer's `combined`), and bumps the peer's `dispatched`; a rank's gate/up waits for a
- * SCATTER from every rank per tile. Deadlock freedom then spans the ranks: every rank lays its list
+ * SCATTER from every rank per tile. plan.combine_push does the same for the backward's
+ * reverse-combine (dy, x and the router weight of each row): the expert rank first opens the
+ * minibatch's ring slots with an OPEN task (its own refill waits, which senders cannot see),
+ * and the senders' SCATTERs wait on its `opened` counter. Deadlock freedom then spans the ranks: every rank lays its list
  * out by minibatch index over the largest minibatch count of any rank, so that all lists
  * project one global order; mok__tasks_check_ranks simulates the lists together. Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */
@@ -58,7 +61,9 @@ enum mok_task_kind {
     MOK_TASK_GATHER,        /* this rank's rows of peer `peer`'s row tile a: expert outputs (forward,
                                combine_pull), dx parts and router-weight gradients (backward,
                                dispatch_pull) */
-    MOK_TASK_SCATTER,       /* forward, dispatch_push: this rank's x rows into peer `peer`'s row tile a */
+    MOK_TASK_SCATTER,       /* this rank's rows into peer `peer`'s row tile a: x (forward, dispatch_push);
+                               dy, x and the router weight (backward, combine_push) */
+    MOK_TASK_OPEN,          /* backward, combine_push: minibatch's ring slots free for the senders */
     MOK_TASK_NUM_KINDS
 };
 
@@ -103,6 +108,7 @@ typedef struct mok_plan {
     int combine_pull;            /* forward: owners gather expert outputs from the peers' rings */
     int dispatch_pull;           /* backward: owners gather dx parts and router-weight gradients */
     int dispatch_push;           /* forward (not recompute): owners write x rows into the peers' rings */
+    int combine_push;            /* backward: owners write dy, x, w rows into the peers' rings */
     int nranks, rank;
     const int64_t *peer_padded_rows; /* [nranks]: every rank's padded rows (either of the two) */
 } mok_plan;
@@ -116,6 +122,7 @@ typedef struct mok_counters_layout {
     int64_t pulled, pushed;                                     /* per minibatch */
     int64_t dh_tile, dx_tile;                                   /* per row tile */
     int64_t wgrad_done, dh_macro_done;                          /* per macrobatch */
+    int64_t opened;                                             /* per minibatch (combine_push) */
     int64_t shared_dh_all;                                      /* one */
     int64_t total;
 } mok_counters_layout;

@@ -51,6 +51,8 @@ typedef struct cpu_sym_layout {
     size_t tokens;   /* i64: this rank's T for the current pass */
     /* Read by peers only when a transfer direction other than the default is on (core/tasks.h): */
     size_t ring_x;   /* bf16 [ring, H]: the rank's ring of routed x rows (cpu_rank.ring_x) */
+    size_t ring_dy;  /* bf16 [ring, H]: routed dy rows (cpu_rank.ring_dy) */
+    size_t ring_w;   /* f32 [ring]: their router weights (cpu_rank.ring_w) */
     size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs / dx parts (cpu_rank.ring_y) */
     size_t ring_rdot; /* f32 [ring, I / CPU_N_TILE]: partial router-weight gradients (cpu_rank.ring_rdot) */
     size_t counters; /* i64 [counters_cap]: the rank's counters (cpu_rank.counters) */
@@ -69,8 +71,8 @@ typedef struct cpu_rank {
     uint16_t *ring_x;   /* [ring, H]; in the region (peers write it with dispatch_push) */
     uint16_t *ring_h;   /* [ring, I] */
     uint16_t *ring_y;   /* [ring, H]: expert outputs (forward), dx parts (backward); in the region */
-    uint16_t *ring_dy;  /* [ring, H] */
-    float *ring_w;      /* [ring] router weight of each row */
+    uint16_t *ring_dy;  /* [ring, H]; in the region (peers write it with combine_push) */
+    float *ring_w;      /* [ring] router weight of each row; in the region */
     uint16_t *ring_dgu; /* [ring, 2I]: dg then du */
     float *ring_rdot;   /* [ring, I / CPU_N_TILE]: partial router-weight gradients; in the region */
     /* shared expert, over local tokens */

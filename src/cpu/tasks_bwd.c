@@ -174,6 +174,24 @@ static void gather(cpu_pass *pass, int q, int64_t rt) {
     }
 }
 
+/* combine_push: this rank's dy and x rows and router weights of peer q's row tile rt, into q's
+ * ring (what q's PULL of the tile would have read from this rank). */
+static void scatter(cpu_pass *pass, int q, int64_t rt) {
+    const int64_t H = pass->ws->shape.hidden, k = pass->ws->shape.topk, ring = pass->ws->config.ring_rows;
+    cpu_rank *R = pass->R;
+    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
+    uint16_t *ring_dy = (uint16_t *)(R->peers[q] + L->ring_dy), *ring_x = (uint16_t *)(R->peers[q] + L->ring_x);
+    float *ring_w = (float *)(R->peers[q] + L->ring_w);
+    for (int64_t row = rt * MOK_ROW_TILE; row < (rt + 1) * MOK_ROW_TILE; ++row) {
+        if (v.row_peer[row] != R->rank) continue;
+        const int64_t slot = v.row_slot[row], token = slot / k, r = row % ring;
+        memcpy(ring_dy + r * H, sym_bf16(R, L, R->rank, L->dy) + token * H, (size_t)H * 2);
+        memcpy(ring_x + r * H, sym_bf16(R, L, R->rank, L->x) + token * H, (size_t)H * 2);
+        ring_w[r] = ((const float *)(R->region + L->router_w))[slot];
+    }
+}
+
 /* One weight-gradient tile: out[i0 + ii][j0 + jj] (+)= sum over rows of coef[row][ii] * vec[row][jj]. */
 typedef struct wgrad_job {
     int matrix;
@@ -285,6 +303,8 @@ void mok__cpu_run_backward_task(cpu_pass *pass, const mok_task *t, float *scratc
     case MOK_TASK_DX: dx_task(pass, t->a, t->b, scratch); break;
     case MOK_TASK_PUSH: push(pass, t->a); break;
     case MOK_TASK_GATHER: gather(pass, t->peer, t->a); break;
+    case MOK_TASK_SCATTER: scatter(pass, t->peer, t->a); break;
+    case MOK_TASK_OPEN: break; /* its counter is all it has */
     case MOK_TASK_WGRAD: wgrad(pass, t, scratch); break;
     case MOK_TASK_SHARED_WGRAD: shared_wgrad(pass, t, scratch); break;
     case MOK_TASK_WGRAD_ZERO: wgrad_zero(pass, t->expert); break;

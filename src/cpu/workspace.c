@@ -28,6 +28,8 @@ static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
     L->drw = off; off = align64(off + T * k * 4);
     L->ring_x = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
     L->ring_y = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
+    L->ring_dy = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
+    L->ring_w = off; off = align64(off + (size_t)ws->config.ring_rows * 4);
     L->ring_rdot = off; off = align64(off + (size_t)ws->config.ring_rows * (size_t)(s->intermediate / CPU_N_TILE) * 4);
     L->counters = off; off = align64(off + counters * sizeof(int64_t));
     L->sched = off; off = align64(off + ws->sched_layout.bytes);
@@ -41,8 +43,8 @@ static void *alloc_bytes(size_t bytes, size_t *total) {
 }
 
 static void rank_free(cpu_rank *R) {
-    free(R->region); /* ring_x, ring_y, ring_rdot and the counters live in it */
-    free(R->ring_h); free(R->ring_dy); free(R->ring_w);
+    free(R->region); /* ring_x, ring_y, ring_dy, ring_w, ring_rdot and the counters live in it */
+    free(R->ring_h);
     free(R->ring_dgu);
     free(R->sh_h); free(R->sh_out); free(R->sh_dgu);
     free(R->carry); free(R->tasks); free(R->scratch); free(R->trace);
@@ -68,8 +70,6 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
 
     R->region = alloc_bytes(cw->sym.bytes, total);
     R->ring_h = alloc_bytes(ring * I * 2, total);
-    R->ring_dy = alloc_bytes(ring * H * 2, total);
-    R->ring_w = alloc_bytes(ring * 4, total);
     R->ring_dgu = alloc_bytes(ring * 2 * I * 2, total);
     R->sh_h = alloc_bytes(T * Is * 2, total);
     R->sh_out = alloc_bytes(T * H * 2, total);
@@ -81,7 +81,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
         R->trace_cap = R->tasks_cap + 16;
         R->trace = alloc_bytes((size_t)R->trace_cap * sizeof(mok_trace_event), total);
     }
-    if (!R->region || !R->ring_h || !R->ring_dy || !R->ring_w || !R->ring_dgu ||
+    if (!R->region || !R->ring_h || !R->ring_dgu ||
         !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->scratch ||
         (ws->config.trace && !R->trace)) {
         rank_free(R);
@@ -92,6 +92,8 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->counters = (_Atomic int64_t *)(R->region + cw->sym.counters);
     R->ring_rdot = (float *)(R->region + cw->sym.ring_rdot);
     R->ring_x = (uint16_t *)(R->region + cw->sym.ring_x);
+    R->ring_dy = (uint16_t *)(R->region + cw->sym.ring_dy);
+    R->ring_w = (float *)(R->region + cw->sym.ring_w);
     return MOK_OK;
 }
 
