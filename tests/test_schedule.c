@@ -1122,54 +1122,32 @@ static int uses_ring(const mok_task *t, int owner, int ring_rank, int64_t mb, in
     }
 }
 
-/* The lists run together as mok__tasks_check_ranks runs them, and every task that writes a ring
- * slot (DISPATCH, PULL, SCATTER into minibatch mb >= ring_mbs) must find every task that uses the
- * slot's previous occupant (minibatch mb - ring_mbs, on that ring's rank) done. Returns the
- * number of writes that would overwrite rows still in use. */
-static int64_t ring_overwrites(int P, mok_task *const *tasks, const int64_t *counts, const int64_t *ncounters,
-                               int64_t *const *counters, int ring_mbs) {
-    int64_t cursor[MAX_P][2] = {{0}}, bad = 0;
+/* on_run of mok__tasks_check_ranks: every task that writes a ring slot (DISPATCH, PULL, SCATTER
+ * into minibatch mb >= ring_mbs) must find every task that uses the slot's previous occupant
+ * (minibatch mb - ring_mbs, on that ring's rank) done; counts the writes that would overwrite
+ * rows still in use. */
+typedef struct ring_watch {
+    int P, ring_mbs;
+    mok_task *const *tasks;
+    const int64_t *counts;
     char *done[MAX_P];
-    for (int r = 0; r < P; ++r) {
-        done[r] = calloc((size_t)counts[r] + 1, 1);
-        for (int64_t c = 0; c < ncounters[r]; ++c) counters[r][c] = 0;
+    int64_t overwrites;
+} ring_watch;
+
+static void watch_ring(void *ctx, int r, int64_t index) {
+    ring_watch *w = ctx;
+    const mok_task *t = &w->tasks[r][index];
+    const int writes = t->kind == MOK_TASK_DISPATCH || t->kind == MOK_TASK_PULL || t->kind == MOK_TASK_SCATTER;
+    if (writes && t->minibatch >= w->ring_mbs) {
+        const int ring_rank = t->kind == MOK_TASK_SCATTER ? t->peer : r;
+        int in_use = 0;
+        for (int q = 0; q < w->P && !in_use; ++q)
+            for (int64_t j = 0; j < w->counts[q] && !in_use; ++j)
+                in_use = !w->done[q][j] &&
+                         uses_ring(&w->tasks[q][j], q, ring_rank, t->minibatch - w->ring_mbs, w->ring_mbs);
+        w->overwrites += in_use;
     }
-    for (int progress = 1; progress;) {
-        progress = 0;
-        for (int r = 0; r < P; ++r)
-            for (int role = 0; role < 2; ++role)
-                for (;;) {
-                    int64_t *i = &cursor[r][role];
-                    while (*i < counts[r] && tasks[r][*i].role != role) ++*i;
-                    if (*i >= counts[r]) break;
-                    const mok_task *t = &tasks[r][*i];
-                    int ready = 1;
-                    for (int w = 0; w < 2 && ready; ++w)
-                        if (t->wait[w] >= 0) {
-                            const int q = w == 0 && t->wait_peer >= 0 ? t->wait_peer : r;
-                            ready = counters[q][t->wait[w]] >= t->target[w];
-                        }
-                    if (!ready) break;
-                    const int writes = t->kind == MOK_TASK_DISPATCH || t->kind == MOK_TASK_PULL || t->kind == MOK_TASK_SCATTER;
-                    if (writes && t->minibatch >= ring_mbs) {
-                        const int ring_rank = t->kind == MOK_TASK_SCATTER ? t->peer : r;
-                        for (int q = 0; q < P; ++q)
-                            for (int64_t j = 0; j < counts[q]; ++j)
-                                if (!done[q][j] && uses_ring(&tasks[q][j], q, ring_rank, t->minibatch - ring_mbs, ring_mbs)) {
-                                    ++bad;
-                                    q = P;
-                                    break;
-                                }
-                    }
-                    for (int d = 0; d < 2; ++d)
-                        if (t->done[d] >= 0) counters[d == 0 && t->done_peer >= 0 ? t->done_peer : r][t->done[d]] += 1;
-                    done[r][*i] = 1;
-                    ++*i;
-                    progress = 1;
-                }
-    }
-    for (int r = 0; r < P; ++r) free(done[r]);
-    return bad;
+    w->done[r][index] = 1;
 }
 
 static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, int ring_mbs, const char *what) {
@@ -1235,12 +1213,15 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
             bad += replaced;
         }
     }
-    int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
+    ring_watch watch = {P, ring_mbs, tasks, counts, {0}, 0};
+    for (int r = 0; r < P; ++r) watch.done[r] = calloc((size_t)counts[r] + 1, 1);
+    int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters, watch_ring,
+                                         &watch);
     CHECK(ran == total, "%s: the ranks' lists deadlock after %lld of %lld tasks", what, (long long)ran, (long long)total);
     bad += ran != total;
-    const int64_t overwrites = ring_overwrites(P, tasks, counts, ncounters, counters, ring_mbs);
-    CHECK(overwrites == 0, "%s: %lld ring writes overwrite rows still in use", what, (long long)overwrites);
-    bad += overwrites != 0;
+    CHECK(watch.overwrites == 0, "%s: %lld ring writes overwrite rows still in use", what, (long long)watch.overwrites);
+    bad += watch.overwrites != 0;
+    for (int r = 0; r < P; ++r) free(watch.done[r]);
     /* rank 0's first GATHER (or SCATTER) of its own tiles moved last: a refill (or its gate/up)
        that waits on it then blocks the comm tasks before it */
     const int moved_kind = scatters ? MOK_TASK_SCATTER : MOK_TASK_GATHER, refill = backward ? MOK_TASK_PULL : MOK_TASK_DISPATCH;
@@ -1253,7 +1234,7 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
         mok_task moved = tasks[0][first];
         memmove(&tasks[0][first], &tasks[0][first + 1], sizeof(mok_task) * (size_t)(counts[0] - first - 1));
         tasks[0][counts[0] - 1] = moved;
-        ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters);
+        ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters, NULL, NULL);
         CHECK(ran < total, "%s: rank 0's first %s of its own tiles, moved last, is not a deadlock", what,
               mok__task_kind_name(moved_kind));
         bad += ran >= total;

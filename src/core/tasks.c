@@ -514,7 +514,8 @@ int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_count
 /* One worker per (rank, role): the head of each role's subsequence runs when its waits are met.
  * Rounds over all heads until a round makes no progress. */
 int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const int64_t *counts,
-                               const int64_t *num_counters, int64_t *const *counters) {
+                               const int64_t *num_counters, int64_t *const *counters,
+                               void (*on_run)(void *ctx, int rank, int64_t index), void *ctx) {
     int64_t cursor[MOK_MAX_RANKS][2], done = 0;
     for (int r = 0; r < nranks; ++r) {
         cursor[r][0] = cursor[r][1] = 0;
@@ -536,6 +537,7 @@ int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const i
                         ready = q < nranks && t->wait[w] < num_counters[q] && counters[q][t->wait[w]] >= t->target[w];
                     }
                     if (!ready) break;
+                    if (on_run) on_run(ctx, r, *i);
                     for (int d = 0; d < 2; ++d) {
                         if (t->done[d] < 0) continue;
                         const int q = d == 0 && t->done_peer >= 0 ? t->done_peer : r;

@@ -190,9 +190,11 @@ MOK_CORE void mok__wgrad_tile(const mok_plan *plan, int64_t inter, int64_t t, in
 int64_t mok__tasks_check(const mok_task *tasks, int64_t count, int64_t num_counters, int64_t *scratch);
 /* The lists of ranks 0..nranks-1 run together, one worker per role per rank, each role's tasks
  * in list order, counters per rank: returns the number of tasks that ran (the sum of counts when
- * none deadlocks). counters[r]: num_counters[r] int64 of rank r (zeroed here). */
+ * none deadlocks). counters[r]: num_counters[r] int64 of rank r (zeroed here). on_run (may be
+ * NULL) is called with each task as it runs, before its counters are bumped. */
 int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const int64_t *counts,
-                               const int64_t *num_counters, int64_t *const *counters);
+                               const int64_t *num_counters, int64_t *const *counters,
+                               void (*on_run)(void *ctx, int rank, int64_t index), void *ctx);
 #endif
 
 /* The task kind's name, for traces. */
