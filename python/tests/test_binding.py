@@ -407,6 +407,24 @@ def test_determinism_bitwise():
             assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(g[key], g0[key])), key
 
 
+def test_turned_transfers_bitwise():
+    """Every transfer direction turned around (the cpu backend runs them all) gives the defaults'
+    bits, with several macrobatches and a rank with no tokens."""
+    L = make_layer(3, [60, 0, 70], E=6, k=2, Is=64, seed=23)
+    base = CONFIG.replace(minibatch_rows=128, ring_rows=256)
+    turned = base.replace(fwd_dispatch="push", fwd_combine="pull", bwd_combine="push", bwd_dispatch="pull")
+    outs = []
+    for config in (base, turned):
+        group, ws = workspace(L, config=config)
+        with group:
+            _, y, _, g = run(ws, L)
+        outs.append((y, g))
+    (y0, g0), (y1, g1) = outs
+    assert all(np.array_equal(a, b) for a, b in zip(y1, y0))
+    for key in g0:
+        assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(g1[key], g0[key])), key
+
+
 def test_accumulate_adds_into_fp32_grads():
     L = make_layer(2, [40, 35], E=8, k=2, Is=64, seed=31, even_only=True)
     rng = np.random.default_rng([SEED, 2])
