@@ -18,16 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/portable.h"
+#include "try.h"
 
-#define TRY(x)                                                                                 \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "core/portable.h"
 
 __device__ static inline uint32_t cvt_pair(float lo, float hi) {
     uint32_t r;

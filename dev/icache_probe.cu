@@ -26,18 +26,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "try.h"
+
 #define WARPS 8
 #define TASKS 40
 #define HOT_ITERS 4000
-
-#define TRY(x)                                                                                 \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
 
 /* The block: N rounds of 8 FMAs, every one with its own immediate. Halved recursively down to
  * 256 rounds, because nvcc stops unrolling one loop fully past ~1024 rounds. */

@@ -27,21 +27,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "try.h"
+
 #define WARPS 8
 #define THREADS (32 * WARPS)
 #define ROWS 128
 #define COLS 256
 #define TILE_BYTES (ROWS * COLS * 2)
 #define TILES 64
-
-#define TRY(x)                                                                                 \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
 
 enum { FRAG, ROWS4, VEC16, BULK, NUM_WAYS };
 static const char *way_name[NUM_WAYS] = {"frag", "rows", "vec16", "bulk"};

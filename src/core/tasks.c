@@ -9,8 +9,7 @@
 
 static MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* Whether a plan's list names peers' counters. */
-static MOK_HD int peer_lists(const mok_plan *plan) {
+MOK_CORE int mok__plan_names_peers(const mok_plan *plan) {
     return plan->combine_pull || plan->dispatch_pull || plan->dispatch_push || plan->combine_push;
 }
 
@@ -20,7 +19,7 @@ static MOK_HD int peer_lists(const mok_plan *plan) {
  * rank. */
 static MOK_HD int64_t layout_rows(const mok_plan *plan) {
     int64_t rows = plan->padded_rows;
-    if (peer_lists(plan) && plan->peer_padded_rows) /* a worst-case plan has none: its own rows bound all */
+    if (mok__plan_names_peers(plan) && plan->peer_padded_rows) /* a worst-case plan has none: its own rows bound all */
         for (int r = 0; r < plan->nranks; ++r)
             if (plan->peer_padded_rows[r] > rows) rows = plan->peer_padded_rows[r];
     return rows;
@@ -228,6 +227,15 @@ static MOK_HD void mb_tiles(const mok_plan *p, int64_t rows, int64_t b, int64_t 
     *end = hi / MOK_ROW_TILE;
 }
 
+/* Rank r's row tiles [first, end) of minibatch b (lists that name peers); 0 when r has no
+ * minibatch b. */
+static MOK_HD int peer_mb_tiles(const mok_plan *p, int r, int64_t b, int64_t *first, int64_t *end) {
+    const int64_t rows = p->peer_padded_rows[r];
+    if (b >= ceil_div(rows, p->minibatch_rows)) return 0;
+    mb_tiles(p, rows, b, first, end);
+    return 1;
+}
+
 static MOK_HD int64_t lookahead(const mok_plan *p) {
     int64_t ring_mbs = p->ring_rows / p->minibatch_rows;
     return ring_mbs - 1 < MOK_LOOKAHEAD_MINIBATCHES ? ring_mbs - 1 : MOK_LOOKAHEAD_MINIBATCHES;
@@ -258,13 +266,11 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
            each after the slot's previous occupant was combined on that rank */
         while (push && next < nmb_all && next <= b + ahead && next - ring_mbs <= b - 1) {
             for (int r = 0; r < p->nranks; ++r) {
-                const int64_t rr = p->peer_padded_rows[r];
-                if (next >= ceil_div(rr, p->minibatch_rows)) continue;
                 int64_t t0, t1, wait = -1, target = 0;
-                mb_tiles(p, rr, next, &t0, &t1);
+                if (!peer_mb_tiles(p, r, next, &t0, &t1)) continue;
                 if (next >= ring_mbs) {
-                    int64_t q0, q1;
-                    mb_tiles(p, rr, next - ring_mbs, &q0, &q1);
+                    int64_t q0 = 0, q1 = 0; /* r has minibatch next, so it has this earlier one */
+                    peer_mb_tiles(p, r, next - ring_mbs, &q0, &q1);
                     wait = L->combined + next - ring_mbs;
                     target = (q1 - q0) * gatherers;
                 }
@@ -305,10 +311,8 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
         /* each rank's row tiles of minibatch b, in rank order: the counter offsets are the same
            on every rank (mok__counters_layout) */
         for (int r = 0; pull && r < p->nranks; ++r) {
-            const int64_t rr = p->peer_padded_rows[r];
-            if (b >= ceil_div(rr, p->minibatch_rows)) continue;
             int64_t t0, t1;
-            mb_tiles(p, rr, b, &t0, &t1);
+            if (!peer_mb_tiles(p, r, b, &t0, &t1)) continue;
             emit_peer(em, MOK_TASK_GATHER, MOK_ROLE_COMM, b, t0, t1 - t0, 1, L->combined + b, 0, -1, L->down_tile + t0,
                       nH, 1, -1, 0, r, r, r);
         }
@@ -390,20 +394,16 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
             if (next < nmb)
                 emit(em, MOK_TASK_OPEN, MOK_ROLE_COMM, next, 0, 1, 1, L->opened + next, 0, -1, w0, g0, 0, w1, g1);
             for (int r = 0; r < p->nranks; ++r) {
-                const int64_t rr = p->peer_padded_rows[r];
-                if (next >= ceil_div(rr, p->minibatch_rows)) continue;
                 int64_t s0, s1;
-                mb_tiles(p, rr, next, &s0, &s1);
+                if (!peer_mb_tiles(p, r, next, &s0, &s1)) continue;
                 emit_peer(em, MOK_TASK_SCATTER, MOK_ROLE_COMM, next, s0, s1 - s0, 1, L->pulled + next, 0, -1,
                           L->opened + next, 1, 0, -1, 0, r, r, r);
             }
             ++next;
         }
         for (int r = 0; gather && r < p->nranks; ++r) { /* the peers' tiles of minibatch b (see build_forward) */
-            const int64_t rr = p->peer_padded_rows[r];
-            if (b >= ceil_div(rr, p->minibatch_rows)) continue;
             int64_t g0, g1;
-            mb_tiles(p, rr, b, &g0, &g1);
+            if (!peer_mb_tiles(p, r, b, &g0, &g1)) continue;
             emit_peer(em, MOK_TASK_GATHER, MOK_ROLE_COMM, b, g0, g1 - g0, 1, L->pushed + b, 0, -1, L->dx_tile + g0, nH,
                       1, -1, 0, r, r, r);
         }
@@ -466,7 +466,7 @@ MOK_CORE int64_t mok__tasks_max(const mok_plan *p, int64_t max_rows, int64_t max
     int64_t max_macro = ceil_div(max_rows, p->ring_rows);
     int64_t wg = (p->num_local_experts + max_macro) * mok__wgrad_tiles(p, p->intermediate);
     int64_t shared = ntt * (nIs + nH) + mok__wgrad_tiles(p, p->shared_intermediate);
-    int64_t gathers = peer_lists(p) ? (int64_t)p->nranks * tiles * 2 + ceil_div(max_rows, p->minibatch_rows) : 0;
+    int64_t gathers = mok__plan_names_peers(p) ? (int64_t)p->nranks * tiles * 2 + ceil_div(max_rows, p->minibatch_rows) : 0;
     /* gathers and scatters, and the OPEN tasks */
     return tiles * per_tile + wg + shared + p->num_local_experts + gathers;
 }
@@ -478,7 +478,7 @@ MOK_CORE int64_t mok__groups_max(const mok_plan *p, int64_t max_rows, int64_t ma
     /* per minibatch at most 4 groups (forward) or 4 (backward); weight gradients one group per
        (expert, macrobatch it has rows in); the shared expert 3; zeroing one per expert */
     return 4 * nmb + (p->num_local_experts + max_macro) + 3 + p->num_local_experts +
-           (peer_lists(p) ? (int64_t)(2 * p->nranks + 1) * nmb : 0);
+           (mok__plan_names_peers(p) ? (int64_t)(2 * p->nranks + 1) * nmb : 0);
 }
 
 MOK_CORE int64_t mok__counters_max(const mok_plan *p, int64_t max_rows, int64_t max_tokens) {

@@ -200,6 +200,10 @@ int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const i
 /* The task kind's name, for traces. */
 MOK_CORE const char *mok__task_kind_name(int kind);
 
+/* Whether the plan turns a transfer around, so that its list waits on or bumps peers' counters
+ * (combine_pull, dispatch_pull, dispatch_push, combine_push). */
+MOK_CORE int mok__plan_names_peers(const mok_plan *plan);
+
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

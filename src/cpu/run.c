@@ -135,11 +135,6 @@ static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t nu
     return MOK_OK;
 }
 
-/* Whether the plan turns a transfer around (its list names peers: core/tasks.h). */
-static int peer_transfers(const mok_plan *p) {
-    return p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push;
-}
-
 /* The pass's task list and counter layout from its plan. With combine_pull it also needs every
  * rank's padded rows, from the schedules the ranks copied into their regions: call it after the
  * start barrier then (dispatch_pull likewise). */
@@ -147,7 +142,7 @@ static mok_status build_list(cpu_pass *pass) {
     cpu_rank *R = pass->R;
     mok_plan *p = &pass->plan;
     int64_t *padded = pass->peer_padded_rows;
-    if (peer_transfers(p)) {
+    if (mok__plan_names_peers(p)) {
         for (int q = 0; q < p->nranks; ++q)
             padded[q] = ((const mok_sched_header *)(R->peers[q] + pass->cw->sym.sched))->padded_rows;
         p->peer_padded_rows = padded;
@@ -192,7 +187,7 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     /* every counter, before the start barrier: after it, peers may bump this rank's */
     for (int64_t c = 0; c < R->counters_cap; ++c) atomic_store_explicit(&R->counters[c], 0, memory_order_relaxed);
     atomic_store((_Atomic int32_t *)(R->region + pass->cw->sym.failed), 0);
-    if (peer_transfers(p)) { /* peers read the schedule; the list needs theirs (build_list) */
+    if (mok__plan_names_peers(p)) { /* peers read the schedule; the list needs theirs (build_list) */
         memcpy(R->region + pass->cw->sym.sched, schedule, ws->sched_layout.bytes);
     } else {
         mok_status bst = build_list(pass);
@@ -286,7 +281,7 @@ static mok_status run_pass(rank_job *job) {
     mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
     if (st != MOK_OK) return mok__fail(st, "%s", message);
     if (bst != MOK_OK) return bst;
-    if (peer_transfers(&pass.plan)) {
+    if (mok__plan_names_peers(&pass.plan)) {
         st = build_list(&pass);
         if (st != MOK_OK) abort_pass(&pass); /* its workers run nothing; peers waiting on it stop */
     }
