@@ -191,9 +191,10 @@ static __device__ void wgrad_operands(const pass_params &p, int matrix, long lon
                    a_halves, shared ? MAP_X : MAP_RING_X, ring0, c0, b_halves);
 }
 
-static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long t, wgrad_job *w) {
-    const long long H = p.hidden;
+/* Producer thread 0, once per weight-gradient task (task_prep, pass.cuh): the tile's matrix and
+ * tile indices, and for a routed expert its rows in this macrobatch (from the schedule). */
+static __device__ void wgrad_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                     long long t, task_prep *tp) {
     int64_t i, j;
     int matrix;
     if (grp.kind == MOK_TASK_SHARED_WGRAD) {
@@ -202,8 +203,35 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         plan.wgrad_tile = CUDA_WGRAD_M;
         plan.wgrad_tile_n = CUDA_WGRAD_N;
         plan.raster = p.raster;
+        mok__wgrad_tile(&plan, p.shared_inter, t, &matrix, &i, &j);
+        tp->wg_ring0 = tp->wg_carry = 0;
+        tp->wg_rows = p.num_tokens;
+        tp->wg_began = tp->wg_continues = 0;
+    } else {
+        mok_plan plan;
+        make_plan(p, v, &plan);
+        const int e = grp.first_tile;
+        int64_t first, end;
+        mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
+        mok__wgrad_tile(&plan, p.inter, t, &matrix, &i, &j);
+        const long long start = v.expert_start[e];
+        tp->wg_ring0 = first % p.ring_rows;
+        tp->wg_rows = end - first;
+        tp->wg_carry = start / p.ring_rows;
+        tp->wg_began = first > start;
+        tp->wg_continues = start + v.expert_rows[e] > end;
+    }
+    tp->wg_matrix = matrix;
+    tp->wg_i = i;
+    tp->wg_j = j;
+}
+
+/* Every role: a weight-gradient task's job from its task_prep, with no schedule reads. */
+static __device__ void wgrad_job_of(const pass_params &p, const mok_task_group &grp, const task_prep &tp, wgrad_job *w) {
+    const long long H = p.hidden, i = tp.wg_i, j = tp.wg_j;
+    const int matrix = tp.wg_matrix;
+    if (grp.kind == MOK_TASK_SHARED_WGRAD) {
         const long long Is = p.shared_inter;
-        mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
         w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;
         w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : nullptr;
@@ -213,29 +241,34 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
     } else {
-        mok_plan plan;
-        make_plan(p, v, &plan);
         const int e = grp.first_tile;
-        const long long I = p.inter, mat_elems = I * H;
-        int64_t first, end;
-        mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
-        mok__wgrad_tile(&plan, I, t, &matrix, &i, &j);
+        const long long I = p.inter, mat_elems = I * H, ring0 = tp.wg_ring0;
         w->ld = matrix == MOK_WGRAD_DOWN ? I : H;
-        const long long ring0 = first % p.ring_rows, offset = i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N;
-        const long long start = v.expert_start[e];
-        const bool began_before = first > start, continues = start + v.expert_rows[e] > end;
-        float *carry = p.carry + (start / p.ring_rows) * 3 * mat_elems + matrix * mat_elems + offset;
+        const long long offset = i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N;
+        float *carry = p.carry + tp.wg_carry * 3 * mat_elems + matrix * mat_elems + offset;
         w->dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
-        w->init = p.accumulate ? (const float *)w->dest : began_before ? carry : nullptr;
-        w->carry_out = (!p.accumulate && continues) ? carry : nullptr;
-        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols] */
-        w->store_row = (int)(e * (mat_elems / w->ld) + i * CUDA_WGRAD_M);
+        w->init = p.accumulate ? (const float *)w->dest : tp.wg_began ? carry : nullptr;
+        w->carry_out = (!p.accumulate && tp.wg_continues) ? carry : nullptr;
+        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols]: a matrix has H rows (down) or I */
+        w->store_row = (int)(e * (matrix == MOK_WGRAD_DOWN ? H : I) + i * CUDA_WGRAD_M);
         w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
-                       p.ring_h + ring0 * I, end - first, false, ring0, w);
+                       p.ring_h + ring0 * I, tp.wg_rows, false, ring0, w);
     }
     w->dest_f32 = p.accumulate;
     if (p.accumulate || w->carry_out || !((p.tma_mask >> w->store_map) & 1)) w->store_map = -1;
+}
+
+/* Producer thread 0, once per task: what the roles need of the schedule (task_prep). */
+static __device__ void bwd_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                                   long long nt, task_prep *tp) {
+    switch (grp.kind) {
+    case MOK_TASK_DH:
+    case MOK_TASK_DX: tp->tile = row_tile(p, v, rt); break;
+    case MOK_TASK_WGRAD:
+    case MOK_TASK_SHARED_WGRAD: wgrad_prepare(p, v, grp, nt, tp); break;
+    default: break;
+    }
 }
 
 /* dy · W_down^T: A K-major, W_down read N-major. */
@@ -248,13 +281,13 @@ static __device__ __forceinline__ void dh_common(tile_operands *op, long long H,
 
 /* GEMM i of a compute task; 1 + operand layout (walk_ws.cuh), 0 when there is none. A routed dh
  * task whose g|u the context does not keep replays them first (one K-major GEMM per 64 columns). */
-static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
+static __device__ int bwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     *op = tile_operands{};
     switch (grp.kind) {
     case MOK_TASK_DH: {
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         if (t.nreal == 0) return 0;
         const int replays = t.row0 < p.context_rows ? 0 : p.n_tile / 64;
         if (i < replays) { /* g|u for columns [n0 + 64 i, + 64), as the forward's GATEUP */
@@ -307,7 +340,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
             op->b_hi = p.s_up + n0;
             use_tma_n(p, op, MAP_SH_DGU, t0, MAP_S_GATE, 0, MAP_S_UP, 0, n0, p.n_tile_h / 64);
         } else {
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             if (t.nreal == 0) return 0;
             op->a = p.ring_dgu + t.ring0 * 2 * I;
             op->a_rows = t.nreal;
@@ -322,7 +355,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
     case MOK_TASK_SHARED_WGRAD: {
         if (i > 0) return 0;
         wgrad_job w;
-        wgrad_job_of(p, v, grp, nt, &w);
+        wgrad_job_of(p, grp, tp, &w);
         *op = w.op;
         return 4;
     }
@@ -347,11 +380,11 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
 template <int VAR>
-static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                  long long nt, float (&acc)[WS_ACC]) {
+static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_group &grp, const task_prep &tp,
+                                  float (&acc)[WS_ACC]) {
     wgrad_job w;
     w.init = nullptr;
-    if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, v, grp, nt, &w);
+    if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, grp, tp, &w);
 #pragma unroll
     for (int r = 0; r < WS_ACC; r += 2) {
         int row, col;
@@ -364,8 +397,8 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
 }
 
 template <int VAR>
-static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c,
+static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
+                                    long long nt, const task_prep &tp, int i, float (&acc)[WS_ACC], uint16_t *c,
                                     const CUtensorMap *maps) {
     const int tid = threadIdx.x - WS_PRODUCERS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
@@ -374,7 +407,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     if (tid == 0) bulk_wait_read();
     consumer_sync();
     if (VAR == BWD_VAR_REPLAY) { /* a dh task's GEMM i < replays: g|u of 64 columns into the replay rows */
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
         const long long n0 = nt * p.n_tile + 64 * i;
         ws_stage_bf16(c, acc);
@@ -395,7 +428,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             uint16_t *h, *dgu;
             float *rdot = nullptr;
             if (routed) {
-                const tile_info t = row_tile(p, v, rt);
+                const tile_info t = tp.tile;
                 rows = t.nreal;
                 /* rows past the context had their g|u replayed into the ring by GEMMs i < this one */
                 gu = t.row0 >= p.context_rows ? p.ring_gu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
@@ -415,7 +448,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             break;
         }
         case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
             return;
         }
@@ -428,7 +461,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         }
     } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
-        wgrad_job_of(p, v, grp, nt, &w);
+        wgrad_job_of(p, grp, tp, &w);
         if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
             /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
                the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
@@ -493,23 +526,27 @@ struct backward_runner {
 
 struct backward_ws {
     static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* K/K, K/N-major, M-major/N-major */
-    static __device__ int gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
-        return bwd_gemm(p, v, grp, rt, nt, i, op);
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                   long long rt, long long nt, task_prep *tp) {
+        bwd_prepare(p, v, grp, rt, nt, tp);
+    }
+    static __device__ int gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
+        return bwd_gemm(p, grp, rt, nt, tp, i, op);
     }
     template <int VAR>
-    static __device__ void preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long,
-                                  long long nt, int, float (&acc)[WS_ACC]) {
-        bwd_preset<VAR>(p, v, grp, nt, acc);
+    static __device__ void preset(const pass_params &p, const mok_task_group &grp, long long, long long,
+                                  const task_prep &tp, int, float (&acc)[WS_ACC]) {
+        bwd_preset<VAR>(p, grp, tp, acc);
     }
     template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
+    static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                                    const task_prep &tp, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
                                     const CUtensorMap *maps) {
-        bwd_epilogue<VAR>(p, v, grp, rt, nt, i, acc, c, maps);
+        bwd_epilogue<VAR>(p, grp, rt, nt, tp, i, acc, c, maps);
     }
-    static __device__ void plain(const pass_params &p, const mok_sched_view &, const mok_task_group &grp, long long,
-                                 long long) {
+    static __device__ void plain(const pass_params &p, const mok_task_group &grp, long long, long long,
+                                 const task_prep &) {
         if (grp.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, grp.first_tile);
     }
 };

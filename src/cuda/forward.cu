@@ -41,8 +41,8 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
 
 /* The one GEMM of a compute task: gate|up (n_tile columns of each: B is n_tile gate rows, then
  * n_tile up rows) or down (n_tile_h columns of H), routed or shared. */
-static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
+static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
     if (i > 0) return 0;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     *op = tile_operands{};
@@ -51,7 +51,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
     op->k = H;
     switch (grp.kind) {
     case MOK_TASK_GATEUP: {
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         const long long n0 = nt * p.n_tile;
         op->a = p.ring_x + t.ring0 * H;
         op->a_rows = t.nreal;
@@ -74,7 +74,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         return 1;
     }
     case MOK_TASK_DOWN: {
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         if (t.nreal == 0) return 0;
         op->a = p.ring_h + t.ring0 * I;
         op->a_rows = t.nreal;
@@ -139,8 +139,8 @@ static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], i
 
 /* Consumers: SwiGLU (h, and g|u into the context) or the plain store of the down projection,
  * from registers (no barrier: the walk's closing barrier orders the stores before the release). */
-static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, float (&acc)[WS_ACC]) {
+static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
+                                    long long nt, const task_prep &tp, float (&acc)[WS_ACC]) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     switch (grp.kind) {
     case MOK_TASK_GATEUP:
@@ -151,7 +151,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         long long ctx_row0, ctx_rows;
         uint16_t *ctx, *h;
         if (routed) {
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             rows = t.nreal;
             ctx_row0 = t.row0;
             ctx_rows = p.context_rows;
@@ -176,7 +176,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         int rows;
         uint16_t *out;
         if (grp.kind == MOK_TASK_DOWN) {
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             rows = t.nreal;
             out = p.ring_y + t.ring0 * H;
         } else {
@@ -205,24 +205,28 @@ struct forward_runner {
 
 struct forward_ws {
     static constexpr int VARIANTS = 1; /* K-major operands only */
-    static __device__ int gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
-        return fwd_gemm(p, v, grp, rt, nt, i, op);
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                   long long rt, long long, task_prep *tp) {
+        if (grp.kind == MOK_TASK_GATEUP || grp.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
+    }
+    static __device__ int gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
+        return fwd_gemm(p, grp, rt, nt, tp, i, op);
     }
     template <int VAR>
-    static __device__ void preset(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
-                                  long long, int, float (&acc)[WS_ACC]) {
+    static __device__ void preset(const pass_params &, const mok_task_group &, long long, long long,
+                                  const task_prep &, int, float (&acc)[WS_ACC]) {
 #pragma unroll
         for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
     }
     template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *,
+    static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                                    const task_prep &tp, int, float (&acc)[WS_ACC], uint16_t *, float *,
                                     const CUtensorMap *) {
-        fwd_epilogue(p, v, grp, rt, nt, acc);
+        fwd_epilogue(p, grp, rt, nt, tp, acc);
     }
-    static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
-                                 long long) {}
+    static __device__ void plain(const pass_params &, const mok_task_group &, long long, long long,
+                                 const task_prep &) {}
 };
 
 __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
