@@ -71,11 +71,13 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
  *
  * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
  * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (walk_ws.cuh);
- * then one warp takes a row at a time, two columns per lane, so its stores are 128 contiguous
+ * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
  * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
- * epilogue ~13,400 instructions of straight-line code). The partial of a row sums
- * its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the chunks in
- * order, in the scratch's per-row sums: a fixed order. */
+ * epilogue ~13,400 instructions of straight-line code). The rows' router weights come into the
+ * scratch once per tile, with the first chunk: read from global memory in the row loop, each
+ * row waited a global load's latency (~45 µs per 256-column tile on the H200). The partial of a
+ * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
+ * chunks in order, in the scratch's per-row sums: a fixed order. */
 static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
@@ -83,8 +85,11 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                                                 bool zero_pad) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31, warp = t >> 5;
     const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD;
-    if (t < TILE_BM) rsum[t] = 0.0f; /* read after the first chunk's barrier */
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD, *wsm = rsum + TILE_BM;
+    if (t < TILE_BM) { /* both read after the first chunk's barrier */
+        rsum[t] = 0.0f;
+        wsm[t] = w && t < rows ? w[t] : 1.0f;
+    }
 #pragma unroll
     for (int hc = 0; hc < TILE_BN / 64; ++hc) {
         if (hc * 64 >= n_valid) break;
@@ -104,38 +109,56 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
         cp_async_wait_all();
         consumer_sync();
         const long long col = n0 + 64 * hc + 2 * lane;
-        /* not unrolled: the loop stays one small body per chunk (a runtime loop over the chunks
-           instead, with the accumulators copied out through a switch, doubled the kernel's spills) */
+        /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
+           chunks instead, with the accumulators copied out through a switch, doubled the kernel's
+           spills). Rows warp + 16 k and warp + 16 k + 8: two independent chains per iteration. */
 #pragma unroll 1
-        for (int row = warp; row < TILE_BM; row += WS_CONSUMERS / 32) {
-            uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
-            if (row >= rows) {
-                if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
-                continue;
-            }
-            const float wr = w ? w[row] : 1.0f;
-            const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
-            const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
-            const float2 d = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
-            uint16_t hb[2], dgb[2], dub[2];
-            float part = 0.0f;
+        for (int rp = warp; rp < TILE_BM; rp += 2 * (WS_CONSUMERS / 32)) {
+            uint32_t gpair[2], upair[2];
+            float2 d[2];
+            float wr[2];
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float dh0 = q ? d.y : d.x;
-                float h, dg, du; /* one sigmoid for h and the gradients */
-                mok__swiglu_with_backward(wr * dh0, mok__bf16_to_f32((uint16_t)(gpair >> (16 * q))),
-                                          mok__bf16_to_f32((uint16_t)(upair >> (16 * q))), limit, &h, &dg, &du);
-                hb[q] = mok__bf16_from_f32(h);
-                part += dh0 * mok__bf16_to_f32(hb[q]);
-                dgb[q] = mok__bf16_from_f32(dg);
-                dub[q] = mok__bf16_from_f32(du);
+            for (int k = 0; k < 2; ++k) { /* every shared-memory load of both rows first */
+                const int row = rp + 8 * k;
+                gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+                upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+                d[k] = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
+                wr[k] = wsm[row];
             }
-            *(uint32_t *)hp = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
-            *(uint32_t *)gp = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
-            *(uint32_t *)up = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+            float part[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int m = 16; m >= 1; m >>= 1) part += __shfl_xor_sync(0xffffffffu, part, m);
-            if (lane == 0) rsum[row] += part;
+            for (int k = 0; k < 2; ++k) {
+                const int row = rp + 8 * k;
+                uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
+                if (row >= rows) {
+                    if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
+                    continue;
+                }
+                uint16_t hb[2], dgb[2], dub[2];
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const float dh0 = q ? d[k].y : d[k].x;
+                    float h, dg, du; /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr[k] * dh0, mok__bf16_to_f32((uint16_t)(gpair[k] >> (16 * q))),
+                                              mok__bf16_to_f32((uint16_t)(upair[k] >> (16 * q))), limit, &h, &dg, &du);
+                    hb[q] = mok__bf16_from_f32(h);
+                    part[k] += dh0 * mok__bf16_to_f32(hb[q]);
+                    dgb[q] = mok__bf16_from_f32(dg);
+                    dub[q] = mok__bf16_from_f32(du);
+                }
+                *(uint32_t *)hp = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
+                *(uint32_t *)gp = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
+                *(uint32_t *)up = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) {
+                part[0] += __shfl_xor_sync(0xffffffffu, part[0], m);
+                part[1] += __shfl_xor_sync(0xffffffffu, part[1], m);
+            }
+            if (lane == 0) {
+                if (rp < rows) rsum[rp] += part[0];
+                if (rp + 8 < rows) rsum[rp + 8] += part[1];
+            }
         }
         consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }

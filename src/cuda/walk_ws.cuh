@@ -64,12 +64,13 @@ struct ws_done { /* a finished task, for the completer */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
- * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums; backward.cu),
+ * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums and TILE_BM
+ * router weights; backward.cu),
  * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
 #define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
 #define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
 #define WS_DH_LD 68 /* floats: 64 columns, padded */
-#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + TILE_BM) * 4)
+#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + 2 * TILE_BM) * 4)
 #define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
 /* A weight-gradient tile stored by TMA (backward.cu) occupies the staging tile and the dh scratch
  * as four 128-row x 64-column bf16 boxes, each 1024-byte aligned for the 128B swizzle. */
