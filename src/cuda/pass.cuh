@@ -61,8 +61,10 @@ static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view 
  * starts, each step a dependent global load, and a 64-bit remainder), or a weight-gradient tile's
  * matrix, tile indices and rows. Each role used to work these out for itself, the consumers two
  * or three times per task (gemm, preset, epilogue), in front of their main loop and in their
- * epilogue. The runner's prepare() fills the fields its task kind uses; the rest stay unset. */
+ * epilogue. walk_ws.cuh fills grp; the runner's prepare() fills the fields its task kind uses,
+ * the rest stay zero. */
 struct task_prep {
+    mok_task_group grp;       /* the task's group, a copy of p.groups[g] */
     tile_info tile;           /* routed row tiles */
     long long wg_i, wg_j;     /* weight gradients: the tile's row and column tile in its matrix */
     long long wg_ring0;       /* routed: the macrobatch's first row of the expert, in the ring */

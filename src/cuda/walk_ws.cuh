@@ -233,6 +233,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
                 long long wait;
                 task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
                 g = cur.g;
+                tp.grp = grp;
                 Runner::prepare(p, v, grp, rt, nt, &tp);
                 stop = !(wait_counter_thread(p, wait, grp.target[0]) && wait_counter_thread(p, grp.wait[1], grp.target[1]));
             }
@@ -247,9 +248,9 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
         }
         producer_sync();
         if (queue[q].stop) break;
-        const mok_task_group grp = p.groups[queue[q].g];
         const long long rt = queue[q].rt, nt = queue[q].nt;
         const task_prep &tp = sh.prep[q];
+        const mok_task_group &grp = tp.grp;
         for (int i = 0;; ++i) {
             tile_operands op;
             const int kind = Runner::gemm(p, grp, rt, nt, tp, i, &op);
@@ -278,8 +279,8 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, ws
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
         ws_clock clk = {0, 0};
         if (!stop) {
-            const mok_task_group grp = p.groups[g];
             const task_prep &tp = sh.prep[q];
+            const mok_task_group &grp = tp.grp;
             for (int i = 0;; ++i) {
                 tile_operands op;
                 const int kind = Runner::gemm(p, grp, rt, nt, tp, i, &op);
