@@ -134,21 +134,19 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                     if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
                     continue;
                 }
-                uint16_t hb[2], dgb[2], dub[2];
+                float h[2], dg[2], du[2];
 #pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const float dh0 = q ? d[k].y : d[k].x;
-                    float h, dg, du; /* one sigmoid for h and the gradients */
-                    mok__swiglu_with_backward(wr[k] * dh0, mok__bf16_to_f32((uint16_t)(gpair[k] >> (16 * q))),
-                                              mok__bf16_to_f32((uint16_t)(upair[k] >> (16 * q))), limit, &h, &dg, &du);
-                    hb[q] = mok__bf16_from_f32(h);
-                    part[k] += dh0 * mok__bf16_to_f32(hb[q]);
-                    dgb[q] = mok__bf16_from_f32(dg);
-                    dub[q] = mok__bf16_from_f32(du);
-                }
-                *(uint32_t *)hp = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
-                *(uint32_t *)gp = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
-                *(uint32_t *)up = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+                for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr[k] * (q ? d[k].y : d[k].x),
+                                              __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
+                                              __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), limit, &h[q],
+                                              &dg[q], &du[q]);
+                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
+                part[k] += d[k].x * __uint_as_float(hb << 16);
+                part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
+                *(uint32_t *)hp = hb;
+                *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
+                *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
             }
 #pragma unroll
             for (int m = 16; m >= 1; m >>= 1) {
@@ -497,8 +495,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
 #pragma unroll
                 for (int j = 0; j < WS_ACC / 4; ++j)
                     *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + swizzle(r, j % 8) + 4 * (lane & 3)) =
-                        (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
-                        ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
+                        bf16x2_from_f32(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
             }
             fence_proxy_async_smem();
             consumer_sync();
@@ -645,9 +642,7 @@ __global__ void backward_epilogue_kernel(const pass_params p, uint16_t *dx, floa
             *(int4 *)in = *(const int4 *)(dxbuf + (t * p.topk + j) * p.hidden + c8);
             for (int i = 0; i < 8; ++i) acc[i] += mok__bf16_to_f32(in[i]);
         }
-        uint16_t out[8];
-        for (int i = 0; i < 8; ++i) out[i] = mok__bf16_from_f32(acc[i]);
-        *(int4 *)(dx + t * p.hidden + c8) = *(int4 *)out;
+        *(int4 *)(dx + t * p.hidden + c8) = bf16x8_from_f32(acc);
     }
 }
 

@@ -121,18 +121,17 @@ static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], i
 #pragma unroll
         for (int j = 0; j < NT / 8; ++j) {
             const int col = 8 * j + col0;
-            uint16_t g[2], u[2], h[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                g[q] = real ? mok__bf16_from_f32(acc[4 * j + 2 * half + q]) : (uint16_t)0;
-                u[q] = real ? mok__bf16_from_f32(acc[4 * (j + NT / 8) + 2 * half + q]) : (uint16_t)0;
-                h[q] = mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(g[q]), mok__bf16_to_f32(u[q]), limit));
-            }
+            const int a = 4 * j + 2 * half, b = 4 * (j + NT / 8) + 2 * half;
+            const uint32_t g = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
+            const uint32_t u = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+            const uint32_t h = bf16x2_from_f32(mok__swiglu(__uint_as_float(g << 16), __uint_as_float(u << 16), limit),
+                                               mok__swiglu(__uint_as_float(g & 0xffff0000u),
+                                                           __uint_as_float(u & 0xffff0000u), limit));
             if (keep) {
-                *(uint32_t *)(ctx + crow * ctx_ld + n0 + col) = (uint32_t)g[0] | ((uint32_t)g[1] << 16);
-                *(uint32_t *)(ctx + crow * ctx_ld + inter + n0 + col) = (uint32_t)u[0] | ((uint32_t)u[1] << 16);
+                *(uint32_t *)(ctx + crow * ctx_ld + n0 + col) = g;
+                *(uint32_t *)(ctx + crow * ctx_ld + inter + n0 + col) = u;
             }
-            if (real) *(uint32_t *)(h_out + r * h_ld + n0 + col) = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+            if (real) *(uint32_t *)(h_out + r * h_ld + n0 + col) = h;
         }
     }
 }
@@ -278,9 +277,7 @@ __global__ void forward_epilogue_kernel(const pass_params p, const float *router
             *(int4 *)in = *(const int4 *)(comb + (t * p.topk + j) * p.hidden + c8);
             for (int i = 0; i < 8; ++i) acc[i] += w * mok__bf16_to_f32(in[i]);
         }
-        uint16_t out[8];
-        for (int i = 0; i < 8; ++i) out[i] = mok__bf16_from_f32(acc[i]);
-        *(int4 *)(y + t * p.hidden + c8) = *(int4 *)out;
+        *(int4 *)(y + t * p.hidden + c8) = bf16x8_from_f32(acc);
     }
 }
 

@@ -327,8 +327,8 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
     const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < TILE_C_COLS / 8; ++j) {
-        uint32_t lo = (uint32_t)mok__bf16_from_f32(acc[4 * j]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 1]) << 16);
-        uint32_t hi = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 3]) << 16);
+        uint32_t lo = bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]);
+        uint32_t hi = bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]);
         *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = lo;
         *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = hi;
     }
@@ -350,10 +350,8 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], 
 #pragma unroll
         for (int j = 0; j < TILE_C_COLS / 8; ++j) {
             const int a = 4 * (j + h * (TILE_C_COLS / 8));
-            *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) =
-                (uint32_t)mok__bf16_from_f32(acc[a]) | ((uint32_t)mok__bf16_from_f32(acc[a + 1]) << 16);
-            *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) =
-                (uint32_t)mok__bf16_from_f32(acc[a + 2]) | ((uint32_t)mok__bf16_from_f32(acc[a + 3]) << 16);
+            *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = bf16x2_from_f32(acc[a], acc[a + 1]);
+            *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = bf16x2_from_f32(acc[a + 2], acc[a + 3]);
         }
         consumer_sync();
         for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
@@ -377,8 +375,7 @@ static __device__ __forceinline__ void store_regs(const float (&acc)[WS_ACC], in
         for (int j = 0; j < WS_ACC / 4; ++j) {
             const int col = 8 * j + col0;
             if (col >= cols) continue;
-            *(uint32_t *)(out + r * ld + n0 + col) = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
-                                                     ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
+            *(uint32_t *)(out + r * ld + n0 + col) = bf16x2_from_f32(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
         }
     }
 }
