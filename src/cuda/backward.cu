@@ -488,15 +488,13 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
                the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
                the consumers go on to the next task */
             uint8_t *box = (uint8_t *)c;
-            const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2);
+            const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
+            const int w16 = (tid >> 5) * 16;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = r0 + 8 * half;
-#pragma unroll
-                for (int j = 0; j < WS_ACC / 4; ++j)
-                    *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + swizzle(r, j % 8) + 4 * (lane & 3)) =
-                        bf16x2_from_f32(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-            }
+            for (int j = 0; j < WS_ACC / 4; j += 2)
+                stsm_blocks(acc, j, [&](int b, int r) {
+                    return base + (b / 8) * WS_STORE_BOX_BYTES + swizzle(w16 + r, b % 8);
+                });
             fence_proxy_async_smem();
             consumer_sync();
             if (tid == 0) {

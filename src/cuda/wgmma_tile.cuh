@@ -320,18 +320,34 @@ static __device__ __forceinline__ void ws_acc_position(int i, int *row, int *col
     *col = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
 }
 
+/* Four 8 x 8 bf16 matrices into shared memory in one instruction (stmatrix): v[m] is this
+ * thread's element pair of matrix m (row lane / 4, columns 2 (lane % 4), +1: the accumulator
+ * fragment's layout), and lane L gives the address of row L % 8 of matrix L / 8 (16 bytes). */
+static __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v0), "r"(v1),
+                 "r"(v2), "r"(v3)
+                 : "memory");
+}
+
+/* A warp's bf16 of column blocks j and j + 1 (8 columns each, accumulators 4 j .. 4 j + 7; the
+ * warp's 16 rows) by one stmatrix: matrix m is block j + m / 2, rows 8 (m % 2) .. + 7.
+ * row_addr(b, r) is the shared address of the 16 bytes of block b in the warp's row r (0..15). */
+template <typename RowAddr>
+static __device__ __forceinline__ void stsm_blocks(const float (&acc)[WS_ACC], int j, RowAddr row_addr) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    stsm_x4(row_addr(j + (m >> 1), 8 * (m & 1) + (lane & 7)), bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]),
+            bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]), bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]),
+            bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
+}
+
 /* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
  * c[128][TILE_C_LD], then syncs the consumers. */
 static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&acc)[WS_ACC]) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
+    const int t = threadIdx.x - WS_PRODUCERS;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c) + (t >> 5) * 16 * (TILE_C_LD * 2);
 #pragma unroll
-    for (int j = 0; j < TILE_C_COLS / 8; ++j) {
-        uint32_t lo = bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]);
-        uint32_t hi = bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]);
-        *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = lo;
-        *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = hi;
-    }
+    for (int j = 0; j < TILE_C_COLS / 8; j += 2)
+        stsm_blocks(acc, j, [&](int b, int r) { return base + r * (TILE_C_LD * 2) + b * 16; });
     consumer_sync();
 }
 
@@ -342,17 +358,16 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
  * c is free again on return. */
 static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out,
                                                     long long ld, long long n0, uint16_t *c) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
+    const int t = threadIdx.x - WS_PRODUCERS;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c) + (t >> 5) * 16 * (TILE_C_LD * 2);
 #pragma unroll
     for (int h = 0; h < WS_ACC / 4 / (TILE_C_COLS / 8); ++h) {
         if (h * TILE_C_COLS >= cols) break;
 #pragma unroll
-        for (int j = 0; j < TILE_C_COLS / 8; ++j) {
-            const int a = 4 * (j + h * (TILE_C_COLS / 8));
-            *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = bf16x2_from_f32(acc[a], acc[a + 1]);
-            *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = bf16x2_from_f32(acc[a + 2], acc[a + 3]);
-        }
+        for (int j = 0; j < TILE_C_COLS / 8; j += 2)
+            stsm_blocks(acc, j + h * (TILE_C_COLS / 8), [&](int b, int r) {
+                return base + r * (TILE_C_LD * 2) + (b - h * (TILE_C_COLS / 8)) * 16;
+            });
         consumer_sync();
         for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
             const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8, oc = h * TILE_C_COLS + c8;
