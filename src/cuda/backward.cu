@@ -489,12 +489,8 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
                the consumers go on to the next task */
             uint8_t *box = (uint8_t *)c;
             const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
-            const int w16 = (tid >> 5) * 16;
 #pragma unroll
-            for (int j = 0; j < WS_ACC / 4; j += 2)
-                stsm_blocks(acc, j, [&](int b, int r) {
-                    return base + (b / 8) * WS_STORE_BOX_BYTES + swizzle(w16 + r, b % 8);
-                });
+            for (int j = 0; j < WS_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
             fence_proxy_async_smem();
             consumer_sync();
             if (tid == 0) {

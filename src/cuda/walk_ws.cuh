@@ -73,8 +73,8 @@ struct ws_done { /* a finished task, for the completer */
 #define WS_DH_BYTES ((TILE_BM * WS_DH_LD + 2 * TILE_BM) * 4)
 #define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
 /* A weight-gradient tile stored by TMA (backward.cu) occupies the staging tile and the dh scratch
- * as four 128-row x 64-column bf16 boxes, each 1024-byte aligned for the 128B swizzle. */
-#define WS_STORE_BOX_BYTES (TILE_BM * 128)
+ * as four 128-row x 64-column bf16 boxes (WS_STORE_BOX_BYTES, wgmma_tile.cuh), each 1024-byte
+ * aligned for the 128B swizzle. */
 static_assert(4 * WS_STORE_BOX_BYTES <= WS_STAGING_BYTES + WS_DH_BYTES && WS_STAGING_OFF % 1024 == 0,
               "the TMA store boxes fit the staging region");
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))

@@ -329,25 +329,39 @@ static __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t v0, uint3
                  : "memory");
 }
 
-/* A warp's bf16 of column blocks j and j + 1 (8 columns each, accumulators 4 j .. 4 j + 7; the
- * warp's 16 rows) by one stmatrix: matrix m is block j + m / 2, rows 8 (m % 2) .. + 7.
- * row_addr(b, r) is the shared address of the 16 bytes of block b in the warp's row r (0..15). */
-template <typename RowAddr>
-static __device__ __forceinline__ void stsm_blocks(const float (&acc)[WS_ACC], int j, RowAddr row_addr) {
+/* The two shared-memory layouts bf16 tiles are written in: the staging tile c[128][TILE_C_LD]
+ * (rows padded against bank conflicts), and 128-row x 64-column boxes of 128-byte rows swizzled
+ * by 16-byte chunk (the TMA stores' layout, swizzle() of tile_operands.cuh), box after box. */
+#define STSM_PADDED 0
+#define STSM_BOXES 1
+#define WS_STORE_BOX_BYTES (TILE_BM * 128)
+
+/* The shared address of 8-column block `block` of row `row` in a LAYOUT tile at `base`. */
+template <int LAYOUT>
+static __device__ __forceinline__ uint32_t stsm_row_addr(uint32_t base, int row, int block) {
+    if (LAYOUT == STSM_PADDED) return base + row * (TILE_C_LD * 2) + block * 16;
+    return base + (block / 8) * WS_STORE_BOX_BYTES + swizzle(row, block % 8);
+}
+
+/* A warp's bf16 of the accumulators' column blocks j and j + 1 (8 columns each: accumulators
+ * 4 j .. 4 j + 7), its 16 rows from row0, by one stmatrix: matrix m is block j + m / 2, rows
+ * 8 (m % 2) .. + 7. In the tile, block j lands at block j - block0. */
+template <int LAYOUT>
+static __device__ __forceinline__ void stsm_blocks(const float (&acc)[WS_ACC], int j, uint32_t base, int row0,
+                                                   int block0) {
     const int lane = threadIdx.x & 31, m = lane >> 3;
-    stsm_x4(row_addr(j + (m >> 1), 8 * (m & 1) + (lane & 7)), bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]),
-            bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]), bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]),
-            bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
+    stsm_x4(stsm_row_addr<LAYOUT>(base, row0 + 8 * (m & 1) + (lane & 7), j - block0 + (m >> 1)),
+            bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]), bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]),
+            bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]), bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
 }
 
 /* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
  * c[128][TILE_C_LD], then syncs the consumers. */
 static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&acc)[WS_ACC]) {
     const int t = threadIdx.x - WS_PRODUCERS;
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c) + (t >> 5) * 16 * (TILE_C_LD * 2);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
 #pragma unroll
-    for (int j = 0; j < TILE_C_COLS / 8; j += 2)
-        stsm_blocks(acc, j, [&](int b, int r) { return base + r * (TILE_C_LD * 2) + b * 16; });
+    for (int j = 0; j < TILE_C_COLS / 8; j += 2) stsm_blocks<STSM_PADDED>(acc, j, base, (t >> 5) * 16, 0);
     consumer_sync();
 }
 
@@ -359,15 +373,13 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
 static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out,
                                                     long long ld, long long n0, uint16_t *c) {
     const int t = threadIdx.x - WS_PRODUCERS;
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c) + (t >> 5) * 16 * (TILE_C_LD * 2);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
 #pragma unroll
     for (int h = 0; h < WS_ACC / 4 / (TILE_C_COLS / 8); ++h) {
         if (h * TILE_C_COLS >= cols) break;
 #pragma unroll
         for (int j = 0; j < TILE_C_COLS / 8; j += 2)
-            stsm_blocks(acc, j + h * (TILE_C_COLS / 8), [&](int b, int r) {
-                return base + r * (TILE_C_LD * 2) + (b - h * (TILE_C_COLS / 8)) * 16;
-            });
+            stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, (t >> 5) * 16, h * (TILE_C_COLS / 8));
         consumer_sync();
         for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
             const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8, oc = h * TILE_C_COLS + c8;
