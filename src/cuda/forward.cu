@@ -136,10 +136,11 @@ static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], i
     }
 }
 
-/* Consumers: SwiGLU (h, and g|u into the context) or the plain store of the down projection,
- * from registers (no barrier: the walk's closing barrier orders the stores before the release). */
+/* Consumers: SwiGLU (h, and g|u into the context) from registers, or the down projection's
+ * tile through the staging tile in 16-byte chunks (store_staged; it syncs the consumers). The
+ * walk's closing barrier orders the stores before the release. */
 static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
-                                    long long nt, const task_prep &tp, float (&acc)[WS_ACC]) {
+                                    long long nt, const task_prep &tp, float (&acc)[WS_ACC], uint16_t *staging) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     switch (grp.kind) {
     case MOK_TASK_GATEUP:
@@ -183,7 +184,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
             out = p.sh_out + t0 * H;
         }
-        store_regs(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h);
+        store_staged(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging);
         break;
     }
     default: break;
@@ -220,9 +221,9 @@ struct forward_ws {
     }
     template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
-                                    const task_prep &tp, int, float (&acc)[WS_ACC], uint16_t *, float *,
+                                    const task_prep &tp, int, float (&acc)[WS_ACC], uint16_t *staging, float *,
                                     const CUtensorMap *) {
-        fwd_epilogue(p, grp, rt, nt, tp, acc);
+        fwd_epilogue(p, grp, rt, nt, tp, acc, staging);
     }
     static __device__ void plain(const pass_params &, const mok_task_group &, long long, long long,
                                  const task_prep &) {}

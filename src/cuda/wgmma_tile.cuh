@@ -389,22 +389,4 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], 
     }
 }
 
-/* A down tile straight from the accumulators: rows < rows, columns < cols, bf16 pairs. */
-static __device__ __forceinline__ void store_regs(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out, long long ld,
-                                  long long n0) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        if (r >= rows) continue;
-#pragma unroll
-        for (int j = 0; j < WS_ACC / 4; ++j) {
-            const int col = 8 * j + col0;
-            if (col >= cols) continue;
-            *(uint32_t *)(out + r * ld + n0 + col) = bf16x2_from_f32(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-        }
-    }
-}
-
 #endif
