@@ -101,43 +101,57 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, 
     }
 }
 
-/* A gate|up tile straight from the accumulators: a thread's columns 8j + 2(lane % 4) (+1) hold
- * g for j < NT / 8 and u, the same columns + NT, for the next NT / 8 (NT = n_tile: the
- * accumulators are indexed by constants only). g and u rounded to bf16 go into the context rows
- * (padding rows as zeros), h = bf16(silu(g) * u) into h_out for real rows: the rounding of the
- * staged path, without shared memory or barriers. */
+/* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
+ * u, the same columns + NT, for the next NT / 8 (NT = n_tile: the accumulators are indexed by
+ * constants only). g and u rounded to bf16 go into the context rows (padding rows as zeros; rows
+ * from ctx_rows on are not kept), h = bf16(silu(g) * u) into h_out for real rows. They go out
+ * through shared memory (stmatrix in, 16-byte chunks out: copy_staged): g into the staging tile c
+ * and u into the one beside it (the backward's dh scratch, the same size and unused in the
+ * forward), then h into c. The fragment's own pattern stored 16 bytes into each of 8 rows per
+ * warp store. */
 template <int NT>
-static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long long ctx_row0, long long ctx_rows,
-                                   uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
-                                   long long h_ld, float limit) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+static __device__ __forceinline__ void swiglu_staged(const float (&acc)[WS_ACC], int nreal, long long ctx_row0,
+                                                     long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
+                                                     long long n0, uint16_t *h_out, long long h_ld, float limit,
+                                                     uint16_t *c) {
+    static_assert(WS_DH_BYTES >= TILE_BM * TILE_C_LD * 2, "a second staging tile fits the dh scratch");
+    const int t = threadIdx.x - WS_PRODUCERS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
+    uint16_t *c2 = c + TILE_BM * TILE_C_LD;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c), base2 = (uint32_t)__cvta_generic_to_shared(c2);
+    uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        const bool real = r < nreal;
-        const long long crow = ctx_row0 + r;
-        const bool keep = ctx && crow < ctx_rows;
+    for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t g[4], u[4];
 #pragma unroll
-        for (int j = 0; j < NT / 8; ++j) {
-            const int col = 8 * j + col0;
-            const int a = 4 * j + 2 * half, b = 4 * (j + NT / 8) + 2 * half;
-            const uint32_t g = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
-            const uint32_t u = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
-            const uint32_t h = bf16x2_from_f32(mok__swiglu(__uint_as_float(g << 16), __uint_as_float(u << 16), limit),
-                                               mok__swiglu(__uint_as_float(g & 0xffff0000u),
-                                                           __uint_as_float(u & 0xffff0000u), limit));
-            if (keep) {
-                *(uint32_t *)(ctx + crow * ctx_ld + n0 + col) = g;
-                *(uint32_t *)(ctx + crow * ctx_ld + inter + n0 + col) = u;
-            }
-            if (real) *(uint32_t *)(h_out + r * h_ld + n0 + col) = h;
+        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
+            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
+            const bool real = row0 + 8 * (k & 1) < nreal;
+            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
+            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+            h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
+                                           mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
+                                                       __uint_as_float(u[k] & 0xffff0000u), limit));
         }
+        stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
+        stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
     }
+    const long long left = ctx ? ctx_rows - ctx_row0 : 0;
+    const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
+    consumer_sync();
+    if (keep > 0) {
+        copy_staged(c, keep, NT, ctx + ctx_row0 * ctx_ld + n0, ctx_ld);
+        copy_staged(c2, keep, NT, ctx + ctx_row0 * ctx_ld + inter + n0, ctx_ld);
+    }
+    consumer_sync();
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
+    consumer_sync();
+    copy_staged(c, nreal, NT, h_out + n0, h_ld);
+    consumer_sync();
 }
 
-/* Consumers: SwiGLU (h, and g|u into the context) from registers, or the down projection's
- * tile through the staging tile in 16-byte chunks (store_staged; it syncs the consumers). The
+/* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
+ * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers). The
  * walk's closing barrier orders the stores before the release. */
 static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
                                     long long nt, const task_prep &tp, float (&acc)[WS_ACC], uint16_t *staging) {
@@ -166,9 +180,9 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             h = p.sh_h + t0 * Is;
         }
         if (p.n_tile == 128)
-            swiglu_regs<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h, inter, p.limit);
+            swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h, inter, p.limit, staging);
         else
-            swiglu_regs<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h, inter, p.limit);
+            swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h, inter, p.limit, staging);
         break;
     }
     case MOK_TASK_DOWN:

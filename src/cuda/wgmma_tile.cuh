@@ -343,16 +343,35 @@ static __device__ __forceinline__ uint32_t stsm_row_addr(uint32_t base, int row,
     return base + (block / 8) * WS_STORE_BOX_BYTES + swizzle(row, block % 8);
 }
 
+/* A warp's bf16 pairs of column blocks b and b + 1 of its 16 rows from row0, already packed:
+ * v0, v1 block b's rows 0-7 and 8-15, v2, v3 block b + 1's (stmatrix's matrices 0-3). */
+template <int LAYOUT>
+static __device__ __forceinline__ void stsm_pairs(uint32_t base, int row0, int b, uint32_t v0, uint32_t v1, uint32_t v2,
+                                                  uint32_t v3) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    stsm_x4(stsm_row_addr<LAYOUT>(base, row0 + 8 * (m & 1) + (lane & 7), b + (m >> 1)), v0, v1, v2, v3);
+}
+
 /* A warp's bf16 of the accumulators' column blocks j and j + 1 (8 columns each: accumulators
  * 4 j .. 4 j + 7), its 16 rows from row0, by one stmatrix: matrix m is block j + m / 2, rows
  * 8 (m % 2) .. + 7. In the tile, block j lands at block j - block0. */
 template <int LAYOUT>
 static __device__ __forceinline__ void stsm_blocks(const float (&acc)[WS_ACC], int j, uint32_t base, int row0,
                                                    int block0) {
-    const int lane = threadIdx.x & 31, m = lane >> 3;
-    stsm_x4(stsm_row_addr<LAYOUT>(base, row0 + 8 * (m & 1) + (lane & 7), j - block0 + (m >> 1)),
-            bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]), bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]),
-            bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]), bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
+    stsm_pairs<LAYOUT>(base, row0, j - block0, bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]),
+                       bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]), bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]),
+                       bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
+}
+
+/* Rows < rows, columns < cols (a multiple of 8) of the staging tile c[128][TILE_C_LD] to out
+ * (row stride ld; out and ld 16-byte aligned), in 16-byte chunks: each warp's store covers whole
+ * chunks of one row. */
+static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld) {
+    const int t = threadIdx.x - WS_PRODUCERS;
+    for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
+        const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8;
+        if (r < rows && c8 < cols) *(int4 *)(out + r * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
+    }
 }
 
 /* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
@@ -381,10 +400,7 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], 
         for (int j = 0; j < TILE_C_COLS / 8; j += 2)
             stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, (t >> 5) * 16, h * (TILE_C_COLS / 8));
         consumer_sync();
-        for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
-            const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8, oc = h * TILE_C_COLS + c8;
-            if (r < rows && oc < cols) *(int4 *)(out + r * ld + n0 + oc) = *(const int4 *)(c + r * TILE_C_LD + c8);
-        }
+        copy_staged(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld);
         consumer_sync();
     }
 }
