@@ -71,11 +71,13 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
  *
  * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
  * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (walk_ws.cuh);
- * then one warp takes a row at a time, two columns per lane, so its stores are 128 contiguous
+ * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
  * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
- * epilogue ~13,400 instructions of straight-line code). The partial of a row sums
- * its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the chunks in
- * order, in the scratch's per-row sums: a fixed order. */
+ * epilogue ~13,400 instructions of straight-line code). The rows' router weights come into the
+ * scratch once per tile, with the first chunk: read from global memory in the row loop, each
+ * row waited a global load's latency (~45 µs per 256-column tile on the H200). The partial of a
+ * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
+ * chunks in order, in the scratch's per-row sums: a fixed order. */
 static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
@@ -83,8 +85,11 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                                                 bool zero_pad) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31, warp = t >> 5;
     const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD;
-    if (t < TILE_BM) rsum[t] = 0.0f; /* read after the first chunk's barrier */
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD, *wsm = rsum + TILE_BM;
+    if (t < TILE_BM) { /* both read after the first chunk's barrier */
+        rsum[t] = 0.0f;
+        wsm[t] = w && t < rows ? w[t] : 1.0f;
+    }
 #pragma unroll
     for (int hc = 0; hc < TILE_BN / 64; ++hc) {
         if (hc * 64 >= n_valid) break;
@@ -104,38 +109,54 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
         cp_async_wait_all();
         consumer_sync();
         const long long col = n0 + 64 * hc + 2 * lane;
-        /* not unrolled: the loop stays one small body per chunk (a runtime loop over the chunks
-           instead, with the accumulators copied out through a switch, doubled the kernel's spills) */
+        /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
+           chunks instead, with the accumulators copied out through a switch, doubled the kernel's
+           spills). Rows warp + 16 k and warp + 16 k + 8: two independent chains per iteration. */
 #pragma unroll 1
-        for (int row = warp; row < TILE_BM; row += WS_CONSUMERS / 32) {
-            uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
-            if (row >= rows) {
-                if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
-                continue;
-            }
-            const float wr = w ? w[row] : 1.0f;
-            const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
-            const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
-            const float2 d = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
-            uint16_t hb[2], dgb[2], dub[2];
-            float part = 0.0f;
+        for (int rp = warp; rp < TILE_BM; rp += 2 * (WS_CONSUMERS / 32)) {
+            uint32_t gpair[2], upair[2];
+            float2 d[2];
+            float wr[2];
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float dh0 = q ? d.y : d.x;
-                float h, dg, du; /* one sigmoid for h and the gradients */
-                mok__swiglu_with_backward(wr * dh0, mok__bf16_to_f32((uint16_t)(gpair >> (16 * q))),
-                                          mok__bf16_to_f32((uint16_t)(upair >> (16 * q))), limit, &h, &dg, &du);
-                hb[q] = mok__bf16_from_f32(h);
-                part += dh0 * mok__bf16_to_f32(hb[q]);
-                dgb[q] = mok__bf16_from_f32(dg);
-                dub[q] = mok__bf16_from_f32(du);
+            for (int k = 0; k < 2; ++k) { /* every shared-memory load of both rows first */
+                const int row = rp + 8 * k;
+                gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+                upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+                d[k] = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
+                wr[k] = wsm[row];
             }
-            *(uint32_t *)hp = (uint32_t)hb[0] | ((uint32_t)hb[1] << 16);
-            *(uint32_t *)gp = (uint32_t)dgb[0] | ((uint32_t)dgb[1] << 16);
-            *(uint32_t *)up = (uint32_t)dub[0] | ((uint32_t)dub[1] << 16);
+            float part[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int m = 16; m >= 1; m >>= 1) part += __shfl_xor_sync(0xffffffffu, part, m);
-            if (lane == 0) rsum[row] += part;
+            for (int k = 0; k < 2; ++k) {
+                const int row = rp + 8 * k;
+                uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
+                if (row >= rows) {
+                    if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
+                    continue;
+                }
+                float h[2], dg[2], du[2];
+#pragma unroll
+                for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr[k] * (q ? d[k].y : d[k].x),
+                                              __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
+                                              __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), limit, &h[q],
+                                              &dg[q], &du[q]);
+                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
+                part[k] += d[k].x * __uint_as_float(hb << 16);
+                part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
+                *(uint32_t *)hp = hb;
+                *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
+                *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) {
+                part[0] += __shfl_xor_sync(0xffffffffu, part[0], m);
+                part[1] += __shfl_xor_sync(0xffffffffu, part[1], m);
+            }
+            if (lane == 0) {
+                if (rp < rows) rsum[rp] += part[0];
+                if (rp + 8 < rows) rsum[rp + 8] += part[1];
+            }
         }
         consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
@@ -191,9 +212,10 @@ static __device__ void wgrad_operands(const pass_params &p, int matrix, long lon
                    a_halves, shared ? MAP_X : MAP_RING_X, ring0, c0, b_halves);
 }
 
-static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long t, wgrad_job *w) {
-    const long long H = p.hidden;
+/* Producer thread 0, once per weight-gradient task (task_prep, pass.cuh): the tile's matrix and
+ * tile indices, and for a routed expert its rows in this macrobatch (from the schedule). */
+static __device__ void wgrad_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                     long long t, task_prep *tp) {
     int64_t i, j;
     int matrix;
     if (grp.kind == MOK_TASK_SHARED_WGRAD) {
@@ -202,8 +224,35 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         plan.wgrad_tile = CUDA_WGRAD_M;
         plan.wgrad_tile_n = CUDA_WGRAD_N;
         plan.raster = p.raster;
+        mok__wgrad_tile(&plan, p.shared_inter, t, &matrix, &i, &j);
+        tp->wg_ring0 = tp->wg_carry = 0;
+        tp->wg_rows = p.num_tokens;
+        tp->wg_began = tp->wg_continues = 0;
+    } else {
+        mok_plan plan;
+        make_plan(p, v, &plan);
+        const int e = grp.first_tile;
+        int64_t first, end;
+        mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
+        mok__wgrad_tile(&plan, p.inter, t, &matrix, &i, &j);
+        const long long start = v.expert_start[e];
+        tp->wg_ring0 = first % p.ring_rows;
+        tp->wg_rows = end - first;
+        tp->wg_carry = start / p.ring_rows;
+        tp->wg_began = first > start;
+        tp->wg_continues = start + v.expert_rows[e] > end;
+    }
+    tp->wg_matrix = matrix;
+    tp->wg_i = i;
+    tp->wg_j = j;
+}
+
+/* Every role: a weight-gradient task's job from its task_prep, with no schedule reads. */
+static __device__ void wgrad_job_of(const pass_params &p, const mok_task_group &grp, const task_prep &tp, wgrad_job *w) {
+    const long long H = p.hidden, i = tp.wg_i, j = tp.wg_j;
+    const int matrix = tp.wg_matrix;
+    if (grp.kind == MOK_TASK_SHARED_WGRAD) {
         const long long Is = p.shared_inter;
-        mok__wgrad_tile(&plan, Is, t, &matrix, &i, &j);
         w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;
         w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N) * (p.accumulate ? 4 : 2);
         w->init = p.accumulate ? (const float *)w->dest : nullptr;
@@ -213,29 +262,34 @@ static __device__ void wgrad_job_of(const pass_params &p, const mok_sched_view &
         w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
     } else {
-        mok_plan plan;
-        make_plan(p, v, &plan);
         const int e = grp.first_tile;
-        const long long I = p.inter, mat_elems = I * H;
-        int64_t first, end;
-        mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
-        mok__wgrad_tile(&plan, I, t, &matrix, &i, &j);
+        const long long I = p.inter, mat_elems = I * H, ring0 = tp.wg_ring0;
         w->ld = matrix == MOK_WGRAD_DOWN ? I : H;
-        const long long ring0 = first % p.ring_rows, offset = i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N;
-        const long long start = v.expert_start[e];
-        const bool began_before = first > start, continues = start + v.expert_rows[e] > end;
-        float *carry = p.carry + (start / p.ring_rows) * 3 * mat_elems + matrix * mat_elems + offset;
+        const long long offset = i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N;
+        float *carry = p.carry + tp.wg_carry * 3 * mat_elems + matrix * mat_elems + offset;
         w->dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
-        w->init = p.accumulate ? (const float *)w->dest : began_before ? carry : nullptr;
-        w->carry_out = (!p.accumulate && continues) ? carry : nullptr;
-        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols] */
-        w->store_row = (int)(e * (mat_elems / w->ld) + i * CUDA_WGRAD_M);
+        w->init = p.accumulate ? (const float *)w->dest : tp.wg_began ? carry : nullptr;
+        w->carry_out = (!p.accumulate && tp.wg_continues) ? carry : nullptr;
+        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols]: a matrix has H rows (down) or I */
+        w->store_row = (int)(e * (matrix == MOK_WGRAD_DOWN ? H : I) + i * CUDA_WGRAD_M);
         w->store_col = (int)(j * CUDA_WGRAD_N);
         wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
-                       p.ring_h + ring0 * I, end - first, false, ring0, w);
+                       p.ring_h + ring0 * I, tp.wg_rows, false, ring0, w);
     }
     w->dest_f32 = p.accumulate;
     if (p.accumulate || w->carry_out || !((p.tma_mask >> w->store_map) & 1)) w->store_map = -1;
+}
+
+/* Producer thread 0, once per task: what the roles need of the schedule (task_prep). */
+static __device__ void bwd_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+                                   long long nt, task_prep *tp) {
+    switch (grp.kind) {
+    case MOK_TASK_DH:
+    case MOK_TASK_DX: tp->tile = row_tile(p, v, rt); break;
+    case MOK_TASK_WGRAD:
+    case MOK_TASK_SHARED_WGRAD: wgrad_prepare(p, v, grp, nt, tp); break;
+    default: break;
+    }
 }
 
 /* dy · W_down^T: A K-major, W_down read N-major. */
@@ -248,13 +302,13 @@ static __device__ __forceinline__ void dh_common(tile_operands *op, long long H,
 
 /* GEMM i of a compute task; 1 + operand layout (walk_ws.cuh), 0 when there is none. A routed dh
  * task whose g|u the context does not keep replays them first (one K-major GEMM per 64 columns). */
-static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
+static __device__ int bwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     *op = tile_operands{};
     switch (grp.kind) {
     case MOK_TASK_DH: {
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         if (t.nreal == 0) return 0;
         const int replays = t.row0 < p.context_rows ? 0 : p.n_tile / 64;
         if (i < replays) { /* g|u for columns [n0 + 64 i, + 64), as the forward's GATEUP */
@@ -307,7 +361,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
             op->b_hi = p.s_up + n0;
             use_tma_n(p, op, MAP_SH_DGU, t0, MAP_S_GATE, 0, MAP_S_UP, 0, n0, p.n_tile_h / 64);
         } else {
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             if (t.nreal == 0) return 0;
             op->a = p.ring_dgu + t.ring0 * 2 * I;
             op->a_rows = t.nreal;
@@ -322,7 +376,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_sched_view &v, co
     case MOK_TASK_SHARED_WGRAD: {
         if (i > 0) return 0;
         wgrad_job w;
-        wgrad_job_of(p, v, grp, nt, &w);
+        wgrad_job_of(p, grp, tp, &w);
         *op = w.op;
         return 4;
     }
@@ -347,11 +401,11 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
 template <int VAR>
-static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                  long long nt, float (&acc)[WS_ACC]) {
+static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_group &grp, const task_prep &tp,
+                                  float (&acc)[WS_ACC]) {
     wgrad_job w;
     w.init = nullptr;
-    if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, v, grp, nt, &w);
+    if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, grp, tp, &w);
 #pragma unroll
     for (int r = 0; r < WS_ACC; r += 2) {
         int row, col;
@@ -364,8 +418,8 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
 }
 
 template <int VAR>
-static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c,
+static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
+                                    long long nt, const task_prep &tp, int i, float (&acc)[WS_ACC], uint16_t *c,
                                     const CUtensorMap *maps) {
     const int tid = threadIdx.x - WS_PRODUCERS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
@@ -374,7 +428,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     if (tid == 0) bulk_wait_read();
     consumer_sync();
     if (VAR == BWD_VAR_REPLAY) { /* a dh task's GEMM i < replays: g|u of 64 columns into the replay rows */
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
         const long long n0 = nt * p.n_tile + 64 * i;
         ws_stage_bf16(c, acc);
@@ -395,7 +449,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             uint16_t *h, *dgu;
             float *rdot = nullptr;
             if (routed) {
-                const tile_info t = row_tile(p, v, rt);
+                const tile_info t = tp.tile;
                 rows = t.nreal;
                 /* rows past the context had their g|u replayed into the ring by GEMMs i < this one */
                 gu = t.row0 >= p.context_rows ? p.ring_gu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
@@ -415,7 +469,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             break;
         }
         case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
             return;
         }
@@ -428,22 +482,15 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         }
     } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
-        wgrad_job_of(p, v, grp, nt, &w);
+        wgrad_job_of(p, grp, tp, &w);
         if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
             /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
                the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
                the consumers go on to the next task */
             uint8_t *box = (uint8_t *)c;
-            const int lane = tid & 31, r0 = (tid >> 5) * 16 + (lane >> 2);
+            const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = r0 + 8 * half;
-#pragma unroll
-                for (int j = 0; j < WS_ACC / 4; ++j)
-                    *(uint32_t *)(box + (j / 8) * WS_STORE_BOX_BYTES + swizzle(r, j % 8) + 4 * (lane & 3)) =
-                        (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
-                        ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
-            }
+            for (int j = 0; j < WS_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
             fence_proxy_async_smem();
             consumer_sync();
             if (tid == 0) {
@@ -493,23 +540,27 @@ struct backward_runner {
 
 struct backward_ws {
     static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* K/K, K/N-major, M-major/N-major */
-    static __device__ int gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
-        return bwd_gemm(p, v, grp, rt, nt, i, op);
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                   long long rt, long long nt, task_prep *tp) {
+        bwd_prepare(p, v, grp, rt, nt, tp);
+    }
+    static __device__ int gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
+        return bwd_gemm(p, grp, rt, nt, tp, i, op);
     }
     template <int VAR>
-    static __device__ void preset(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long,
-                                  long long nt, int, float (&acc)[WS_ACC]) {
-        bwd_preset<VAR>(p, v, grp, nt, acc);
+    static __device__ void preset(const pass_params &p, const mok_task_group &grp, long long, long long,
+                                  const task_prep &tp, int, float (&acc)[WS_ACC]) {
+        bwd_preset<VAR>(p, grp, tp, acc);
     }
     template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
+    static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                                    const task_prep &tp, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
                                     const CUtensorMap *maps) {
-        bwd_epilogue<VAR>(p, v, grp, rt, nt, i, acc, c, maps);
+        bwd_epilogue<VAR>(p, grp, rt, nt, tp, i, acc, c, maps);
     }
-    static __device__ void plain(const pass_params &p, const mok_sched_view &, const mok_task_group &grp, long long,
-                                 long long) {
+    static __device__ void plain(const pass_params &p, const mok_task_group &grp, long long, long long,
+                                 const task_prep &) {
         if (grp.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, grp.first_tile);
     }
 };
@@ -585,9 +636,7 @@ __global__ void backward_epilogue_kernel(const pass_params p, uint16_t *dx, floa
             *(int4 *)in = *(const int4 *)(dxbuf + (t * p.topk + j) * p.hidden + c8);
             for (int i = 0; i < 8; ++i) acc[i] += mok__bf16_to_f32(in[i]);
         }
-        uint16_t out[8];
-        for (int i = 0; i < 8; ++i) out[i] = mok__bf16_from_f32(acc[i]);
-        *(int4 *)(dx + t * p.hidden + c8) = *(int4 *)out;
+        *(int4 *)(dx + t * p.hidden + c8) = bf16x8_from_f32(acc);
     }
 }
 

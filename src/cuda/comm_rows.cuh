@@ -25,11 +25,12 @@ static __device__ __forceinline__ void copy_row(uint16_t *dst, const uint16_t *s
 }
 
 static __device__ __forceinline__ int4 scale_bf16x8(int4 a, float w) {
-    uint16_t e[8], f[8];
+    uint16_t e[8];
+    float f[8];
     *(int4 *)e = a;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = mok__bf16_from_f32(w * mok__bf16_to_f32(e[i]));
-    return *(int4 *)f;
+    for (int i = 0; i < 8; ++i) f[i] = w * mok__bf16_to_f32(e[i]);
+    return bf16x8_from_f32(f);
 }
 
 /* One warp: a row of x and of dy (h bf16 each) to x_out and dy_out, and bf16(w * dy) to

@@ -192,6 +192,24 @@ static __device__ __forceinline__ long long globaltimer_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+/* Two fp32 to bf16, packed (lo in bits 0-15), by one cvt.rn.bf16x2.f32: round to nearest even,
+ * the bits of mok__bf16_from_f32 for every non-NaN value (subnormals and overflow to Inf
+ * included), where that portable code takes ~6 integer instructions per value. A NaN comes out
+ * as the canonical quiet NaN 0x7fff (the portable code keeps its sign and top payload bits):
+ * NaNs flow through as NaNs (DESIGN §5), their bits are not part of the function. Every
+ * epilogue rounds through this. */
+static __device__ __forceinline__ uint32_t bf16x2_from_f32(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* Eight fp32 to eight bf16 (one 16-byte chunk), through bf16x2_from_f32. */
+static __device__ __forceinline__ int4 bf16x8_from_f32(const float (&f)[8]) {
+    return make_int4((int)bf16x2_from_f32(f[0], f[1]), (int)bf16x2_from_f32(f[2], f[3]),
+                     (int)bf16x2_from_f32(f[4], f[5]), (int)bf16x2_from_f32(f[6], f[7]));
+}
 #endif
 
 /* Host side, defined in the .cu files. */

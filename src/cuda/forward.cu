@@ -41,8 +41,8 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
 
 /* The one GEMM of a compute task: gate|up (n_tile columns of each: B is n_tile gate rows, then
  * n_tile up rows) or down (n_tile_h columns of H), routed or shared. */
-static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
+static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
     if (i > 0) return 0;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     *op = tile_operands{};
@@ -51,7 +51,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
     op->k = H;
     switch (grp.kind) {
     case MOK_TASK_GATEUP: {
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         const long long n0 = nt * p.n_tile;
         op->a = p.ring_x + t.ring0 * H;
         op->a_rows = t.nreal;
@@ -74,7 +74,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
         return 1;
     }
     case MOK_TASK_DOWN: {
-        const tile_info t = row_tile(p, v, rt);
+        const tile_info t = tp.tile;
         if (t.nreal == 0) return 0;
         op->a = p.ring_h + t.ring0 * I;
         op->a_rows = t.nreal;
@@ -101,46 +101,60 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_sched_view &v, co
     }
 }
 
-/* A gate|up tile straight from the accumulators: a thread's columns 8j + 2(lane % 4) (+1) hold
- * g for j < NT / 8 and u, the same columns + NT, for the next NT / 8 (NT = n_tile: the
- * accumulators are indexed by constants only). g and u rounded to bf16 go into the context rows
- * (padding rows as zeros), h = bf16(silu(g) * u) into h_out for real rows: the rounding of the
- * staged path, without shared memory or barriers. */
+/* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
+ * u, the same columns + NT, for the next NT / 8 (NT = n_tile: the accumulators are indexed by
+ * constants only). g and u rounded to bf16 go into the context rows (padding rows as zeros; rows
+ * from ctx_rows on are not kept), h = bf16(silu(g) * u) into h_out for real rows. They go out
+ * through shared memory (stmatrix in, 16-byte chunks out: copy_staged): g into the staging tile c
+ * and u into the one beside it (the backward's dh scratch, the same size and unused in the
+ * forward), then h into c. The fragment's own pattern stored 16 bytes into each of 8 rows per
+ * warp store. */
 template <int NT>
-static __device__ __forceinline__ void swiglu_regs(const float (&acc)[WS_ACC], int nreal, long long ctx_row0, long long ctx_rows,
-                                   uint16_t *ctx, long long ctx_ld, long long inter, long long n0, uint16_t *h_out,
-                                   long long h_ld, float limit) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+static __device__ __forceinline__ void swiglu_staged(const float (&acc)[WS_ACC], int nreal, long long ctx_row0,
+                                                     long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
+                                                     long long n0, uint16_t *h_out, long long h_ld, float limit,
+                                                     uint16_t *c) {
+    static_assert(WS_DH_BYTES >= TILE_BM * TILE_C_LD * 2, "a second staging tile fits the dh scratch");
+    const int t = threadIdx.x - WS_PRODUCERS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
+    uint16_t *c2 = c + TILE_BM * TILE_C_LD;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c), base2 = (uint32_t)__cvta_generic_to_shared(c2);
+    uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        const bool real = r < nreal;
-        const long long crow = ctx_row0 + r;
-        const bool keep = ctx && crow < ctx_rows;
+    for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t g[4], u[4];
 #pragma unroll
-        for (int j = 0; j < NT / 8; ++j) {
-            const int col = 8 * j + col0;
-            uint16_t g[2], u[2], h[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                g[q] = real ? mok__bf16_from_f32(acc[4 * j + 2 * half + q]) : (uint16_t)0;
-                u[q] = real ? mok__bf16_from_f32(acc[4 * (j + NT / 8) + 2 * half + q]) : (uint16_t)0;
-                h[q] = mok__bf16_from_f32(mok__swiglu(mok__bf16_to_f32(g[q]), mok__bf16_to_f32(u[q]), limit));
-            }
-            if (keep) {
-                *(uint32_t *)(ctx + crow * ctx_ld + n0 + col) = (uint32_t)g[0] | ((uint32_t)g[1] << 16);
-                *(uint32_t *)(ctx + crow * ctx_ld + inter + n0 + col) = (uint32_t)u[0] | ((uint32_t)u[1] << 16);
-            }
-            if (real) *(uint32_t *)(h_out + r * h_ld + n0 + col) = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
+            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
+            const bool real = row0 + 8 * (k & 1) < nreal;
+            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
+            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+            h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
+                                           mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
+                                                       __uint_as_float(u[k] & 0xffff0000u), limit));
         }
+        stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
+        stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
     }
+    const long long left = ctx ? ctx_rows - ctx_row0 : 0;
+    const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
+    consumer_sync();
+    if (keep > 0) {
+        copy_staged(c, keep, NT, ctx + ctx_row0 * ctx_ld + n0, ctx_ld);
+        copy_staged(c2, keep, NT, ctx + ctx_row0 * ctx_ld + inter + n0, ctx_ld);
+    }
+    consumer_sync();
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
+    consumer_sync();
+    copy_staged(c, nreal, NT, h_out + n0, h_ld);
+    consumer_sync();
 }
 
-/* Consumers: SwiGLU (h, and g|u into the context) or the plain store of the down projection,
- * from registers (no barrier: the walk's closing barrier orders the stores before the release). */
-static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, float (&acc)[WS_ACC]) {
+/* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
+ * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers). The
+ * walk's closing barrier orders the stores before the release. */
+static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
+                                    long long nt, const task_prep &tp, float (&acc)[WS_ACC], uint16_t *staging) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     switch (grp.kind) {
     case MOK_TASK_GATEUP:
@@ -151,7 +165,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         long long ctx_row0, ctx_rows;
         uint16_t *ctx, *h;
         if (routed) {
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             rows = t.nreal;
             ctx_row0 = t.row0;
             ctx_rows = p.context_rows;
@@ -166,9 +180,9 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             h = p.sh_h + t0 * Is;
         }
         if (p.n_tile == 128)
-            swiglu_regs<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h, inter, p.limit);
+            swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h, inter, p.limit, staging);
         else
-            swiglu_regs<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h, inter, p.limit);
+            swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h, inter, p.limit, staging);
         break;
     }
     case MOK_TASK_DOWN:
@@ -176,7 +190,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         int rows;
         uint16_t *out;
         if (grp.kind == MOK_TASK_DOWN) {
-            const tile_info t = row_tile(p, v, rt);
+            const tile_info t = tp.tile;
             rows = t.nreal;
             out = p.ring_y + t.ring0 * H;
         } else {
@@ -184,7 +198,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
             out = p.sh_out + t0 * H;
         }
-        store_regs(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h);
+        store_staged(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging);
         break;
     }
     default: break;
@@ -205,24 +219,28 @@ struct forward_runner {
 
 struct forward_ws {
     static constexpr int VARIANTS = 1; /* K-major operands only */
-    static __device__ int gemm(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long nt, int i, tile_operands *op) {
-        return fwd_gemm(p, v, grp, rt, nt, i, op);
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+                                   long long rt, long long, task_prep *tp) {
+        if (grp.kind == MOK_TASK_GATEUP || grp.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
+    }
+    static __device__ int gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
+        return fwd_gemm(p, grp, rt, nt, tp, i, op);
     }
     template <int VAR>
-    static __device__ void preset(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
-                                  long long, int, float (&acc)[WS_ACC]) {
+    static __device__ void preset(const pass_params &, const mok_task_group &, long long, long long,
+                                  const task_prep &, int, float (&acc)[WS_ACC]) {
 #pragma unroll
         for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
     }
     template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                    long long rt, long long nt, int, float (&acc)[WS_ACC], uint16_t *, float *,
+    static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+                                    const task_prep &tp, int, float (&acc)[WS_ACC], uint16_t *staging, float *,
                                     const CUtensorMap *) {
-        fwd_epilogue(p, v, grp, rt, nt, acc);
+        fwd_epilogue(p, grp, rt, nt, tp, acc, staging);
     }
-    static __device__ void plain(const pass_params &, const mok_sched_view &, const mok_task_group &, long long,
-                                 long long) {}
+    static __device__ void plain(const pass_params &, const mok_task_group &, long long, long long,
+                                 const task_prep &) {}
 };
 
 __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
@@ -274,9 +292,7 @@ __global__ void forward_epilogue_kernel(const pass_params p, const float *router
             *(int4 *)in = *(const int4 *)(comb + (t * p.topk + j) * p.hidden + c8);
             for (int i = 0; i < 8; ++i) acc[i] += w * mok__bf16_to_f32(in[i]);
         }
-        uint16_t out[8];
-        for (int i = 0; i < 8; ++i) out[i] = mok__bf16_from_f32(acc[i]);
-        *(int4 *)(y + t * p.hidden + c8) = *(int4 *)out;
+        *(int4 *)(y + t * p.hidden + c8) = bf16x8_from_f32(acc);
     }
 }
 

@@ -56,6 +56,24 @@ static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view 
     return t;
 }
 
+/* What producer thread 0 works out once per compute task, before it posts the task (walk_ws.cuh),
+ * for the loaders and the consumers alike: a routed row tile (a binary search over the experts'
+ * starts, each step a dependent global load, and a 64-bit remainder), or a weight-gradient tile's
+ * matrix, tile indices and rows. Each role used to work these out for itself, the consumers two
+ * or three times per task (gemm, preset, epilogue), in front of their main loop and in their
+ * epilogue. walk_ws.cuh fills grp; the runner's prepare() fills the fields its task kind uses,
+ * the rest stay zero. */
+struct task_prep {
+    mok_task_group grp;       /* the task's group, a copy of p.groups[g] */
+    tile_info tile;           /* routed row tiles */
+    long long wg_i, wg_j;     /* weight gradients: the tile's row and column tile in its matrix */
+    long long wg_ring0;       /* routed: the macrobatch's first row of the expert, in the ring */
+    long long wg_rows;        /* routed: its rows in this macrobatch; shared: the tokens */
+    long long wg_carry;       /* routed: the carry slot (the macrobatch the expert began in) */
+    int wg_matrix;            /* MOK_WGRAD_GATE, _UP or _DOWN */
+    int wg_began, wg_continues; /* routed: rows of the expert before / after this macrobatch */
+};
+
 /* At a megakernel's start: whether the rank's error word is set (the pass must not run). One read
  * per CTA, broadcast through shared memory (when the word was mapped host memory, a read per
  * thread cost ~1.1 ms of PCIe reads at the kernel's start). */

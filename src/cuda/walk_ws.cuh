@@ -6,11 +6,14 @@
  *
  * A Runner says what a compute task is, and both sides ask it the same questions:
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
- *   gemm(p, v, grp, rt, nt, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
+ *   prepare(p, v, grp, rt, nt, &tp): producer thread 0, once per task before posting it: what
+ *                                    the others need of the schedule (pass.cuh's task_prep); they
+ *                                    get it as `tp` (shared memory, beside the task's queue entry)
+ *   gemm(p, grp, rt, nt, tp, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
  *                                    GEMMs 0, 1, ... run in order
- *   preset<VAR>(p, v, grp, rt, nt, i, acc): consumer side, before GEMM i: fills acc with the
+ *   preset<VAR>(p, grp, rt, nt, tp, i, acc): consumer side, before GEMM i: fills acc with the
  *                                      starting values (zeros, or a carried fp32 tile) on every path
- *   epilogue<VAR>(p, v, grp, rt, nt, i, acc, staging, red, maps): consumer side, after GEMM i; if
+ *   epilogue<VAR>(p, grp, rt, nt, tp, i, acc, staging, red, maps): consumer side, after GEMM i; if
  *                                      it used `staging`, it returns with the consumers
  *                                      synchronised; consumer thread 0 may leave TMA stores from
  *                                      the staging region in flight (tma.cuh), which it waits
@@ -19,7 +22,7 @@
  *   own accumulators), so an epilogue needs only the task kinds whose GEMMs have that layout.
  *   Every other kind's code is dead there, and copies of it fill the instruction cache (the
  *   backward kernel was 1.9 MB of code with three copies of every epilogue).
- *   plain(p, v, grp, rt, nt): consumer side, after the GEMMs (tasks without any run only this)
+ *   plain(p, grp, rt, nt, tp): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
  * consumers do not wait on the gpu-scope fence: after the task's closing consumer barrier,
@@ -29,7 +32,11 @@
  *
  * NOTE (queue): tasks pass from producer to consumers through a 2-entry queue in shared memory:
  * qfull[q] (count 1, producer thread 0 arrives after writing entry q), qempty[q] (count 1,
- * consumer thread 0 arrives once every consumer has read it). A producer holds at most the
+ * consumer thread 0 arrives once every consumer has read it). Entry q's task_prep (prep[q])
+ * travels with it: written by producer thread 0 before qfull[q], read by the loaders after the
+ * producer barrier that follows and by the consumers until their qempty[q] arrive. Thread 0
+ * writes prep[q] again (task n + 2) only after that arrive and after the producer barrier of
+ * task n + 1, which every loader reaches having done with task n. A producer holds at most the
  * queued tasks beyond the one running; it claims tickets in increasing order and posts a task
  * only after its counter waits pass, and every stage a posted task needs is loaded before the
  * next ticket is claimed, so the pass stays deadlock-free with every CTA resident. */
@@ -57,21 +64,23 @@ struct ws_done { /* a finished task, for the completer */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
- * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums; backward.cu),
+ * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums and TILE_BM
+ * router weights; backward.cu),
  * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
 #define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
 #define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
 #define WS_DH_LD 68 /* floats: 64 columns, padded */
-#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + TILE_BM) * 4)
+#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + 2 * TILE_BM) * 4)
 #define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
 /* A weight-gradient tile stored by TMA (backward.cu) occupies the staging tile and the dh scratch
- * as four 128-row x 64-column bf16 boxes, each 1024-byte aligned for the 128B swizzle. */
-#define WS_STORE_BOX_BYTES (TILE_BM * 128)
+ * as four 128-row x 64-column bf16 boxes (WS_STORE_BOX_BYTES, wgmma_tile.cuh), each 1024-byte
+ * aligned for the 128B swizzle. */
 static_assert(4 * WS_STORE_BOX_BYTES <= WS_STAGING_BYTES + WS_DH_BYTES && WS_STAGING_OFF % 1024 == 0,
               "the TMA store boxes fit the staging region");
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
 #define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
-#define WS_SMEM_BYTES (1024 + WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done))
+#define WS_PREP_OFF ((WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done) + 15) / 16 * 16)
+#define WS_SMEM_BYTES (1024 + WS_PREP_OFF + 2 * (int)sizeof(task_prep))
 static_assert(WS_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
@@ -79,6 +88,7 @@ struct ws_shared {
     uint32_t qfull, qempty, cfull, cempty;
     volatile ws_task *queue;
     volatile ws_done *cq;
+    task_prep *prep; /* [2], one per queue entry */
 };
 
 /* Host: the weights' maps (boxes of 64 x 64, read K-major in the forward, N-major in the dgrad)
@@ -173,32 +183,32 @@ static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &
 /* Consumers, GEMM i of a task: preset, multiply, epilogue. One instantiation per operand layout,
  * each with its own accumulators: merging them across layouts makes ptxas serialise the wgmmas. */
 template <typename Runner, bool A_MN, bool B_MN>
-static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                                long long rt, long long nt, int i, ws_ring &r, const tile_operands &op,
+static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_task_group &grp, long long rt,
+                                                long long nt, const task_prep &tp, int i, ws_ring &r, const tile_operands &op,
                                                 uint16_t *staging, float *red, ws_clock &clk) {
     float acc[WS_ACC];
-    Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc);
+    Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, grp, rt, nt, tp, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
     ws_consume_gemm<A_MN, B_MN>(r, op, acc);
     if (TRACE_ON(p)) {
         clk.gemm_end = globaltimer_ns();
         clk.gemm_ns += clk.gemm_end - g0;
     }
-    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, v, grp, rt, nt, i, acc, staging, red, r.maps);
+    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, grp, rt, nt, tp, i, acc, staging, red, r.maps);
 }
 
 template <typename Runner>
-static __device__ __forceinline__ void ws_consume(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                  long long rt, long long nt, int i, ws_ring &r, int variant, const tile_operands &op,
+static __device__ __forceinline__ void ws_consume(const pass_params &p, const mok_task_group &grp, long long rt,
+                                  long long nt, const task_prep &tp, int i, ws_ring &r, int variant, const tile_operands &op,
                                   uint16_t *staging, float *red, ws_clock &clk) {
     if (ws_variant_used<Runner, false, false>(variant))
-        ws_phase<Runner, false, false>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
+        ws_phase<Runner, false, false>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, false, true>(variant))
-        ws_phase<Runner, false, true>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
+        ws_phase<Runner, false, true>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, true, false>(variant))
-        ws_phase<Runner, true, false>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
+        ws_phase<Runner, true, false>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
     else if (ws_variant_used<Runner, true, true>(variant))
-        ws_phase<Runner, true, true>(p, v, grp, rt, nt, i, r, op, staging, red, clk);
+        ws_phase<Runner, true, true>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
 }
 
 template <typename Runner>
@@ -217,14 +227,18 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
         if (tid == 0) {
             long long g = 0, rt = 0, nt = 0, stop = 1;
             const long long t = (long long)next;
+            task_prep tp = {};
             if (cursor_seek(p, MOK_ROLE_COMPUTE, num_groups, cur, t)) {
                 const mok_task_group grp = p.groups[cur.g];
                 long long wait;
                 task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
                 g = cur.g;
+                tp.grp = grp;
+                Runner::prepare(p, v, grp, rt, nt, &tp);
                 stop = !(wait_counter_thread(p, wait, grp.target[0]) && wait_counter_thread(p, grp.wait[1], grp.target[1]));
             }
             mbar_wait(qempty + 8 * q, (uint32_t)((n >> 1) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
+            if (!stop) sh.prep[q] = tp;
             queue[q].g = g;
             queue[q].rt = rt;
             queue[q].nt = nt;
@@ -234,11 +248,12 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
         }
         producer_sync();
         if (queue[q].stop) break;
-        const mok_task_group grp = p.groups[queue[q].g];
         const long long rt = queue[q].rt, nt = queue[q].nt;
+        const task_prep &tp = sh.prep[q];
+        const mok_task_group &grp = tp.grp;
         for (int i = 0;; ++i) {
             tile_operands op;
-            const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
+            const int kind = Runner::gemm(p, grp, rt, nt, tp, i, &op);
             if (!kind) break;
             ws_produce<Runner>(r, kind - 1, op, tid);
         }
@@ -247,7 +262,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
 }
 
 template <typename Runner>
-static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, const ws_shared &sh,
+static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, ws_ring r, const ws_shared &sh,
                                         uint16_t *staging, float *red) {
     __shared__ int s_stop;
     const int ctid = threadIdx.x - WS_PRODUCERS;
@@ -264,14 +279,15 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, co
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
         ws_clock clk = {0, 0};
         if (!stop) {
-            const mok_task_group grp = p.groups[g];
+            const task_prep &tp = sh.prep[q];
+            const mok_task_group &grp = tp.grp;
             for (int i = 0;; ++i) {
                 tile_operands op;
-                const int kind = Runner::gemm(p, v, grp, rt, nt, i, &op);
+                const int kind = Runner::gemm(p, grp, rt, nt, tp, i, &op);
                 if (!kind) break;
-                ws_consume<Runner>(p, v, grp, rt, nt, i, r, kind - 1, op, staging, red, clk);
+                ws_consume<Runner>(p, grp, rt, nt, tp, i, r, kind - 1, op, staging, red, clk);
             }
-            Runner::plain(p, v, grp, rt, nt);
+            Runner::plain(p, grp, rt, nt, tp);
         }
         consumer_sync(); /* every consumer's stores of the task are done; s_stop and entry q are read */
         if (ctid == 0) {
@@ -331,6 +347,7 @@ static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, con
     sh.cempty = sh.cfull + 8 * WS_CQ;
     sh.queue = (volatile ws_task *)(aligned + WS_QUEUE_OFF);
     sh.cq = (volatile ws_done *)(aligned + WS_CQ_OFF);
+    sh.prep = (task_prep *)(aligned + WS_PREP_OFF);
     if (threadIdx.x == 0) {
         for (int s = 0; s < WS_STAGES; ++s) {
             mbar_init(r.full + 8 * s, WS_LOADERS);
@@ -356,7 +373,7 @@ static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, con
         else ws_completer_loop(p, r, sh);
     } else {
         setmaxnreg_inc_consumer();
-        ws_consumer_loop<Runner>(p, v, r, sh, (uint16_t *)(aligned + WS_STAGING_OFF), red);
+        ws_consumer_loop<Runner>(p, r, sh, (uint16_t *)(aligned + WS_STAGING_OFF), red);
     }
 }
 

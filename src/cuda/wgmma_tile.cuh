@@ -320,18 +320,67 @@ static __device__ __forceinline__ void ws_acc_position(int i, int *row, int *col
     *col = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
 }
 
+/* Four 8 x 8 bf16 matrices into shared memory in one instruction (stmatrix): v[m] is this
+ * thread's element pair of matrix m (row lane / 4, columns 2 (lane % 4), +1: the accumulator
+ * fragment's layout), and lane L gives the address of row L % 8 of matrix L / 8 (16 bytes). */
+static __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v0), "r"(v1),
+                 "r"(v2), "r"(v3)
+                 : "memory");
+}
+
+/* The two shared-memory layouts bf16 tiles are written in: the staging tile c[128][TILE_C_LD]
+ * (rows padded against bank conflicts), and 128-row x 64-column boxes of 128-byte rows swizzled
+ * by 16-byte chunk (the TMA stores' layout, swizzle() of tile_operands.cuh), box after box. */
+#define STSM_PADDED 0
+#define STSM_BOXES 1
+#define WS_STORE_BOX_BYTES (TILE_BM * 128)
+
+/* The shared address of 8-column block `block` of row `row` in a LAYOUT tile at `base`. */
+template <int LAYOUT>
+static __device__ __forceinline__ uint32_t stsm_row_addr(uint32_t base, int row, int block) {
+    if (LAYOUT == STSM_PADDED) return base + row * (TILE_C_LD * 2) + block * 16;
+    return base + (block / 8) * WS_STORE_BOX_BYTES + swizzle(row, block % 8);
+}
+
+/* A warp's bf16 pairs of column blocks b and b + 1 of its 16 rows from row0, already packed:
+ * v0, v1 block b's rows 0-7 and 8-15, v2, v3 block b + 1's (stmatrix's matrices 0-3). */
+template <int LAYOUT>
+static __device__ __forceinline__ void stsm_pairs(uint32_t base, int row0, int b, uint32_t v0, uint32_t v1, uint32_t v2,
+                                                  uint32_t v3) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    stsm_x4(stsm_row_addr<LAYOUT>(base, row0 + 8 * (m & 1) + (lane & 7), b + (m >> 1)), v0, v1, v2, v3);
+}
+
+/* A warp's bf16 of the accumulators' column blocks j and j + 1 (8 columns each: accumulators
+ * 4 j .. 4 j + 7), its 16 rows from row0, by one stmatrix: matrix m is block j + m / 2, rows
+ * 8 (m % 2) .. + 7. In the tile, block j lands at block j - block0. */
+template <int LAYOUT>
+static __device__ __forceinline__ void stsm_blocks(const float (&acc)[WS_ACC], int j, uint32_t base, int row0,
+                                                   int block0) {
+    stsm_pairs<LAYOUT>(base, row0, j - block0, bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]),
+                       bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]), bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]),
+                       bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
+}
+
+/* Rows < rows, columns < cols (a multiple of 8) of the staging tile c[128][TILE_C_LD] to out
+ * (row stride ld; out and ld 16-byte aligned), in 16-byte chunks: each warp's store covers whole
+ * chunks of one row. */
+static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld) {
+    const int t = threadIdx.x - WS_PRODUCERS;
+    for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
+        const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8;
+        if (r < rows && c8 < cols) *(int4 *)(out + r * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
+    }
+}
+
 /* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
  * c[128][TILE_C_LD], then syncs the consumers. */
 static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&acc)[WS_ACC]) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
+    const int t = threadIdx.x - WS_PRODUCERS;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
 #pragma unroll
-    for (int j = 0; j < TILE_C_COLS / 8; ++j) {
-        uint32_t lo = (uint32_t)mok__bf16_from_f32(acc[4 * j]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 1]) << 16);
-        uint32_t hi = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2]) | ((uint32_t)mok__bf16_from_f32(acc[4 * j + 3]) << 16);
-        *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) = lo;
-        *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) = hi;
-    }
+    for (int j = 0; j < TILE_C_COLS / 8; j += 2) stsm_blocks<STSM_PADDED>(acc, j, base, (t >> 5) * 16, 0);
     consumer_sync();
 }
 
@@ -342,44 +391,17 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
  * c is free again on return. */
 static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out,
                                                     long long ld, long long n0, uint16_t *c) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row = (t >> 5) * 16 + (lane >> 2), col = 2 * (lane & 3);
+    const int t = threadIdx.x - WS_PRODUCERS;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
 #pragma unroll
     for (int h = 0; h < WS_ACC / 4 / (TILE_C_COLS / 8); ++h) {
         if (h * TILE_C_COLS >= cols) break;
 #pragma unroll
-        for (int j = 0; j < TILE_C_COLS / 8; ++j) {
-            const int a = 4 * (j + h * (TILE_C_COLS / 8));
-            *(uint32_t *)(c + row * TILE_C_LD + 8 * j + col) =
-                (uint32_t)mok__bf16_from_f32(acc[a]) | ((uint32_t)mok__bf16_from_f32(acc[a + 1]) << 16);
-            *(uint32_t *)(c + (row + 8) * TILE_C_LD + 8 * j + col) =
-                (uint32_t)mok__bf16_from_f32(acc[a + 2]) | ((uint32_t)mok__bf16_from_f32(acc[a + 3]) << 16);
-        }
+        for (int j = 0; j < TILE_C_COLS / 8; j += 2)
+            stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, (t >> 5) * 16, h * (TILE_C_COLS / 8));
         consumer_sync();
-        for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
-            const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8, oc = h * TILE_C_COLS + c8;
-            if (r < rows && oc < cols) *(int4 *)(out + r * ld + n0 + oc) = *(const int4 *)(c + r * TILE_C_LD + c8);
-        }
+        copy_staged(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld);
         consumer_sync();
-    }
-}
-
-/* A down tile straight from the accumulators: rows < rows, columns < cols, bf16 pairs. */
-static __device__ __forceinline__ void store_regs(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out, long long ld,
-                                  long long n0) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        if (r >= rows) continue;
-#pragma unroll
-        for (int j = 0; j < WS_ACC / 4; ++j) {
-            const int col = 8 * j + col0;
-            if (col >= cols) continue;
-            *(uint32_t *)(out + r * ld + n0 + col) = (uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half]) |
-                                                     ((uint32_t)mok__bf16_from_f32(acc[4 * j + 2 * half + 1]) << 16);
-        }
     }
 }
 
