@@ -3,6 +3,7 @@
     python3 bench/bench.py --ranks 1 --out build/bench        # one H200: both layers, sweeps
     python3 bench/bench.py --ranks 2 --out build/bench        # two H200s, one process drives both
     python3 bench/bench.py --ranks 1 --no-sweep --compare-env MOK_CUDA_RASTER=8   # an A/B in one run (repeatable)
+    python3 bench/bench.py --ranks 2 --no-sweep --compare-config fwd_dispatch=push,fwd_combine=pull  # config A/B
 
 For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
 on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
@@ -272,6 +273,9 @@ def main():
                     help="VAR=VALUE[,VAR=VALUE...] (repeatable): each case runs again with this in the environment (the library "
                          "reads its MOK_CUDA_* switches at every pass), an A/B in one process; the table shows a "
                          "row per variant, and the variants reuse the first row's baseline times")
+    ap.add_argument("--compare-config", action="append", default=[],
+                    help="FIELD=VALUE[,...] of the config (e.g. fwd_dispatch=push,fwd_combine=pull): a row per "
+                         "case with those fields, beside the defaults' row (repeatable)")
     ap.add_argument("--sweep-comm", default="4,8,16,32", help="comm CTAs the sweep tries (comma-separated)")
     ap.add_argument("--sweep-mb", default="512,1024,2048", help="minibatch rows the sweep tries (comma-separated)")
     ap.add_argument("--trace", action="store_true",
@@ -297,19 +301,34 @@ def main():
         if any(len(kv) != 2 for kv in pairs):
             ap.error("--compare-env takes VAR=VALUE[,VAR=VALUE...]")
         variants.append([tuple(kv) for kv in pairs])
+    for spec in a.compare_config:  # config fields: a row per case with them replaced
+        pairs = [kv.split("=", 1) for kv in spec.split(",")]
+        if any(len(kv) != 2 for kv in pairs):
+            ap.error("--compare-config takes FIELD=VALUE[,FIELD=VALUE...]")
+        fields = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in pairs}
+        try:
+            base.replace(**fields)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--compare-config {spec}: {e}")
+        variants.append([("config", fields)])
     for name, experts, tokens, skew in cases:
         first = None
         for variant in variants:
             saved = {}
+            cfg = base
             for var, value in variant or []:
+                if var == "config":
+                    cfg = base.replace(**value)
+                    continue
                 saved[var] = os.environ.get(var)
                 os.environ[var] = value
             try:
                 t0 = time.time()
-                row = run_case(group, a.ranks, name, experts, tokens, skew, base, a.reps, check=True,
+                row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, a.reps, check=True,
                                baseline=first)
                 row["wall_s"] = time.time() - t0
-                row["env"] = ",".join("=".join(kv) for kv in variant) if variant else ""
+                row["env"] = ",".join(",".join(f"{k}={v}" for k, v in value.items()) if var == "config"
+                                      else f"{var}={value}" for var, value in variant) if variant else ""
             finally:
                 for var, value in saved.items():
                     if value is None:

@@ -71,19 +71,21 @@ if [ $train -eq 1 ]; then
     grep -E "within bf16 noise|relative: max|time per step" "$log" | tail -n 3 >>"$out/gpu-tests.txt"
 fi
 
-# sanitize_ep2 TOOL: sanitize_case's EP2 layer as two processes, rank r on GPU r, each under
+# sanitize_ep2 TOOL [TRANSFERS]: sanitize_case's EP2 layer as two processes, rank r on GPU r, each under
 # compute-sanitizer TOOL (build/mok_mp_rank, tests/mp_rank.c). One process driving both GPUs cannot
 # run under a sanitizer: it runs the process's kernels one at a time, and the first cross-GPU
 # barrier needs both GPUs' kernels at once. Rank 0 writes the unique id to a fresh file that rank 1
-# waits for. Both ranks' output goes into the log; one row for the pair.
+# waits for. Both ranks' output goes into the log; one row for the pair. TRANSFERS: default or
+# turned (mok_mp_rank --transfers).
 sanitize_ep2() {
-    local tool=$1 t0=$SECONDS dir r
+    local tool=$1 transfers=${2:-default} t0=$SECONDS dir r
     local -a pids=() rcs=()
     dir=$(mktemp -d "${TMPDIR:-/tmp}/mok-ep2-$tool.XXXXXX")
-    echo "== compute-sanitizer $tool, EP2 as two processes: build/mok_mp_rank --ranks 2 --id-file $dir/id" >>"$log"
+    echo "== compute-sanitizer $tool, EP2 as two processes: build/mok_mp_rank --ranks 2 --id-file $dir/id --transfers $transfers" >>"$log"
     for r in 0 1; do
         timeout 300 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
-            ./build/mok_mp_rank --rank $r --ranks 2 --id-file "$dir/id" --timeout-ms 250000 >"$dir/rank$r.log" 2>&1 &
+            ./build/mok_mp_rank --rank $r --ranks 2 --id-file "$dir/id" --timeout-ms 250000 \
+            --transfers "$transfers" >"$dir/rank$r.log" 2>&1 &
         pids+=($!)
     done
     for r in 0 1; do
@@ -95,7 +97,7 @@ sanitize_ep2() {
         cat "$dir/rank$r.log" >>"$log"
     done
     rm -rf "$dir"
-    local name="compute-sanitizer $tool ep2 (2 processes)" dt=$((SECONDS - t0))
+    local name="compute-sanitizer $tool ep2 (2 processes, $transfers transfers)" dt=$((SECONDS - t0))
     if [ "${rcs[0]}" -eq 0 ] && [ "${rcs[1]}" -eq 0 ]; then
         row "$name" "ok (${dt}s)"
     else
@@ -113,7 +115,8 @@ if [ $sanitize -eq 1 ]; then
         step "compute-sanitizer $tool cuda_sanitize_ep1" env MOK_TEST_PEER_TIMEOUT_MS=200000 timeout 240 \
             compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 ./build/mok_tests cuda_sanitize_ep1
         if [ "$ngpu" -ge 2 ]; then
-            sanitize_ep2 $tool
+            sanitize_ep2 $tool default
+            sanitize_ep2 $tool turned
         else
             row "compute-sanitizer $tool ep2 (2 processes)" "skipped ($ngpu GPU)"
         fi

@@ -209,13 +209,6 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     TRY(mok_shape_validate(shape, g->nranks));
     mok_config cfg = config ? *config : g->config;
     TRY(mok_config_validate(&cfg));
-    /* the cpu backend runs every transfer in either direction (core/tasks.h); cuda the defaults */
-    if (g->backend != MOK_BACKEND_CPU && (cfg.fwd_dispatch != MOK_PULL || cfg.fwd_combine != MOK_PUSH ||
-                                         cfg.bwd_combine != MOK_PULL || cfg.bwd_dispatch != MOK_PUSH))
-        return mok__fail(MOK_ERR_UNSUPPORTED,
-                         "config.fwd_dispatch/fwd_combine/bwd_combine/bwd_dispatch: the %s backend runs pull "
-                         "dispatch, push combine, pull reverse-combine and push reverse-dispatch only",
-                         mok_backend_name(g->backend));
 
     mok_workspace *ws = calloc(1, sizeof *ws);
     if (!ws) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");

@@ -129,6 +129,21 @@ else
     if [ "$gpus" -ge 2 ]; then
         check_run cuda-two-ranks --preset deepseek-v3 --scale 16 --ranks 2 --uneven --skew 2 --repeat 2 --check \
             --backend cuda
+        # Every transfer turned around gives the defaults' bits: the same outputs' hash.
+        turned=(--preset qwen3-30b-a3b --scale 16 --ranks 2 --uneven --skew 2 --tokens 192 --minibatch 128
+            --ring 256 --context-rows 256 --repeat 2 --check --backend cuda)
+        check_run cuda-defaults "${turned[@]}"
+        hash_defaults=$(grep "^outputs hash" "$out")
+        check_run cuda-turned-transfers "${turned[@]}" --fwd-dispatch push --fwd-combine pull --bwd-combine push \
+            --bwd-dispatch pull
+        hash_turned=$(grep "^outputs hash" "$out")
+        if [ -n "$hash_defaults" ] && [ "$hash_defaults" = "$hash_turned" ]; then
+            echo "PASS cuda-turned-transfers-hash ($hash_turned)"
+            passed=$((passed + 1))
+        else
+            echo "FAIL cuda-turned-transfers-hash: defaults '$hash_defaults', turned '$hash_turned'"
+            failed=$((failed + 1))
+        fi
     fi
     expect cuda-too-few-gpus 2 "ranks on the cuda backend need $((gpus + 1)) GPUs" \
         run --preset olmoe-1b-7b --scale 16 --ranks $((gpus + 1)) --backend cuda

@@ -4,6 +4,7 @@
  * barrier (scripts/gpu-check.sh --sanitize runs EP2 as two of these).
  *
  *   build/mok_mp_rank --rank R --ranks P --id-file PATH [--timeout-ms N] [--seed N] [--backend cuda|cpu]
+ *                     [--transfers default|turned]
  *
  * Rank 0 makes the group's unique id and writes it, with P and the seed, to PATH atomically (a
  * temporary file renamed over PATH); the other ranks wait for PATH, and refuse an id made for
@@ -18,7 +19,9 @@
  * read it). --timeout-ms bounds the wait for the id file and for every peer
  * (config.peer_timeout_ms); default 60000. --backend cpu runs the same steps on the cpu backend,
  * one rank only (its ranks are threads of one process): the driver's own check on any machine
- * (tests/cli.sh).
+ * (tests/cli.sh). --transfers turned runs every transfer in the other direction (config
+ * fwd_dispatch = bwd_combine = MOK_PUSH, fwd_combine = bwd_dispatch = MOK_PULL); every rank of a
+ * group must be given the same.
  *
  * Prints PASS / FAIL per step like the test runner and closes with `N passed, N failed`. Exit
  * status: 0 every check passed, 1 a check failed, 2 bad arguments, 3 this build or machine cannot
@@ -37,6 +40,7 @@ enum { EXIT_PASS = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_CANNOT_RUN = 3 };
 
 static const char usage[] =
     "usage: mok_mp_rank --rank R --ranks P --id-file PATH [--timeout-ms N] [--seed N] [--backend cuda|cpu]\n"
+    "                   [--transfers default|turned]\n"
     "  one rank of a P-process group on GPU R; rank 0 writes the unique id to PATH (which must not\n"
     "  exist yet), the others wait for it. Runs sanitize_case's layer (tests/test_cuda.c) forward and\n"
     "  backward and checks this rank's outputs against the reference of the whole layer.\n"
@@ -199,7 +203,7 @@ static void download(rank_run *r, int b, void **out, size_t bytes) {
 }
 
 static int run_rank(mok_backend backend, int rank, int nranks, const char *id_path, double timeout_ms,
-                    uint64_t seed) {
+                    uint64_t seed, int turned) {
     /* The layer of sanitize_case (tests/test_cuda.c), every rank's, built alike in every process.
        Past two ranks the tokens keep alternating 150, 97 and E = 4 is rounded up to a multiple of P. */
     const int64_t experts = nranks * ((4 + nranks - 1) / nranks);
@@ -216,6 +220,10 @@ static int run_rank(mok_backend backend, int rank, int nranks, const char *id_pa
     cfg.ring_rows = 256;
     cfg.context_rows = 128;
     cfg.fwd_comm_sms = cfg.bwd_comm_sms = 2;
+    if (turned) {
+        cfg.fwd_dispatch = cfg.bwd_combine = MOK_PUSH;
+        cfg.fwd_combine = cfg.bwd_dispatch = MOK_PULL;
+    }
     cfg.peer_timeout_ms = timeout_ms;
     cfg.swiglu_limit = L.swiglu_limit;
     char name[96], why[1200];
@@ -358,6 +366,7 @@ int main(int argc, char **argv) {
     long long rank = -1, nranks = -1, timeout_ms = 60000, seed = 1;
     const char *id_path = NULL;
     mok_backend backend = MOK_BACKEND_CUDA;
+    int turned = 0;
     for (int i = 1; i < argc; ++i) {
         const char *flag = argv[i];
         if (!strcmp(flag, "--help") || !strcmp(flag, "-h")) {
@@ -377,6 +386,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(flag, "--id-file")) id_path = value;
         else if (!strcmp(flag, "--backend") && (!strcmp(value, "cuda") || !strcmp(value, "cpu")))
             backend = strcmp(value, "cpu") ? MOK_BACKEND_CUDA : MOK_BACKEND_CPU;
+        else if (!strcmp(flag, "--transfers") && (!strcmp(value, "default") || !strcmp(value, "turned")))
+            turned = !strcmp(value, "turned");
+        else if (!strcmp(flag, "--transfers")) {
+            fprintf(stderr, "mok_mp_rank: --transfers expects default or turned, not '%s'\n", value);
+            return EXIT_USAGE;
+        }
         else if (!strcmp(flag, "--backend")) {
             fprintf(stderr, "mok_mp_rank: --backend expects cuda or cpu, not '%s'\n", value);
             return EXIT_USAGE;
@@ -409,10 +424,11 @@ int main(int argc, char **argv) {
 #endif
         return EXIT_CANNOT_RUN;
     }
-    printf("seed %lld (--seed %lld reproduces); rank %lld of %lld on %s %lld; id file %s\n", seed, seed, rank, nranks,
-           backend == MOK_BACKEND_CUDA ? "GPU" : "cpu, rank", rank, id_path);
+    printf("seed %lld (--seed %lld reproduces); rank %lld of %lld on %s %lld; id file %s; %s transfers\n", seed, seed,
+           rank, nranks, backend == MOK_BACKEND_CUDA ? "GPU" : "cpu, rank", rank, id_path,
+           turned ? "turned" : "default");
     fflush(stdout);
-    int status = run_rank(backend, (int)rank, (int)nranks, id_path, (double)timeout_ms, (uint64_t)seed);
+    int status = run_rank(backend, (int)rank, (int)nranks, id_path, (double)timeout_ms, (uint64_t)seed, turned);
     printf("%d passed, %d failed\n", passed, failed);
     return status;
 }

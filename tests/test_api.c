@@ -492,9 +492,9 @@ MOK_TEST(api_config_rules) {
     }
     EXPECT_ERR(mok_config_validate(NULL), MOK_ERR_INVALID_ARGUMENT, "config");
 
-    /* Every transfer direction runs on the cpu backend (core/tasks.h): each flipped alone and all
-       four, through the workspace's own config and through the group's (config = NULL). The cuda
-       backend rejects the flipped ones (cuda_directions_unsupported). */
+    /* Every transfer direction runs (core/tasks.h): each flipped alone and all four, through the
+       workspace's own config and through the group's (config = NULL); on cuda,
+       cuda_turned_transfers. */
     static const char *fields[4] = {"fwd_dispatch", "fwd_combine", "bwd_combine", "bwd_dispatch"};
     for (int f = 0; f <= 4; ++f) {
         mok_config c = tiny_config();

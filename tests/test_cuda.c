@@ -862,8 +862,8 @@ MOK_TEST(cuda_backward_ep2) {
 
 /* The compute-sanitizer cases (scripts/gpu-check.sh --sanitize): one forward and backward each,
  * as small as a layer gets while it still takes every path: several macrobatches, replay of
- * rows the context does not keep, -1 slots, router weights <= 0, the shared expert; and for EP2
- * both directions of every transfer and a rank with fewer tokens. */
+ * rows the context does not keep, -1 slots, router weights <= 0, the shared expert, a rank with
+ * fewer tokens (EP2); each with the default transfers and with every one turned around. */
 static void sanitize_case(const char *tag, int P, const int64_t *tokens) {
     mok_shape a = small_shape(128, 128, 4, 2, 128);
     mok_config ring = mok_config_default();
@@ -872,6 +872,11 @@ static void sanitize_case(const char *tag, int P, const int64_t *tokens) {
     ring.context_rows = 128;
     ring.fwd_comm_sms = ring.bwd_comm_sms = 2;
     check_backward(tag, &a, P, tokens, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &ring, 0);
+    ring.fwd_dispatch = ring.bwd_combine = MOK_PUSH; /* every transfer turned around */
+    ring.fwd_combine = ring.bwd_dispatch = MOK_PULL;
+    char turned[96];
+    snprintf(turned, sizeof turned, "%s, turned transfers", tag);
+    check_backward(turned, &a, P, tokens, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &ring, 0);
 }
 
 MOK_TEST(cuda_sanitize_ep1) {
@@ -1115,27 +1120,106 @@ MOK_TEST(cuda_trace) {
  * keeps working after each refusal. */
 /* The cuda backend runs the default transfer directions only: each flipped one is refused at
  * workspace creation, with a message that names it (the cpu backend runs them all). */
-MOK_TEST(cuda_directions_unsupported) {
-    if (skip(1, "cuda_directions_unsupported")) return;
-    mok_shape s = small_shape(128, 64, 4, 2, 0);
-    int devices[1] = {0};
-    mok_group *g = NULL;
-    if (mok_group_create_local(&g, MOK_BACKEND_CUDA, 1, devices, NULL) != MOK_OK) {
-        CHECK(0, "group: %s", mok_last_error());
-        return;
+/* Forward + backward of config on cuda into *out; with ctx_equal set, also whether a recompute
+ * pass gives back the context of the forward bit for bit. */
+static mok_status turned_run(const layer *L, const mok_config *cfg, int reps, layer_result *out, int *ctx_equal,
+                             char *message, size_t size) {
+    gpu_run G;
+    mok_status st = gpu_open(&G, L, cfg);
+    for (int r = 0; r < reps && st == MOK_OK; ++r) {
+        layer_result got = {0};
+        st = gpu_forward(&G, L, 0);
+        if (st == MOK_OK) {
+            download_y(&G, L, &got);
+            st = gpu_backward(&G, L, 0, &got);
+        }
+        if (st == MOK_OK && r == 0) {
+            *out = got;
+            continue;
+        }
+        if (st == MOK_OK && !layer_equal(L, out, &got, message, size)) st = MOK_ERR_INTERNAL;
+        layer_result_free(&got);
     }
-    static const char *fields[4] = {"fwd_dispatch", "fwd_combine", "bwd_combine", "bwd_dispatch"};
-    for (int f = 0; f < 4; ++f) {
-        mok_config c = mok_config_default();
-        int *field = f == 0 ? &c.fwd_dispatch : f == 1 ? &c.fwd_combine : f == 2 ? &c.bwd_combine : &c.bwd_dispatch;
-        *field = *field == MOK_PULL ? MOK_PUSH : MOK_PULL;
-        mok_workspace *ws = NULL;
-        mok_status st = mok_workspace_create(&ws, g, &s, &c);
-        CHECK(st == MOK_ERR_UNSUPPORTED && ws == NULL && strstr(mok_last_error(), fields[f]),
-              "%s flipped: status %d, message '%s'", fields[f], (int)st, mok_last_error());
-        if (ws) mok_workspace_destroy(ws);
+    if (st == MOK_OK && ctx_equal) {
+        /* the context of a forward and of a recompute pass, each over a poisoned buffer */
+        const size_t bytes = G.sizes.context_bytes;
+        char *ctx[2] = {malloc(bytes * L->nranks), malloc(bytes * L->nranks)}, *ff = malloc(bytes);
+        memset(ff, 0xff, bytes);
+        for (int pass = 0; pass < 2 && st == MOK_OK; ++pass) {
+            for (int p = 0; p < L->nranks; ++p) mok_memory_copy(G.group, p, G.context[p], ff, bytes, MOK_COPY_HOST_TO_RANK);
+            st = gpu_forward(&G, L, pass);
+            for (int p = 0; p < L->nranks && st == MOK_OK; ++p)
+                mok_memory_copy(G.group, p, ctx[pass] + bytes * p, G.context[p], bytes, MOK_COPY_RANK_TO_HOST);
+        }
+        *ctx_equal = st == MOK_OK && memcmp(ctx[0], ctx[1], bytes * L->nranks) == 0;
+        free(ctx[0]);
+        free(ctx[1]);
+        free(ff);
     }
-    mok_group_destroy(g);
+    if (st != MOK_OK && !message[0]) snprintf(message, size, "%s", G.message);
+    gpu_close(&G);
+    return st;
+}
+
+/* The transfer directions (docs/design.md §2.4a): every output and gradient of each turned
+ * combination bitwise equal to the defaults' (the same sums in the same order, whoever moves the
+ * rows), on 1 GPU and on 2 (uneven tokens, then a rank with none; skewed routing with -1 slots
+ * and weights <= 0), in one macrobatch and in several with replay; the fully turned one against
+ * the reference, twice in one workspace, and its recompute pass gives the forward's context. */
+MOK_TEST(cuda_turned_transfers) {
+    if (skip(1, "cuda_turned_transfers")) return;
+    const mok_shape s = small_shape(256, 128, 8, 4, 128);
+    for (int P = 1; P <= 2 && P <= gpus(); ++P)
+        for (int c = 0; c < 2; ++c) {
+            int64_t tokens[2] = {P == 1 ? 300 : c ? 0 : 211, 417};
+            mok_config base = mok_config_default();
+            base.fwd_comm_sms = base.bwd_comm_sms = 4;
+            if (c) {
+                base.minibatch_rows = 128;
+                base.ring_rows = 256;
+                base.context_rows = 256;
+            }
+            char tag[96];
+            snprintf(tag, sizeof tag, "P = %d, T = %lld/%lld, %s", P, (long long)tokens[0],
+                     (long long)(P > 1 ? tokens[1] : 0), c ? "macrobatches with replay" : "one macrobatch");
+            layer L;
+            if (layer_make(&L, &s, P, tokens, mok_test_seed() ^ (uint64_t)(P * 2 + c) ^ 0x7a,
+                           LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS) != 0) {
+                CHECK(0, "%s: layer_make failed", tag);
+                continue;
+            }
+            layer_result want = {0};
+            char msg[1024] = "";
+            mok_status st = turned_run(&L, &base, 1, &want, NULL, msg, sizeof msg);
+            CHECK(st == MOK_OK, "%s: defaults: %s", tag, msg);
+            for (int t = 0; t < 4 && st == MOK_OK; ++t) {
+                mok_config cfg = base; /* 0: all turned, 1: the pushes, 2: the pulls, 3: forward only */
+                if (t != 2) cfg.fwd_dispatch = MOK_PUSH;
+                if (t != 1) cfg.fwd_combine = MOK_PULL;
+                if (t < 2) cfg.bwd_combine = MOK_PUSH;
+                if (t == 0 || t == 2) cfg.bwd_dispatch = MOK_PULL;
+                layer_result got = {0};
+                int ctx_equal = 0;
+                msg[0] = 0;
+                mok_status ts = turned_run(&L, &cfg, t == 0 ? 2 : 1, &got, t == 0 ? &ctx_equal : NULL, msg, sizeof msg);
+                CHECK(ts == MOK_OK, "%s: turned %d: %s", tag, t, msg);
+                if (ts != MOK_OK) continue;
+                char what[256] = "";
+                CHECK(layer_equal(&L, &want, &got, what, sizeof what), "%s: turned %d differs from the defaults: %s",
+                      tag, t, what);
+                if (t == 0) {
+                    CHECK(ctx_equal, "%s: the recompute pass's context differs from the forward's", tag);
+                    layer_result ref = {0};
+                    layer_run_reference(&L, &ref);
+                    double err = layer_compare(&L, &got, &ref, tag);
+                    CHECK(err <= 1.0, "%s: turned vs reference error %.3f", tag, err);
+                    layer_result_free(&ref);
+                }
+                layer_result_free(&got);
+            }
+            layer_result_free(&want);
+            layer_free(&L);
+        }
 }
 
 MOK_TEST(cuda_bad_inputs) {

@@ -58,6 +58,61 @@ static __device__ void run_push(const pass_params &p, const mok_sched_view &v, l
     }
 }
 
+/* ---- turned transfers (docs/design.md §2.4a): this rank's rows of peer q's row tile rt, found
+ * through q's copy of its schedule in q's window, one warp per row. */
+
+/* dispatch_pull: q's dx parts and router-weight gradients of this rank's (token, slot) rows, from
+ * q's ring into this rank's buffers (after q's dx tiles of rt, so its dh tiles too: the GATHER's
+ * wait); the partial sums in the order of run_push. */
+static __device__ void run_gather(const pass_params &p, int q, long long rt) {
+    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+    const uint16_t *ring_y = (const uint16_t *)(p.peers[q] + p.off_ring_y);
+    const float *rdot = (const float *)(p.peers[q] + p.off_ring_rdot);
+    uint16_t *dxbuf = (uint16_t *)(p.peers[p.rank] + p.off_dxbuf);
+    float *drw = (float *)(p.peers[p.rank] + p.off_drw);
+    const long long nI = p.inter / p.n_tile;
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const long long row = rt * MOK_ROW_TILE + r, ring = row % p.ring_rows;
+        if (v.row_peer[row] != p.rank) continue;
+        const long long slot = v.row_slot[row];
+        copy_row(dxbuf + slot * p.hidden, ring_y + ring * p.hidden, p.hidden);
+        if ((threadIdx.x & 31) == 0) {
+            float sum = 0.0f;
+            for (long long j = 0; j < nI; ++j) sum += rdot[ring * (p.inter / 64) + j];
+            drw[slot] = sum;
+        }
+    }
+}
+
+/* combine_push: this rank's x and dy rows, bf16(w * dy) and the router weights into q's ring
+ * (after q opened the minibatch: the SCATTER's wait), what q's PULL of the tile would have
+ * written; the SCATTER of q into its own tile also writes the padding rows' zeros. */
+static __device__ void run_scatter(const pass_params &p, int q, long long rt) {
+    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+    char *dst = p.peers[q];
+    uint16_t *ring_x = (uint16_t *)(dst + p.off_ring_x), *ring_dy = (uint16_t *)(dst + p.off_ring_dy);
+    uint16_t *ring_dyw = (uint16_t *)(dst + p.off_ring_dyw);
+    float *ring_w = (float *)(dst + p.off_ring_w);
+    const char *mine = p.peers[p.rank];
+    const uint16_t *x = (const uint16_t *)(mine + p.off_x), *dy = (const uint16_t *)(mine + p.off_dy);
+    const float *router_w = (const float *)(mine + p.off_router_w);
+    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const long long row = rt * MOK_ROW_TILE + r, ring = row % p.ring_rows;
+        const int src = v.row_peer[row];
+        if (src == p.rank) {
+            const long long slot = v.row_slot[row], token = slot / p.topk;
+            const float w = router_w[slot];
+            pull_row(ring_x + ring * p.hidden, ring_dy + ring * p.hidden, ring_dyw + ring * p.hidden,
+                     x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
+            if (lane == 0) ring_w[ring] = w;
+        } else if (src < 0 && q == p.rank) {
+            int4 *x_out = (int4 *)(ring_x + ring * p.hidden), *dyw_out = (int4 *)(ring_dyw + ring * p.hidden);
+            for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = make_int4(0, 0, 0, 0);
+        }
+    }
+}
+
 /* ---- compute tasks (consumer side of walk_ws.cuh) ------------------------------------------ */
 
 static __device__ __forceinline__ int token_rows(const pass_params &p, long long t0) {
@@ -533,7 +588,9 @@ struct backward_runner {
         switch (grp.kind) {
         case MOK_TASK_PULL: run_pull(p, v, rt); break;
         case MOK_TASK_PUSH: run_push(p, v, rt); break;
-        default: break;
+        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt); break;
+        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt); break;
+        default: break; /* OPEN: its counter is all it has */
         }
     }
 };
@@ -657,6 +714,8 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 1);
         p.accumulate = a->accumulate;
+        p.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
+        p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
         p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
         p.comm_ctas = comm_ctas(ws, R, ws->config.bwd_comm_sms);

@@ -4,8 +4,11 @@
  * NOTE (memory order): within a GPU a producer CTA writes its rows, bar.syncs, and one thread
  * makes a gpu-scope release add on the counter; a consumer thread spins with gpu-scope acquire
  * loads, then bar.syncs before the CTA reads the rows (through L2: ld.global / cp.async.cg, never
- * the non-coherent path). Across GPUs only the barrier kernel orders memory: system-scope
- * release stores of the epoch into every peer's flag, system-scope acquire loads of its own. */
+ * the non-coherent path). Across GPUs the barrier kernel orders memory (system-scope release
+ * stores of the epoch into every peer's flag, system-scope acquire loads of its own), and with a
+ * turned transfer (cuda_sym_layout.turned) the pass's counters too: they live in the window,
+ * where peers wait on and bump them, and every release and acquire on them is system-scope
+ * (pass.cuh: counter_acquire, finish_task). */
 #ifndef MOK_CUDA_COMMON_CUH
 #define MOK_CUDA_COMMON_CUH
 
@@ -101,6 +104,13 @@ typedef struct cuda_sym_layout {
     size_t dy;       /* bf16 [T_max, H] */
     size_t dxbuf;    /* bf16 [T_max * k, H]: routed dx parts pushed in likewise */
     size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
+    /* With a transfer turned from its default direction (docs/design.md §2.4a), what peers reach
+       besides: the pass's copy of the schedule, the counters and the rings (0 otherwise: they are
+       then cudaMalloc'ed, cuda_rank) */
+    int turned;
+    size_t sched;      /* the rank's schedule as the pass runs it (sched_publish_kernel) */
+    size_t counters;   /* u64 [counters_cap + 8] */
+    size_t ring_x, ring_y, ring_dy, ring_dyw, ring_w, ring_rdot;
     size_t bytes;
 } cuda_sym_layout;
 
@@ -144,12 +154,15 @@ typedef struct cuda_rank {
     int *error_mirror;                  /* mapped pinned: its mirror, the host's view of it */
     int error_clear_pending;            /* host: an argument error was reported, and the device
                                            word is cleared by the next call on this rank */
+    int in_window;                      /* counters and ring_{x,y,dy,dyw,w,rdot} point into sym
+                                           (cuda_sym_layout.turned), so they are not cudaFree'd */
     char *sched_mem;                    /* device: backs `sched` */
     cuda_sched_scratch sched;
 } cuda_rank;
 
 typedef struct cuda_workspace {
     cuda_sym_layout sym;
+    int64_t counters_cap; /* every rank's: the worst plan's counters (mok__counters_max) */
     int num_local;
     cuda_rank ranks[MOK_MAX_RANKS];
 } cuda_workspace;
@@ -171,6 +184,9 @@ static __device__ __forceinline__ void st_release_sys(unsigned long long *p, uns
 }
 static __device__ __forceinline__ void red_release_gpu(unsigned long long *p, unsigned long long v) {
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+static __device__ __forceinline__ void red_release_sys(unsigned long long *p, unsigned long long v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 static __device__ __forceinline__ void st_relaxed_sys(int *p, int v) {
     asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

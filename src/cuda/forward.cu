@@ -39,6 +39,38 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
     }
 }
 
+/* ---- turned transfers (docs/design.md §2.4a): this rank's rows of peer q's row tile rt, found
+ * through q's copy of its schedule in q's window (sched_publish_kernel), one warp per row; the
+ * rows of other ranks are theirs to move. */
+
+/* combine_pull: q's expert outputs of this rank's (token, slot) rows, from q's ring into this
+ * rank's combine buffer (after q's down tiles of rt: the GATHER's wait). */
+static __device__ void run_gather(const pass_params &p, int q, long long rt) {
+    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+    const uint16_t *ring_y = (const uint16_t *)(p.peers[q] + p.off_ring_y);
+    uint16_t *comb = (uint16_t *)(p.peers[p.rank] + p.off_comb);
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const long long row = rt * MOK_ROW_TILE + r;
+        if (v.row_peer[row] != p.rank) continue;
+        copy_row(comb + (long long)v.row_slot[row] * p.hidden, ring_y + (row % p.ring_rows) * p.hidden, p.hidden);
+    }
+}
+
+/* dispatch_push: this rank's x rows into q's ring (after q combined the slot's previous occupant:
+ * the SCATTER's wait). The padding rows stay as they are: the forward never reads them (gate|up
+ * stores zeros for them in the context and no h), the backward brings its own x. */
+static __device__ void run_scatter(const pass_params &p, int q, long long rt) {
+    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+    uint16_t *ring_x = (uint16_t *)(p.peers[q] + p.off_ring_x);
+    const uint16_t *x = (const uint16_t *)(p.peers[p.rank] + p.off_x);
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const long long row = rt * MOK_ROW_TILE + r;
+        if (v.row_peer[row] != p.rank) continue;
+        copy_row(ring_x + (row % p.ring_rows) * p.hidden, x + (long long)(v.row_slot[row] / p.topk) * p.hidden,
+                 p.hidden);
+    }
+}
+
 /* The one GEMM of a compute task: gate|up (n_tile columns of each: B is n_tile gate rows, then
  * n_tile up rows) or down (n_tile_h columns of H), routed or shared. */
 static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
@@ -212,6 +244,8 @@ struct forward_runner {
         switch (grp.kind) {
         case MOK_TASK_DISPATCH: run_dispatch(p, v, rt); break;
         case MOK_TASK_COMBINE: run_combine(p, v, rt); break;
+        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt); break;
+        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt); break;
         default: break;
         }
     }
@@ -314,6 +348,10 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
+        if (!recompute) { /* a recompute pass refills the ring by its own pulls (core/tasks.c) */
+            p.combine_pull = ws->config.fwd_combine == MOK_PULL;
+            p.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
+        }
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
         p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
         p.comm_ctas = comm_ctas(ws, R, ws->config.fwd_comm_sms);

@@ -29,6 +29,12 @@ struct pass_params {
     float limit;
     unsigned long long *counters;
     long long counters_cap;
+    /* Transfers in other than their default direction (docs/design.md §2.4a): the plan's switches
+       (this pass's: a recompute pass turns none), every rank's copy of its schedule and counters at
+       these offsets of its window, and `turned` (the counters are in the window: their releases
+       and acquires are system-scope) */
+    int combine_pull, dispatch_pull, dispatch_push, combine_push, nranks, turned;
+    size_t off_sched, off_counters, off_ring_x, off_ring_y, off_ring_dy, off_ring_dyw, off_ring_w, off_ring_rdot;
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, cuda_common.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
@@ -84,15 +90,29 @@ static __device__ __forceinline__ bool pass_error_set(const pass_params &p) {
     return s_error != 0;
 }
 
-/* One thread: spins until counters[c] >= target (c < 0: no wait). False if the pass was aborted
- * or the wait outlived the timeout (then it sets MOK_KERR_STALL and the abort flag). */
-static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target) {
+/* The counters of rank `peer` (-1: this rank's own). A peer's are reached through its window. */
+static __device__ __forceinline__ unsigned long long *counters_of(const pass_params &p, int peer) {
+    return peer < 0 ? p.counters : (unsigned long long *)(p.peers[peer] + p.off_counters);
+}
+
+static __device__ __forceinline__ unsigned long long counter_acquire(const pass_params &p, const unsigned long long *c) {
+    return p.turned ? ld_acquire_sys(c) : ld_acquire_gpu(c);
+}
+
+/* One thread: spins until counter c of rank `peer` (-1: this rank) is >= target (c < 0: no wait).
+ * False if the pass was aborted, here or on that peer, or the wait outlived the timeout (then it
+ * sets MOK_KERR_STALL and the abort flag; a peer whose pass aborted, whatever its cause, stops
+ * this one the same way, so a rank never waits on a peer that has given up). */
+static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target, int peer = -1) {
     if (c < 0) return true;
     long long start = globaltimer_ns();
     unsigned long long *abort = p.counters + p.counters_cap + 2;
-    while ((long long)ld_acquire_gpu(p.counters + c) < target) {
+    const unsigned long long *base = counters_of(p, peer);
+    const volatile unsigned long long *peer_abort = base + p.counters_cap + 2;
+    while ((long long)counter_acquire(p, base + c) < target) {
         if (*(volatile unsigned long long *)abort) return false;
-        if (globaltimer_ns() - start > p.timeout_ns) {
+        const bool gave_up = peer >= 0 && *peer_abort;
+        if (gave_up || globaltimer_ns() - start > p.timeout_ns) {
             set_error(p.error, MOK_KERR_STALL);
             atomicExch(abort, 1ull);
             return false;
@@ -101,10 +121,11 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
     return true;
 }
 
-/* The CTA waits until counters[c] >= target (thread 0 spins, the CTA then proceeds together).
- * Returns false if the pass was aborted. */
-static __device__ bool wait_counter(const pass_params &p, long long c, long long target, volatile int *s_flag) {
-    if (threadIdx.x == 0) *s_flag = wait_counter_thread(p, c, target);
+/* The CTA waits until counter c of rank `peer` (-1: this rank) is >= target (thread 0 spins, the
+ * CTA then proceeds together). Returns false if the pass was aborted. */
+static __device__ bool wait_counter(const pass_params &p, long long c, long long target, volatile int *s_flag,
+                                    int peer = -1) {
+    if (threadIdx.x == 0) *s_flag = wait_counter_thread(p, c, target, peer);
     __syncthreads();
     bool ok = *s_flag;
     __syncthreads();
@@ -132,6 +153,12 @@ static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, 
     plan->raster = p.raster;
     plan->expert_start = v.expert_start;
     plan->expert_rows = v.expert_rows;
+    plan->combine_pull = p.combine_pull;
+    plan->dispatch_pull = p.dispatch_pull;
+    plan->dispatch_push = p.dispatch_push;
+    plan->combine_push = p.combine_push;
+    plan->nranks = p.nranks;
+    plan->rank = p.rank;
 }
 
 static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v) {
@@ -145,10 +172,26 @@ static __global__ void groups_kernel(pass_params p) {
     *p.num_groups = 0;
     if (!schedule_ok(p, v)) {
         set_error(p.error, MOK_KERR_SCHEDULE);
+        atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank's counters stop */
         return;
     }
     mok_plan plan;
     make_plan(p, v, &plan);
+    int64_t padded[MOK_MAX_RANKS];
+    if (mok__plan_names_peers(&plan)) {
+        /* every rank's padded rows, from the schedules the ranks published before the start
+           barrier (sched_publish_kernel); a peer's that is out of range stops the pass */
+        for (int q = 0; q < p.nranks; ++q) {
+            const mok_sched_header *h = (const mok_sched_header *)(p.peers[q] + p.off_sched);
+            padded[q] = *(volatile const int64_t *)&h->padded_rows;
+            if (padded[q] < 0 || padded[q] > p.layout.max_rows || padded[q] % MOK_ROW_TILE) {
+                set_error(p.error, MOK_KERR_SCHEDULE);
+                atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank stop */
+                return;
+            }
+        }
+        plan.peer_padded_rows = padded;
+    }
     long long n = mok__groups_build(&plan, p.groups, p.groups_cap);
     if (n < 0) {
         set_error(p.error, MOK_KERR_SCHEDULE);
@@ -205,6 +248,14 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
             p.trace[n] = e;
         }
     }
+    if (p.turned) { /* peers wait on these counters, or this counter is a peer's */
+        __threadfence_system();
+        if (grp.done[0] >= 0)
+            red_release_sys(counters_of(p, grp.done_peer) + grp.done[0] + (grp.done_per_tile ? rt - grp.first_tile : 0),
+                            1ull);
+        if (grp.done[1] >= 0) red_release_sys(p.counters + grp.done[1], 1ull);
+        return;
+    }
     __threadfence();
     if (grp.done[0] >= 0) red_release_gpu(p.counters + grp.done[0] + (grp.done_per_tile ? rt - grp.first_tile : 0), 1ull);
     if (grp.done[1] >= 0) red_release_gpu(p.counters + grp.done[1], 1ull);
@@ -246,7 +297,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         const mok_task_group grp = p.groups[cur.g];
         long long rt, nt, wait;
         task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
-        if (!wait_counter(p, wait, grp.target[0], &s_flag)) break;
+        if (!wait_counter(p, wait, grp.target[0], &s_flag, grp.wait_peer)) break;
         if (!wait_counter(p, grp.wait[1], grp.target[1], &s_flag)) break;
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
         Runner::run(p, v, grp, rt, nt, smem);
@@ -298,6 +349,16 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->limit = ws->config.swiglu_limit;
     p->counters = R->counters;
     p->counters_cap = R->counters_cap;
+    p->nranks = ws->group->nranks;
+    p->turned = cw->sym.turned;
+    p->off_sched = cw->sym.sched;
+    p->off_counters = cw->sym.counters;
+    p->off_ring_x = cw->sym.ring_x;
+    p->off_ring_y = cw->sym.ring_y;
+    p->off_ring_dy = cw->sym.ring_dy;
+    p->off_ring_dyw = cw->sym.ring_dyw;
+    p->off_ring_w = cw->sym.ring_w;
+    p->off_ring_rdot = cw->sym.ring_rdot;
     p->error = (int *)R->error_word;
     p->timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
     p->groups = R->groups;
@@ -347,20 +408,47 @@ static void pass_params_layer(pass_params *p, const mok_workspace *ws, const voi
     p->context_shared = (uint16_t *)((const char *)context + ws->context_shared_offset);
 }
 
+/* The schedule a pass runs, into the rank's window, where peers read it (turned transfers):
+ * the arrays before the rows whole, the rows' peers and slots up to padded_rows (a schedule that
+ * is not one gets its header only; groups_kernel refuses it on every rank). */
+static __global__ void sched_publish_kernel(mok_sched_layout layout, const char *schedule, char *out) {
+    const mok_sched_header *h = (const mok_sched_header *)schedule;
+    long long rows = h->magic == MOK_SCHED_MAGIC ? h->padded_rows : 0;
+    rows = rows < 0 ? 0 : rows > layout.max_rows ? layout.max_rows : rows;
+    const long long head = (long long)layout.off_row_peer / 16, n = rows * 4 / 16;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < head + 2 * n; i += stride) {
+        const long long b = i < head ? 16 * i
+                            : i < head + n ? (long long)layout.off_row_peer + 16 * (i - head)
+                                           : (long long)layout.off_row_slot + 16 * (i - head - n);
+        *(int4 *)(out + b) = *(const int4 *)(schedule + b);
+    }
+    if (blockIdx.x == 0 && threadIdx.x < (rows * 4 % 16) / 4) { /* the rows past the last 16 bytes */
+        const long long r = n * 4 + threadIdx.x;
+        ((int32_t *)(out + layout.off_row_peer))[r] = ((const int32_t *)(schedule + layout.off_row_peer))[r];
+        ((int32_t *)(out + layout.off_row_slot))[r] = ((const int32_t *)(schedule + layout.off_row_slot))[r];
+    }
+}
+
 /* The launch sequence every pass shares, on one rank's stream, after its inputs are staged:
- * a pending clear of the error word (workspace.cu's NOTE), barrier (every rank's inputs are in
- * place; publishes T), fresh counters, the group list, the megakernel on every SM at once, barrier
- * (every push into this rank has landed). `maps`: the kernel's tensor maps (its second parameter),
- * or NULL for a kernel that takes none. */
+ * a pending clear of the error word (workspace.cu's NOTE), fresh counters (before the barrier:
+ * with a turned transfer peers bump them once past it; the previous pass's closing barrier keeps
+ * every peer off them until then), the schedule into the window (turned transfers), barrier (every
+ * rank's inputs are in place; publishes T), the group list, the megakernel on every SM at once,
+ * barrier (every push into this rank has landed, no peer reads its rings any more). `maps`: the
+ * kernel's tensor maps (its second parameter), or NULL for a kernel that takes none. */
 static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
                               int threads, size_t smem, cudaStream_t stream, int64_t num_tokens,
                               const void *maps) {
     mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
     if (st != MOK_OK) return st;
-    st = mok__cuda_barrier(ws, lr, stream, num_tokens);
-    if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
     if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
+    if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
+        LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
+                                                                        R->sym + p->off_sched));
+    st = mok__cuda_barrier(ws, lr, stream, num_tokens);
+    if (st != MOK_OK) return st;
     LAUNCH_TRY(groups_kernel<<<1, 1, 0, stream>>>(*p));
     void *kargs[] = {p, (void *)maps}; /* the kernel's second parameter, when it has one */
     CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(threads), kargs, smem, stream));

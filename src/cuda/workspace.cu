@@ -11,8 +11,17 @@
 
 static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
 
-static void sym_layout(cuda_sym_layout *L, const mok_shape *s) {
+/* Whether a transfer runs in other than its default direction: then the rings, counters and the
+ * schedule's copy go into the window (cuda_sym_layout). */
+static int turned(const mok_config *c) {
+    return c->fwd_dispatch != MOK_PULL || c->fwd_combine != MOK_PUSH || c->bwd_combine != MOK_PULL ||
+           c->bwd_dispatch != MOK_PUSH;
+}
+
+static void sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t counters_cap) {
+    const mok_shape *s = &ws->shape;
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
+    const size_t ring = (size_t)ws->config.ring_rows, I = (size_t)s->intermediate;
     L->flags = off; off = align256(off + 8 * MOK_MAX_RANKS);
     L->tokens = off; off = align256(off + 8);
     L->x = off; off = align256(off + T * H * 2);
@@ -22,6 +31,18 @@ static void sym_layout(cuda_sym_layout *L, const mok_shape *s) {
     L->dy = off; off = align256(off + T * H * 2);
     L->dxbuf = off; off = align256(off + T * k * H * 2);
     L->drw = off; off = align256(off + T * k * 4);
+    L->turned = turned(&ws->config);
+    L->sched = L->counters = L->ring_x = L->ring_y = L->ring_dy = L->ring_dyw = L->ring_w = L->ring_rdot = 0;
+    if (L->turned) {
+        L->sched = off; off = align256(off + ws->sched_layout.bytes);
+        L->counters = off; off = align256(off + sizeof(unsigned long long) * (size_t)(counters_cap + 8));
+        L->ring_x = off; off = align256(off + ring * H * 2);
+        L->ring_y = off; off = align256(off + ring * H * 2);
+        L->ring_dy = off; off = align256(off + ring * H * 2);
+        L->ring_dyw = off; off = align256(off + ring * H * 2);
+        L->ring_w = off; off = align256(off + ring * 4);
+        L->ring_rdot = off; off = align256(off + ring * (I / 64) * 4);
+    }
     L->bytes = off;
 }
 
@@ -143,18 +164,21 @@ static ncclResult_t nccl_finish(mok_workspace *ws, ncclResult_t r) {
 
 static void rank_release(cuda_rank *R) {
     cudaFree(R->peers);
-    cudaFree(R->ring_x);
+    if (!R->in_window) {
+        cudaFree(R->ring_x);
+        cudaFree(R->ring_y);
+        cudaFree(R->counters);
+        cudaFree(R->ring_dy);
+        cudaFree(R->ring_dyw);
+        cudaFree(R->ring_w);
+        cudaFree(R->ring_rdot);
+    }
+    R->in_window = 0;
     cudaFree(R->ring_h);
-    cudaFree(R->ring_y);
     cudaFree(R->sh_h);
     cudaFree(R->sh_out);
-    cudaFree(R->counters);
-    cudaFree(R->ring_dy);
-    cudaFree(R->ring_dyw);
     cudaFree(R->ring_gu);
     cudaFree(R->ring_dgu);
-    cudaFree(R->ring_w);
-    cudaFree(R->ring_rdot);
     cudaFree(R->sh_dgu);
     cudaFree(R->carry);
     cudaFree(R->trace);
@@ -192,22 +216,23 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     const mok_shape *s = &ws->shape;
     const size_t ring = (size_t)ws->config.ring_rows, H = (size_t)s->hidden, I = (size_t)s->intermediate;
     const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
-    /* weight-gradient tiles square 128 x 128: more tiles than the real 128 x 256 */
     const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
-    R->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    R->counters_cap = cw->counters_cap;
     ALLOC(R->peers, sizeof(char *) * MOK_MAX_RANKS);
-    ALLOC(R->ring_x, ring * H * 2);
+    if (!cw->sym.turned) { /* otherwise in the window (window_buffers) */
+        ALLOC(R->ring_x, ring * H * 2);
+        ALLOC(R->ring_y, ring * H * 2);
+        ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
+        ALLOC(R->ring_dy, ring * H * 2);
+        ALLOC(R->ring_dyw, ring * H * 2);
+        ALLOC(R->ring_w, ring * 4);
+        ALLOC(R->ring_rdot, ring * (I / 64) * 4);
+    }
     ALLOC(R->ring_h, ring * I * 2);
-    ALLOC(R->ring_y, ring * H * 2);
     ALLOC(R->sh_h, T * Is * 2);
     ALLOC(R->sh_out, T * H * 2);
-    ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
-    ALLOC(R->ring_dy, ring * H * 2);
-    ALLOC(R->ring_dyw, ring * H * 2);
     ALLOC(R->ring_gu, ring * 2 * I * 2);
     ALLOC(R->ring_dgu, ring * 2 * I * 2);
-    ALLOC(R->ring_w, ring * 4);
-    ALLOC(R->ring_rdot, ring * (I / 64) * 4);
     ALLOC(R->sh_dgu, T * 2 * Is * 2);
     long long max_macro = (ws->sched_layout.max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
     R->carry_slots = max_macro > 1 ? max_macro - 1 : 0;
@@ -257,6 +282,19 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     return MOK_OK;
 }
 
+/* With a turned transfer, the buffers peers reach are parts of the rank's window. */
+static void window_buffers(const cuda_workspace *cw, cuda_rank *R) {
+    if (!cw->sym.turned) return;
+    R->in_window = 1;
+    R->counters = (unsigned long long *)(R->sym + cw->sym.counters);
+    R->ring_x = (uint16_t *)(R->sym + cw->sym.ring_x);
+    R->ring_y = (uint16_t *)(R->sym + cw->sym.ring_y);
+    R->ring_dy = (uint16_t *)(R->sym + cw->sym.ring_dy);
+    R->ring_dyw = (uint16_t *)(R->sym + cw->sym.ring_dyw);
+    R->ring_w = (float *)(R->sym + cw->sym.ring_w);
+    R->ring_rdot = (float *)(R->sym + cw->sym.ring_rdot);
+}
+
 extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     mok_group *g = ws->group;
     cuda_group *cg = (cuda_group *)g->impl;
@@ -265,7 +303,12 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
 #endif
     cuda_workspace *cw = (cuda_workspace *)calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
-    sym_layout(&cw->sym, &ws->shape);
+    {
+        /* weight-gradient tiles square 128 x 128: more tiles than the real 128 x 256 */
+        const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
+        cw->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, ws->shape.max_tokens);
+    }
+    sym_layout(&cw->sym, ws, cw->counters_cap);
     cw->num_local = g->num_local_ranks;
     ws->impl = cw;
     int previous = 0;
@@ -295,6 +338,8 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
                                                  cw->sym.bytes, ncclGetErrorString(r));
             else if (cudaMemset(R->sym, 0, cw->sym.bytes) != cudaSuccess)
                 st = mok__fail(MOK_ERR_BACKEND, "workspace: clearing the symmetric region failed");
+            else
+                window_buffers(cw, R);
         }
     }
     /* Collective: every rank registers its region (one group call for all local ranks). */
