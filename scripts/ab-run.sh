@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--env VAR=V,...]... — on a GPU
+# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--env VAR=V,...]...
+# [--config FIELD=V,...]... — on a GPU
 # machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
@@ -8,7 +9,8 @@
 # trace summary; with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
 # torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
-# --compare-env, one build). --probe first builds and runs every dev/*_probe.cu (while the trees
+# --compare-env, one build); each --config FIELD=V,... likewise with config fields replaced
+# (bench.py --compare-config). --probe first builds and runs every dev/*_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
 # replay, EP1 and EP2) and `mok run --hash --repeat 2` at full size on EP1 in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
@@ -32,6 +34,7 @@ while [ $# -gt 0 ]; do
     --probe) probe=1 ;;
     --hash) hash=1 ;;
     --env) envs+=(--compare-env "$1"); shift ;;
+    --config) envs+=(--compare-config "$1"); shift ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
 done
