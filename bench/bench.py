@@ -325,31 +325,26 @@ def main():
     if SMOKE:
         cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5 if a.ranks > 1 else 0.0)]
     base = F.Config()
-    variants = [None]
-    for spec in a.compare_env:
-        pairs = [kv.split("=", 1) for kv in spec.split(",")]
-        if any(len(kv) != 2 for kv in pairs):
-            ap.error("--compare-env takes VAR=VALUE[,VAR=VALUE...]")
-        variants.append([tuple(kv) for kv in pairs])
-    for spec in a.compare_config:  # config fields: a row per case with them replaced
-        pairs = [kv.split("=", 1) for kv in spec.split(",")]
-        if any(len(kv) != 2 for kv in pairs):
-            ap.error("--compare-config takes FIELD=VALUE[,FIELD=VALUE...]")
-        fields = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in pairs}
-        try:
-            base.replace(**fields)
-        except (TypeError, ValueError) as e:
-            ap.error(f"--compare-config {spec}: {e}")
-        variants.append([("config", fields)])
+    # each variant: (label, environment variables, config) for a row per case beside the defaults
+    variants = [("", [], base)]
+    for flag, specs in (("--compare-env", a.compare_env), ("--compare-config", a.compare_config)):
+        for spec in specs:
+            pairs = [kv.split("=", 1) for kv in spec.split(",")]
+            if any(len(kv) != 2 for kv in pairs):
+                ap.error(f"{flag} takes NAME=VALUE[,NAME=VALUE...]")
+            if flag == "--compare-env":
+                variants.append((spec, [tuple(kv) for kv in pairs], base))
+                continue
+            try:
+                cfg = base.replace(**{k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in pairs})
+            except (TypeError, ValueError) as e:
+                ap.error(f"--compare-config {spec}: {e}")
+            variants.append((spec, [], cfg))
     for name, experts, tokens, skew in cases:
         first = None
-        for variant in variants:
+        for label, env, cfg in variants:
             saved = {}
-            cfg = base
-            for var, value in variant or []:
-                if var == "config":
-                    cfg = base.replace(**value)
-                    continue
+            for var, value in env:
                 saved[var] = os.environ.get(var)
                 os.environ[var] = value
             try:
@@ -357,8 +352,7 @@ def main():
                 row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, a.reps, check=True,
                                baseline=first)
                 row["wall_s"] = time.time() - t0
-                row["env"] = ",".join(",".join(f"{k}={v}" for k, v in value.items()) if var == "config"
-                                      else f"{var}={value}" for var, value in variant) if variant else ""
+                row["env"] = label
             finally:
                 for var, value in saved.items():
                     if value is None:

@@ -58,6 +58,17 @@ else
 fi
 
 # ---- every preset, scaled, on four cpu ranks against the reference ------------------------------
+# same_hash NAME A B: passes when two runs' "outputs hash" lines (A, B) are there and equal.
+same_hash() {
+    if [ -n "$2" ] && [ "$2" = "$3" ]; then
+        echo "PASS $1 ($2)"
+        passed=$((passed + 1))
+    else
+        echo "FAIL $1: '$2' against '$3'"
+        failed=$((failed + 1))
+    fi
+}
+
 check_run() {
     local name=$1
     shift
@@ -100,14 +111,7 @@ hash_args=(--preset olmoe-1b-7b --scale 16 --ranks 2 --uneven --tokens 48 --repe
 check_run hash-with-check "${hash_args[@]}" --check
 hash_check=$(grep "^outputs hash" "$out")
 check_run hash-alone "${hash_args[@]}" --hash
-hash_alone=$(grep "^outputs hash" "$out")
-if [ -n "$hash_check" ] && [ "$hash_check" = "$hash_alone" ]; then
-    echo "PASS hash-alone-equals-check"
-    passed=$((passed + 1))
-else
-    echo "FAIL hash-alone-equals-check: --check '$hash_check', --hash '$hash_alone'"
-    failed=$((failed + 1))
-fi
+same_hash hash-alone-equals-check "$hash_check" "$(grep "^outputs hash" "$out")"
 
 # ---- what the report holds -----------------------------------------------------------------------
 # --no-backward: the forward alone, checked; the backward row says why it is missing.
@@ -149,14 +153,7 @@ else
         hash_defaults=$(grep "^outputs hash" "$out")
         check_run cuda-turned-transfers "${turned[@]}" --fwd-dispatch push --fwd-combine pull --bwd-combine push \
             --bwd-dispatch pull
-        hash_turned=$(grep "^outputs hash" "$out")
-        if [ -n "$hash_defaults" ] && [ "$hash_defaults" = "$hash_turned" ]; then
-            echo "PASS cuda-turned-transfers-hash ($hash_turned)"
-            passed=$((passed + 1))
-        else
-            echo "FAIL cuda-turned-transfers-hash: defaults '$hash_defaults', turned '$hash_turned'"
-            failed=$((failed + 1))
-        fi
+        same_hash cuda-turned-transfers-hash "$hash_defaults" "$(grep "^outputs hash" "$out")"
     fi
     expect cuda-too-few-gpus 2 "ranks on the cuda backend need $((gpus + 1)) GPUs" \
         run --preset olmoe-1b-7b --scale 16 --ranks $((gpus + 1)) --backend cuda
