@@ -112,16 +112,16 @@ typedef struct mok_config {
     int cpu_threads;        /* cpu backend: worker threads per rank, movers included (0 = one
                                compute thread per core plus cpu_comm_threads movers; else >= 2) */
     int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; >= 1 */
-    int fwd_dispatch;       /* mok_direction; MOK_PULL; MOK_PUSH on the cpu backend (each rank
-                               writes its x rows into the peers' rings) */
-    int fwd_combine;        /* MOK_PUSH; MOK_PULL on the cpu backend (each rank gathers its
-                               expert outputs from the peers' rings; MOK_ERR_UNSUPPORTED on cuda) */
-    int bwd_combine;        /* reverse-combine of dy: MOK_PULL; MOK_PUSH on the cpu backend (each
-                               rank writes its dy and x rows and router weights into the peers'
-                               rings). The cuda backend runs the four defaults only
-                               (MOK_ERR_UNSUPPORTED otherwise) */
-    int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH; MOK_PULL on the cpu backend
-                               (each rank gathers its dx parts and router-weight gradients) */
+    /* The transfers' directions (mok_direction), each either way on every backend with the same
+       results bit for bit; the defaults are the faster ones measured (docs/perf.md). */
+    int fwd_dispatch;       /* MOK_PULL; MOK_PUSH: each rank writes its x rows into the peers'
+                               rings */
+    int fwd_combine;        /* MOK_PUSH; MOK_PULL: each rank gathers its expert outputs from the
+                               peers' rings */
+    int bwd_combine;        /* reverse-combine of dy: MOK_PULL; MOK_PUSH: each rank writes its dy
+                               and x rows and router weights into the peers' rings */
+    int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH; MOK_PULL: each rank gathers
+                               its dx parts and router-weight gradients */
     int trace;              /* 1: record each worker's tasks for mok_trace_write */
 } mok_config;
 

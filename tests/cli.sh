@@ -169,6 +169,10 @@ if [ -x "$mp" ]; then
         echo "PASS mp-rank-cpu-id-removed"
         passed=$((passed + 1))
     fi
+    expect_mp mp-rank-cpu-turned 0 "5 passed, 0 failed" --rank 0 --ranks 1 --id-file "$mpdir/id-turned" \
+        --backend cpu --transfers turned
+    expect_mp mp-rank-bad-transfers 2 "--transfers expects default or turned, not 'sideways'" --rank 0 --ranks 1 \
+        --id-file "$mpdir/x" --transfers sideways
     : >"$mpdir/stale"
     expect_mp mp-rank-stale-id-file 1 "exists already" --rank 0 --ranks 1 --id-file "$mpdir/stale" --backend cpu
     expect_mp mp-rank-missing-args 2 "--rank, --ranks and --id-file are required" --ranks 2
