@@ -217,6 +217,35 @@ def profile_case(group, ranks, name, experts, tokens, skew, config):
         run.close()
 
 
+def print_idle(ev):
+    """Where rank 0's compute CTAs are not in a task: before their first, between tasks (the gaps
+    a CTA waits for its next task to be posted or its inputs to be ready), after their last."""
+    t0 = min(e["ts"] for e in ev)
+    t1 = max(e["ts"] + e["dur"] for e in ev)
+    by_cta = {}
+    for e in ev:
+        if e["pid"] == 0 and e["cat"] == "compute":
+            by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    if not by_cta:
+        return
+    lead = tail = between = 0.0
+    gaps = []
+    for spans in by_cta.values():
+        spans.sort()
+        lead += spans[0][0] - t0
+        tail += t1 - spans[-1][1]
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            gaps.append(max(0.0, start - end))
+    between = sum(gaps)
+    gaps.sort()
+    total = (t1 - t0) * len(by_cta)
+    q = lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else 0.0
+    print(f"  rank 0 compute idle: {(lead + between + tail) / 1e3:9.2f} SM-ms of {total / 1e3:.2f} "
+          f"({100 * (lead + between + tail) / total:.1f}%): before the first task {lead / 1e3:.2f}, between tasks "
+          f"{between / 1e3:.2f} (gap p50/p90/p99 {q(0.5):.1f}/{q(0.9):.1f}/{q(0.99):.1f} us), after the last "
+          f"{tail / 1e3:.2f}", flush=True)
+
+
 def trace_case(group, ranks, name, experts, tokens, skew, config, out):
     """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each."""
     import timeline
@@ -240,6 +269,7 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             extra = (f"; kernel {kb['kernel_us'] / 1e3:.3f} ms on the GPU, {kb['lead_us'] / 1e3:.3f} ms before the "
                      f"first task, {kb['tail_us'] / 1e3:.3f} ms after the last" if kb else "")
             print(f"trace {name} EP{ranks} skew {skew} {phase}: span {span:.3f} ms{extra}", flush=True)
+            print_idle(ev)
             per = {}
             for e in ev:
                 if e["pid"] != 0:

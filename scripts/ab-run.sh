@@ -79,7 +79,7 @@ for t in "${trees[@]}"; do
         [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
             --only deepseek-v3,qwen3-30b-a3b --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
         [ $trace -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
-            --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 compute"
+            --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
     ) >>"$log" 2>&1
     echo "==== $t ($(grep -h "passed," "$log" | tail -1))"
     grep -E "^(deepseek|qwen|hash)" "$log" | cut -c1-150

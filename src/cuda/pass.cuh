@@ -103,13 +103,15 @@ static __device__ __forceinline__ unsigned long long counter_acquire(const pass_
  * False if the pass was aborted, here or on that peer, or the wait outlived the timeout (then it
  * sets MOK_KERR_STALL and the abort flag; a peer whose pass aborted, whatever its cause, stops
  * this one the same way, so a rank never waits on a peer that has given up). */
-static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target, int peer = -1) {
+static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target, int peer = -1,
+                                           long long *seen = nullptr) {
     if (c < 0) return true;
     long long start = globaltimer_ns();
     unsigned long long *abort = p.counters + p.counters_cap + 2;
     const unsigned long long *base = counters_of(p, peer);
     const volatile unsigned long long *peer_abort = base + p.counters_cap + 2;
-    while ((long long)counter_acquire(p, base + c) < target) {
+    long long v;
+    while ((v = (long long)counter_acquire(p, base + c)) < target) {
         if (*(volatile unsigned long long *)abort) return false;
         const bool gave_up = peer >= 0 && *peer_abort;
         if (gave_up || globaltimer_ns() - start > p.timeout_ns) {
@@ -118,6 +120,27 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
             return false;
         }
     }
+    if (seen) *seen = v;
+    return true;
+}
+
+/* One thread's wait on one of its own rank's counters, remembering the last counter it waited on
+ * and the value it read there (a counter never falls during a pass): a wait that value already
+ * meets is skipped. Consecutive tasks of one group wait on the same counter (every weight-gradient
+ * tile of an expert and macrobatch on its dh tiles), and each acquire costs an L2 round trip and
+ * the SM's L1 (the acquire invalidates it), on the producer's path to posting the task. The
+ * earlier acquire already ordered everything the bumps up to that value released. */
+struct counter_seen {
+    long long c, v;
+};
+
+static __device__ __forceinline__ bool wait_counter_seen(const pass_params &p, long long c, long long target,
+                                                         counter_seen *seen) {
+    if (c < 0 || (c == seen->c && target <= seen->v)) return true;
+    long long v = 0;
+    if (!wait_counter_thread(p, c, target, -1, &v)) return false;
+    seen->c = c;
+    seen->v = v;
     return true;
 }
 
