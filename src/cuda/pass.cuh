@@ -130,8 +130,9 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
  * tile of an expert and macrobatch on its dh tiles), and each acquire costs an L2 round trip and
  * the SM's L1 (the acquire invalidates it), on the producer's path to posting the task. The
  * earlier acquire already ordered everything the bumps up to that value released. */
-struct counter_seen {
-    long long c, v;
+struct counter_seen { /* 32 bits each (counter indices and values are far below 2^31): the
+                         producer runs on few registers (setmaxnreg) */
+    int c, v;
 };
 
 static __device__ __forceinline__ bool wait_counter_seen(const pass_params &p, long long c, long long target,
@@ -139,8 +140,8 @@ static __device__ __forceinline__ bool wait_counter_seen(const pass_params &p, l
     if (c < 0 || (c == seen->c && target <= seen->v)) return true;
     long long v = 0;
     if (!wait_counter_thread(p, c, target, -1, &v)) return false;
-    seen->c = c;
-    seen->v = v;
+    seen->c = (int)c;
+    seen->v = (int)(v < 0x7fffffff ? v : 0x7fffffff);
     return true;
 }
 
