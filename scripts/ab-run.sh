@@ -11,7 +11,7 @@
 # --compare-env, one build). --probe first builds and runs every dev/*_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
-# replay, EP1 and EP2; full size, EP1) in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
+# replay, EP1 and EP2) and `mok run --hash --repeat 2` at full size on EP1 in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
 # (a change meant to keep every sum's order). Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
@@ -71,8 +71,9 @@ for t in "${trees[@]}"; do
                     --minibatch 1024 --ring 4096 --context-rows 4096 --check --repeat 2 2>&1 |
                     grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP$P scale 4: /"
             done
-            timeout 180 ./build/mok run --backend cuda --preset deepseek-v3 --tokens 1024 --check --check-tokens 8 \
-                --repeat 2 2>&1 | grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP1 full size: /"
+            # (--hash: no reference, whose fp64 copy of 256 full-size experts did not finish in 180 s)
+            timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --tokens 1024 --hash --repeat 2 2>&1 |
+                grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP1 full size: /"
         fi
         [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
         timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"

@@ -95,6 +95,19 @@ check_run experts-rounded-up-to-ranks --preset mixtral-8x7b --scale 32 --ranks 8
 check_run turned-transfers --preset qwen3-30b-a3b --scale 16 --ranks 4 --uneven --tokens 192 --minibatch 128 \
     --ring 256 --fwd-dispatch push --fwd-combine pull --bwd-combine push --bwd-dispatch pull --repeat 2 --check \
     --backend cpu
+# --hash: the outputs' hash without the reference, the same as --check prints for the same inputs.
+hash_args=(--preset olmoe-1b-7b --scale 16 --ranks 2 --uneven --tokens 48 --repeat 2 --backend cpu)
+check_run hash-with-check "${hash_args[@]}" --check
+hash_check=$(grep "^outputs hash" "$out")
+check_run hash-alone "${hash_args[@]}" --hash
+hash_alone=$(grep "^outputs hash" "$out")
+if [ -n "$hash_check" ] && [ "$hash_check" = "$hash_alone" ]; then
+    echo "PASS hash-alone-equals-check"
+    passed=$((passed + 1))
+else
+    echo "FAIL hash-alone-equals-check: --check '$hash_check', --hash '$hash_alone'"
+    failed=$((failed + 1))
+fi
 
 # ---- what the report holds -----------------------------------------------------------------------
 # --no-backward: the forward alone, checked; the backward row says why it is missing.

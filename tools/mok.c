@@ -55,6 +55,8 @@ static void usage(FILE *out) {
             "                      else cpu); cuda runs rank r on GPU r, so it needs P GPUs\n"
             "  --check             compare every output and gradient with the reference;\n"
             "                      prints PASS or FAIL (exit status 1)\n"
+            "  --hash              without --check: print the outputs' hash and whether the\n"
+            "                      --repeat runs wrote the same bits (PASS or FAIL, no reference)\n"
             "  --check-tokens N    with --check, run the reference on the first N tokens of every\n"
             "                      rank (default: all when H*I <= 512*512, else %d); when that is\n"
             "                      fewer than a rank has, the weight gradients (which sum over all\n"
@@ -98,6 +100,7 @@ typedef struct run_options {
     uint64_t seed;
     mok_backend backend;
     int check;
+    int hash; /* --hash: the outputs' hash and the runs' bitwise agreement, without the reference */
     int64_t check_tokens; /* per rank; -1 = the default (see CHECK_FULL_MAX_HI) */
     int no_backward;
     int repeat;
@@ -193,6 +196,10 @@ static int parse_run_options(int argc, char **argv, run_options *opt) {
         }
         if (strcmp(arg, "--check") == 0) {
             opt->check = 1;
+            continue;
+        }
+        if (strcmp(arg, "--hash") == 0) {
+            opt->hash = 1;
             continue;
         }
         if (strcmp(arg, "--uneven") == 0) {
@@ -636,7 +643,7 @@ static int run_once(run_state *st, double *seconds, uint64_t *hash) {
         seconds[PHASE_BACKWARD] = backward ? done - forwarded : NAN;
         seconds[PHASE_TOTAL] = done - start;
     }
-    if (hash && st->opt->check) /* determinism: every run must write the same bits */
+    if (hash && (st->opt->check || st->opt->hash)) /* determinism: every run must write the same bits */
         if (hash_outputs(st, backward, hash) != 0) return -1;
     return 0;
 }
@@ -803,6 +810,18 @@ static int64_t check_tokens_of(const run_state *st) {
     return st->shape.hidden * st->shape.intermediate <= CHECK_FULL_MAX_HI ? INT64_MAX : CHECK_TOKENS_LARGE;
 }
 
+/* Whether every run wrote the same bits (with more than one), and the first run's hash (the same
+ * inputs, --seed, on another build give the same hash when it computes the same bits). Returns 1
+ * when the runs differ. */
+static int print_hashes(const run_state *st) {
+    int same = 1;
+    for (int i = 1; i < st->opt->repeat; ++i) same &= st->output_hashes[i] == st->output_hashes[0];
+    if (st->opt->repeat > 1)
+        printf("outputs bitwise identical over %d runs: %s\n", st->opt->repeat, same ? "yes" : "NO");
+    printf("outputs hash (FNV-1a, first run): %016llx\n", (unsigned long long)st->output_hashes[0]);
+    return !same;
+}
+
 /* --check: the reference on the same host inputs (the first N tokens of every rank), then the
  * worst error of each tensor over the ranks. A token's outputs (y, dx, d_router_w) depend only on
  * that token, so a prefix is checked exactly; the weight gradients sum over every token and are
@@ -922,14 +941,7 @@ static int check_against_reference(run_state *st) {
         printf("%-11s %13.4e %12.4e %7.0e %9.4f %5d %s\n", name, worst.max_abs_error, worst.max_abs_ref,
                tools_tolerance_of((tools_tensor)t)->rtol, worst.normalized, worst_rank, pass ? "ok" : "FAIL");
     }
-    if (st->opt->repeat > 1) {
-        int same = 1;
-        for (int i = 1; i < st->opt->repeat; ++i) same &= st->output_hashes[i] == st->output_hashes[0];
-        printf("outputs bitwise identical over %d runs: %s\n", st->opt->repeat, same ? "yes" : "NO");
-        /* the same inputs (--seed) on another build give the same hash when it computes the same bits */
-        printf("outputs hash (FNV-1a, first run): %016llx\n", (unsigned long long)st->output_hashes[0]);
-        failed |= !same;
-    }
+    failed |= print_hashes(st);
     printf("%s\n", failed ? "FAIL" : "PASS");
     result = failed ? 1 : 0;
 
@@ -1010,6 +1022,9 @@ static int run_layer(const run_options *opt) {
         int checked = check_against_reference(&st);
         if (checked < 0) goto done;
         result = checked;
+    } else if (opt->hash) {
+        result = print_hashes(&st);
+        printf("%s\n", result ? "FAIL" : "PASS");
     } else {
         result = 0;
     }
