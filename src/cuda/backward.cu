@@ -458,6 +458,39 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 #define BWD_VAR_DGRAD 1
 #define BWD_VAR_WGRAD 3
 
+/* An fp32 tile (a weight gradient's carry, or accumulate mode's destination) out through the
+ * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
+ * each thread's column pairs into a [128][WS_F32_LD] fp32 tile, then one warp per row in 16-byte
+ * chunks. From registers, the fragment's pattern wrote 32 bytes into each of 8 rows per warp store
+ * (the bf16 one, half that, reached ~5.5 GB/s per SM with every SM storing: docs/perf.md). Row
+ * stride 136 floats: the 8-byte writes of a half-warp (rows r..r+3, 8 columns each) fall on
+ * distinct banks. rows, cols: the valid part (cols a multiple of 64); out 16-byte aligned, ld a
+ * multiple of 4. */
+#define WS_F32_LD 136
+static_assert(TILE_BM * WS_F32_LD * 4 <= WS_STAGING_BYTES + WS_DH_BYTES, "128 fp32 columns fit the staging region");
+static __device__ __forceinline__ void store_staged_f32(const float (&acc)[WS_ACC], int rows, int cols, float *out,
+                                                        long long ld, float *c) {
+    const int t = threadIdx.x - WS_PRODUCERS;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h * 128 >= cols) break;
+#pragma unroll
+        for (int r = 64 * h; r < 64 * h + 64; r += 2) { /* registers 64h.. hold columns 128h..128h+127 */
+            int row, col;
+            ws_acc_position(r, &row, &col);
+            *(float2 *)(c + row * WS_F32_LD + col - 128 * h) = make_float2(acc[r], acc[r + 1]);
+        }
+        consumer_sync();
+        const int n = cols - 128 * h < 128 ? cols - 128 * h : 128;
+        for (int idx = t; idx < TILE_BM * 32; idx += WS_CONSUMERS) {
+            const int row = idx >> 5, c4 = (idx & 31) * 4;
+            if (row < rows && c4 < n)
+                *(float4 *)(out + row * ld + 128 * h + c4) = *(const float4 *)(c + row * WS_F32_LD + c4);
+        }
+        consumer_sync();
+    }
+}
+
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
 template <int VAR>
 static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_group &grp, const task_prep &tp,
@@ -567,16 +600,9 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             }
         } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
             store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
-        } else { /* fp32 (a carry, or accumulate mode) from registers: r, r + 1 are columns col,
-                    col + 1 of one row (n_valid is even) */
-            float *dest = w.carry_out ? w.carry_out : (float *)w.dest;
-#pragma unroll
-            for (int r = 0; r < WS_ACC; r += 2) {
-                int row, col;
-                ws_acc_position(r, &row, &col);
-                if (row < w.m_valid && col < w.n_valid)
-                    *(float2 *)(dest + row * w.ld + col) = make_float2(acc[r], acc[r + 1]);
-            }
+        } else { /* fp32 (a carry, or accumulate mode) through the staging region */
+            store_staged_f32(acc, w.m_valid, w.n_valid, w.carry_out ? w.carry_out : (float *)w.dest, w.ld,
+                             (float *)c);
         }
     }
     consumer_sync();
