@@ -662,13 +662,14 @@ struct backward_ws {
 __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
-    if (pass_error_set(p)) return;
+    int comm;
+    if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, (uint16_t *)smem_raw); /* comm_tile */
+    if (blockIdx.x < comm) walk_tasks<backward_runner>(p, v, (uint16_t *)smem_raw); /* comm_tile */
     else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
-        if (threadIdx.x == 0) trace_resident(p, entry);
+        if (threadIdx.x == 0) trace_resident(p, entry, comm);
     }
 }
 
@@ -755,7 +756,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
         p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
-        p.comm_ctas = comm_ctas(ws, R, ws->config.bwd_comm_sms);
+        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
         p.dw[0] = a->dw_gate;

@@ -16,7 +16,12 @@
 struct pass_params {
     mok_sched_layout layout;
     const void *schedule;
-    int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h, comm_ctas;
+    int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h;
+    /* comm CTAs: the shape's count (comm_ctas()); with comm_auto (config 0) groups_kernel scales it
+       by the rows this rank's comm tasks move per FLOP of its compute (pass_comm_ctas), up to
+       comm_max, and every CTA reads the pass's count from comm_dev at its start (pass_start) */
+    int comm_ctas, comm_auto, comm_max;
+    int *comm_dev;
     long long hidden, inter, shared_inter, num_tokens, ring_rows, minibatch_rows, context_rows;
     char *const *peers;
     size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
@@ -80,13 +85,18 @@ struct task_prep {
     int wg_began, wg_continues; /* routed: rows of the expert before / after this macrobatch */
 };
 
-/* At a megakernel's start: whether the rank's error word is set (the pass must not run). One read
- * per CTA, broadcast through shared memory (when the word was mapped host memory, a read per
- * thread cost ~1.1 ms of PCIe reads at the kernel's start). */
-static __device__ __forceinline__ bool pass_error_set(const pass_params &p) {
-    __shared__ int s_error;
-    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
+/* At a megakernel's start: whether the rank's error word is set (the pass must not run), and the
+ * pass's comm CTA count into *comm (CTAs below it move rows). One read of each per CTA, broadcast
+ * through shared memory (when the word was mapped host memory, a read per thread cost ~1.1 ms of
+ * PCIe reads at the kernel's start). */
+static __device__ __forceinline__ bool pass_start(const pass_params &p, int *comm) {
+    __shared__ int s_error, s_comm;
+    if (threadIdx.x == 0) {
+        s_error = *(volatile int *)p.error;
+        s_comm = *(volatile int *)p.comm_dev;
+    }
     __syncthreads();
+    *comm = s_comm;
     return s_error != 0;
 }
 
@@ -190,10 +200,42 @@ static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v
            v.header->num_tokens[p.rank] == p.num_tokens;
 }
 
-/* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel. */
+/* The pass's comm CTAs with comm_auto: the shape's count (comm_ctas(), set for a balanced load:
+ * every rank receives as many rows as its tokens send, T·k) scaled by the rows this rank's comm
+ * tasks move per FLOP of its compute against that balanced case. A pulled transfer moves the rows
+ * this rank receives (R, its routed rows), a pushed or gathered one the rows of its own tokens
+ * (T·k, whatever rank their experts are on); the backward moves two rows (x, dy) per reverse-
+ * combined row. Compute: R·I routed plus T·I_s shared. With the default directions every rank's
+ * moves follow its compute (both grow with R), and the shape's count stays (it was measured, the
+ * model only scales it); with transfers turned around, the rank whose experts get most rows gives
+ * comm CTAs to compute while the others take on its rows' moves. */
+static __device__ int pass_comm_ctas(const pass_params &p, long long routed) {
+    const double S = (double)p.num_tokens * p.topk, R = (double)routed;
+    const bool turned = p.combine_pull || p.dispatch_pull || p.dispatch_push || p.combine_push;
+    if (!p.comm_auto || !turned || S <= 0 || R <= 0) return p.comm_ctas;
+    double moved, balanced;
+    if (p.recompute) {
+        moved = R;
+        balanced = S;
+    } else if (p.backward) {
+        moved = 2 * (p.combine_push ? S : R) + (p.dispatch_pull ? S : R);
+        balanced = 3 * S;
+    } else {
+        moved = (p.dispatch_push ? S : R) + (p.combine_pull ? S : R);
+        balanced = 2 * S;
+    }
+    const double shared = (double)p.num_tokens * p.shared_inter, I = (double)p.inter;
+    const double scale = moved / balanced * (S * I + shared) / (R * I + shared);
+    const int comm = (int)(p.comm_ctas * scale + 0.5);
+    return comm < 1 ? 1 : comm > p.comm_max ? p.comm_max : comm;
+}
+
+/* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel, and its
+ * comm CTA count. */
 static __global__ void groups_kernel(pass_params p) {
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     *p.num_groups = 0;
+    *p.comm_dev = p.comm_ctas;
     if (!schedule_ok(p, v)) {
         set_error(p.error, MOK_KERR_SCHEDULE);
         atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank's counters stop */
@@ -222,6 +264,7 @@ static __global__ void groups_kernel(pass_params p) {
         n = 0;
     }
     *p.num_groups = n;
+    *p.comm_dev = pass_comm_ctas(p, v.header->routed_rows);
 }
 
 /* Where a role's tickets stand in the group list: group g holds tickets [g_first, g_first + g_size). */
@@ -286,7 +329,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
 }
 
 /* Thread 0 of a CTA, at its end (config.trace): its residency from `entry`, as one event. */
-static __device__ void trace_resident(const pass_params &p, long long entry) {
+static __device__ void trace_resident(const pass_params &p, long long entry, int comm) {
     if (!TRACE_ON(p)) return;
     unsigned long long n = atomicAdd(p.trace_count, 1ull);
     if ((long long)n >= p.trace_cap) return;
@@ -295,7 +338,7 @@ static __device__ void trace_resident(const pass_params &p, long long entry) {
     e.worker = (int16_t)blockIdx.x;
     e.minibatch = -1;
     e.rank = p.rank;
-    e.comm = blockIdx.x < p.comm_ctas;
+    e.comm = blockIdx.x < comm;
     e.gemm_ns = 0;
     e.epi_ns = 0;
     e.start_ns = entry;
@@ -308,7 +351,7 @@ template <typename Runner>
 static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
     __shared__ long long s_ticket;
     __shared__ int s_flag;
-    const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
+    const int role = MOK_ROLE_COMM; /* compute CTAs run walk_compute_ws (walk_ws.cuh) */
     unsigned long long *ticket = p.counters + p.counters_cap + role;
     const long long num_groups = *p.num_groups;
     task_cursor cur = {-1, 0, 0};
@@ -414,6 +457,17 @@ static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured
         if (comm > R->num_sms / 4) comm = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
     }
     return comm < R->num_sms - 1 ? comm : R->num_sms - 1;
+}
+
+/* A pass's comm CTAs (pass_params): the shape's count, and with configured = 0 the bounds of the
+ * count groups_kernel picks per pass from the routing. */
+static void pass_params_comm(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int configured) {
+    p->comm_ctas = comm_ctas(ws, R, configured);
+    p->comm_auto = configured <= 0;
+    const int cap = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
+    p->comm_max = cap < R->num_sms - 1 ? cap : R->num_sms - 1;
+    if (p->comm_max < p->comm_ctas) p->comm_max = p->comm_ctas;
+    p->comm_dev = R->comm_dev;
 }
 
 /* The layer a pass reads, as both passes' arguments name it: x, the weights, the context (the
