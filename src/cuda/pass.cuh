@@ -18,7 +18,7 @@ struct pass_params {
     const void *schedule;
     int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h;
     /* comm CTAs: the shape's count (comm_ctas()); with comm_auto (config 0) groups_kernel scales it
-       by the rows this rank's comm tasks move per FLOP of its compute (pass_comm_ctas), up to
+       by the rows this rank's comm tasks move per FLOP of its compute (mok__comm_workers), up to
        comm_max, and every CTA reads the pass's count from comm_dev at its start (pass_start) */
     int comm_ctas, comm_auto, comm_max;
     int *comm_dev;
@@ -200,36 +200,6 @@ static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v
            v.header->num_tokens[p.rank] == p.num_tokens;
 }
 
-/* The pass's comm CTAs with comm_auto: the shape's count (comm_ctas(), set for a balanced load:
- * every rank receives as many rows as its tokens send, T·k) scaled by the rows this rank's comm
- * tasks move per FLOP of its compute against that balanced case. A pulled transfer moves the rows
- * this rank receives (R, its routed rows), a pushed or gathered one the rows of its own tokens
- * (T·k, whatever rank their experts are on); the backward moves two rows (x, dy) per reverse-
- * combined row. Compute: R·I routed plus T·I_s shared. With the default directions every rank's
- * moves follow its compute (both grow with R), and the shape's count stays (it was measured, the
- * model only scales it); with transfers turned around, the rank whose experts get most rows gives
- * comm CTAs to compute while the others take on its rows' moves. */
-static __device__ int pass_comm_ctas(const pass_params &p, long long routed) {
-    const double S = (double)p.num_tokens * p.topk, R = (double)routed;
-    const bool turned = p.combine_pull || p.dispatch_pull || p.dispatch_push || p.combine_push;
-    if (!p.comm_auto || !turned || S <= 0 || R <= 0) return p.comm_ctas;
-    double moved, balanced;
-    if (p.recompute) {
-        moved = R;
-        balanced = S;
-    } else if (p.backward) {
-        moved = 2 * (p.combine_push ? S : R) + (p.dispatch_pull ? S : R);
-        balanced = 3 * S;
-    } else {
-        moved = (p.dispatch_push ? S : R) + (p.combine_pull ? S : R);
-        balanced = 2 * S;
-    }
-    const double shared = (double)p.num_tokens * p.shared_inter, I = (double)p.inter;
-    const double scale = moved / balanced * (S * I + shared) / (R * I + shared);
-    const int comm = (int)(p.comm_ctas * scale + 0.5);
-    return comm < 1 ? 1 : comm > p.comm_max ? p.comm_max : comm;
-}
-
 /* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel, and its
  * comm CTA count. */
 static __global__ void groups_kernel(pass_params p) {
@@ -264,7 +234,8 @@ static __global__ void groups_kernel(pass_params p) {
         n = 0;
     }
     *p.num_groups = n;
-    *p.comm_dev = pass_comm_ctas(p, v.header->routed_rows);
+    if (p.comm_auto) /* scaled by the rows this rank moves per FLOP, with turned transfers */
+        *p.comm_dev = mok__comm_workers(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
 }
 
 /* Where a role's tickets stand in the group list: group g holds tickets [g_first, g_first + g_size). */
