@@ -498,12 +498,6 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
     wgrad_job w;
     w.init = nullptr;
     if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, grp, tp, &w);
-    if (!w.init) { /* most tiles: zeros, without the ~1,100 instructions of the loads' addresses and
-                      bounds that the loop below costs even when every load is predicated off */
-#pragma unroll
-        for (int r = 0; r < WS_ACC; ++r) acc[r] = 0.0f;
-        return;
-    }
 #pragma unroll
     for (int r = 0; r < WS_ACC; r += 2) {
         int row, col;
