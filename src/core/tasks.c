@@ -13,6 +13,25 @@ MOK_CORE int mok__plan_names_peers(const mok_plan *plan) {
     return plan->combine_pull || plan->dispatch_pull || plan->dispatch_push || plan->combine_push;
 }
 
+MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int64_t own_rows, int64_t routed_rows) {
+    const double S = (double)own_rows, R = (double)routed_rows;
+    if (!mok__plan_names_peers(plan) || S <= 0 || R <= 0) return balanced;
+    double moved, even;
+    if (plan->recompute) {
+        moved = R;
+        even = S;
+    } else if (plan->backward) {
+        moved = 2 * (plan->combine_push ? S : R) + (plan->dispatch_pull ? S : R);
+        even = 3 * S;
+    } else {
+        moved = (plan->dispatch_push ? S : R) + (plan->combine_pull ? S : R);
+        even = 2 * S;
+    }
+    const double I = (double)plan->intermediate, shared = (double)plan->num_tokens * plan->shared_intermediate;
+    const int n = (int)(balanced * (moved / even) * (S * I + shared) / (R * I + shared) + 0.5);
+    return n < 1 ? 1 : n > max ? max : n;
+}
+
 /* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
  * of any rank, so that the blocks peers address (down_tile, combined, dx_tile, pushed: every
  * block before the two token-tile blocks, which come last) sit at the same offsets on every

@@ -204,6 +204,17 @@ MOK_CORE const char *mok__task_kind_name(int kind);
  * (combine_pull, dispatch_pull, dispatch_push, combine_push). */
 MOK_CORE int mok__plan_names_peers(const mok_plan *plan);
 
+/* The comm workers of a pass whose transfers name peers (mok__plan_names_peers; else `balanced`):
+ * `balanced`, the count for a balanced load (every rank receives as many rows as its tokens send,
+ * own_rows = T·k), scaled by the rows this rank's comm tasks move per FLOP of its compute against
+ * that case, within [1, max]. A pulled transfer moves the rows this rank receives (routed_rows),
+ * a pushed or gathered one the rows of its own tokens (own_rows), whatever rank their experts are
+ * on; the backward moves two rows (x, dy) per reverse-combined row; a recompute pass pulls.
+ * Compute: routed_rows·I plus T·I_s. With the default directions a rank's moves follow its
+ * compute, so `balanced` stays; with transfers turned around, the rank whose experts get most
+ * rows gives workers to compute while the others take on its rows' moves. */
+MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int64_t own_rows, int64_t routed_rows);
+
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

@@ -21,34 +21,36 @@
 /* Per ring row, one warp: x and dy of its (peer, token) pair, w·dy beside dy and the router
  * weight; the tile's padding rows of x and w·dy are written as zeros, which the weight
  * gradients' 64-row slices add as nothing. */
-static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt) {
-    const tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
-        const int peer = v.row_peer[t.row0 + r];
-        const long long slot = v.row_slot[t.row0 + r], token = slot / p.topk, ring = t.ring0 + r;
+static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, v, rt);
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
+    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const int peer = ct->peer[r];
+        const long long ring = ring0 + r;
+        if (peer < 0) { /* a padding row */
+            int4 *x_out = (int4 *)(p.ring_x + ring * p.hidden), *dyw_out = (int4 *)(p.ring_dyw + ring * p.hidden);
+            for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = make_int4(0, 0, 0, 0);
+            continue;
+        }
+        const long long slot = ct->slot[r], token = slot / p.topk;
         const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
         pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
                  (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden,
                  (const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden, w, p.hidden);
-        if ((threadIdx.x & 31) == 0) p.ring_w[ring] = w;
-    }
-    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
-    const int4 zero = make_int4(0, 0, 0, 0);
-    for (int r = t.nreal + (threadIdx.x >> 5); r < MOK_ROW_TILE; r += blockDim.x / 32) {
-        int4 *x_out = (int4 *)(p.ring_x + (t.ring0 + r) * p.hidden);
-        int4 *dyw_out = (int4 *)(p.ring_dyw + (t.ring0 + r) * p.hidden);
-        for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = zero;
+        if (lane == 0) p.ring_w[ring] = w;
     }
 }
 
 /* Each ring row's dx part into its owner's (token, slot) row, and its d_router_w (the sum of the
  * dh tiles' partial dot products, in column order), one warp per row. */
-static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt) {
-    const tile_info t = row_tile(p, v, rt);
-    const long long nI = p.inter / p.n_tile;
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
-        const int peer = v.row_peer[t.row0 + r];
-        const long long slot = v.row_slot[t.row0 + r], ring = t.ring0 + r;
+static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, v, rt);
+    const long long nI = p.inter / p.n_tile, ring0 = rt * MOK_ROW_TILE % p.ring_rows;
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const int peer = ct->peer[r];
+        if (peer < 0) break; /* padding: the rest of the tile */
+        const long long slot = ct->slot[r], ring = ring0 + r;
         copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
         if ((threadIdx.x & 31) == 0) {
             float sum = 0.0f;
@@ -64,17 +66,18 @@ static __device__ void run_push(const pass_params &p, const mok_sched_view &v, l
 /* dispatch_pull: q's dx parts and router-weight gradients of this rank's (token, slot) rows, from
  * q's ring into this rank's buffers (after q's dx tiles of rt, so its dh tiles too: the GATHER's
  * wait); the partial sums in the order of run_push. */
-static __device__ void run_gather(const pass_params &p, int q, long long rt) {
-    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+static __device__ void run_gather(const pass_params &p, int q, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     const uint16_t *ring_y = (const uint16_t *)(p.peers[q] + p.off_ring_y);
     const float *rdot = (const float *)(p.peers[q] + p.off_ring_rdot);
     uint16_t *dxbuf = (uint16_t *)(p.peers[p.rank] + p.off_dxbuf);
     float *drw = (float *)(p.peers[p.rank] + p.off_drw);
     const long long nI = p.inter / p.n_tile;
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
-        const long long row = rt * MOK_ROW_TILE + r, ring = row % p.ring_rows;
-        if (v.row_peer[row] != p.rank) continue;
-        const long long slot = v.row_slot[row];
+        const long long ring = ring0 + r;
+        if (ct->peer[r] != p.rank) continue;
+        const long long slot = ct->slot[r];
         copy_row(dxbuf + slot * p.hidden, ring_y + ring * p.hidden, p.hidden);
         if ((threadIdx.x & 31) == 0) {
             float sum = 0.0f;
@@ -87,8 +90,8 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt) {
 /* combine_push: this rank's x and dy rows, bf16(w * dy) and the router weights into q's ring
  * (after q opened the minibatch: the SCATTER's wait), what q's PULL of the tile would have
  * written; the SCATTER of q into its own tile also writes the padding rows' zeros. */
-static __device__ void run_scatter(const pass_params &p, int q, long long rt) {
-    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+static __device__ void run_scatter(const pass_params &p, int q, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     char *dst = p.peers[q];
     uint16_t *ring_x = (uint16_t *)(dst + p.off_ring_x), *ring_dy = (uint16_t *)(dst + p.off_ring_dy);
     uint16_t *ring_dyw = (uint16_t *)(dst + p.off_ring_dyw);
@@ -97,11 +100,12 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt) {
     const uint16_t *x = (const uint16_t *)(mine + p.off_x), *dy = (const uint16_t *)(mine + p.off_dy);
     const float *router_w = (const float *)(mine + p.off_router_w);
     const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
-        const long long row = rt * MOK_ROW_TILE + r, ring = row % p.ring_rows;
-        const int src = v.row_peer[row];
+        const long long ring = ring0 + r;
+        const int src = ct->peer[r];
         if (src == p.rank) {
-            const long long slot = v.row_slot[row], token = slot / p.topk;
+            const long long slot = ct->slot[r], token = slot / p.topk;
             const float w = router_w[slot];
             pull_row(ring_x + ring * p.hidden, ring_dy + ring * p.hidden, ring_dyw + ring * p.hidden,
                      x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
@@ -454,6 +458,39 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 #define BWD_VAR_DGRAD 1
 #define BWD_VAR_WGRAD 3
 
+/* An fp32 tile (a weight gradient's carry, or accumulate mode's destination) out through the
+ * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
+ * each thread's column pairs into a [128][WS_F32_LD] fp32 tile, then one warp per row in 16-byte
+ * chunks. From registers, the fragment's pattern wrote 32 bytes into each of 8 rows per warp store
+ * (the bf16 one, half that, reached ~5.5 GB/s per SM with every SM storing: docs/perf.md). Row
+ * stride 136 floats: the 8-byte writes of a half-warp (rows r..r+3, 8 columns each) fall on
+ * distinct banks. rows, cols: the valid part (cols a multiple of 64); out 16-byte aligned, ld a
+ * multiple of 4. */
+#define WS_F32_LD 136
+static_assert(TILE_BM * WS_F32_LD * 4 <= WS_STAGING_BYTES + WS_DH_BYTES, "128 fp32 columns fit the staging region");
+static __device__ __forceinline__ void store_staged_f32(const float (&acc)[WS_ACC], int rows, int cols, float *out,
+                                                        long long ld, float *c) {
+    const int t = threadIdx.x - WS_PRODUCERS;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h * 128 >= cols) break;
+#pragma unroll
+        for (int r = 64 * h; r < 64 * h + 64; r += 2) { /* registers 64h.. hold columns 128h..128h+127 */
+            int row, col;
+            ws_acc_position(r, &row, &col);
+            *(float2 *)(c + row * WS_F32_LD + col - 128 * h) = make_float2(acc[r], acc[r + 1]);
+        }
+        consumer_sync();
+        const int n = cols - 128 * h < 128 ? cols - 128 * h : 128;
+        for (int idx = t; idx < TILE_BM * 32; idx += WS_CONSUMERS) {
+            const int row = idx >> 5, c4 = (idx & 31) * 4;
+            if (row < rows && c4 < n)
+                *(float4 *)(out + row * ld + 128 * h + c4) = *(const float4 *)(c + row * WS_F32_LD + c4);
+        }
+        consumer_sync();
+    }
+}
+
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
 template <int VAR>
 static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_group &grp, const task_prep &tp,
@@ -557,16 +594,9 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             }
         } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
             store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
-        } else { /* fp32 (a carry, or accumulate mode) from registers: r, r + 1 are columns col,
-                    col + 1 of one row (n_valid is even) */
-            float *dest = w.carry_out ? w.carry_out : (float *)w.dest;
-#pragma unroll
-            for (int r = 0; r < WS_ACC; r += 2) {
-                int row, col;
-                ws_acc_position(r, &row, &col);
-                if (row < w.m_valid && col < w.n_valid)
-                    *(float2 *)(dest + row * w.ld + col) = make_float2(acc[r], acc[r + 1]);
-            }
+        } else { /* fp32 (a carry, or accumulate mode) through the staging region */
+            store_staged_f32(acc, w.m_valid, w.n_valid, w.carry_out ? w.carry_out : (float *)w.dest, w.ld,
+                             (float *)c);
         }
     }
     consumer_sync();
@@ -584,12 +614,13 @@ static __device__ void run_wgrad_zero(const pass_params &p, int e) {
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
 struct backward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long, uint16_t *) {
+                               long long, uint16_t *smem) {
+        comm_tile *ct = (comm_tile *)smem;
         switch (grp.kind) {
-        case MOK_TASK_PULL: run_pull(p, v, rt); break;
-        case MOK_TASK_PUSH: run_push(p, v, rt); break;
-        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt); break;
-        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt); break;
+        case MOK_TASK_PULL: run_pull(p, v, rt, ct); break;
+        case MOK_TASK_PUSH: run_push(p, v, rt, ct); break;
+        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt, ct); break;
+        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt, ct); break;
         default: break; /* OPEN: its counter is all it has */
         }
     }
@@ -625,13 +656,14 @@ struct backward_ws {
 __global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
-    if (pass_error_set(p)) return;
+    int comm;
+    if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < p.comm_ctas) walk_tasks<backward_runner>(p, v, nullptr);
+    if (blockIdx.x < comm) walk_tasks<backward_runner>(p, v, (uint16_t *)smem_raw); /* comm_tile */
     else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
-        if (threadIdx.x == 0) trace_resident(p, entry);
+        if (threadIdx.x == 0) trace_resident(p, entry, comm);
     }
 }
 
@@ -718,7 +750,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
         p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
-        p.comm_ctas = comm_ctas(ws, R, ws->config.bwd_comm_sms);
+        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
         p.dw[0] = a->dw_gate;

@@ -11,6 +11,27 @@
 
 #include "pass.cuh"
 
+/* The source rank and (token, slot) of a row tile's 128 rows, as a comm task moves them: loaded
+ * by the first 128 threads at once into the comm CTA's shared memory, so that the warps'
+ * row loops start without a dependent global load (or two, through NVLink for a peer's schedule)
+ * per row, and without row_tile's binary search over the experts: padding rows (peer -1) are
+ * the rows past the tile's real ones (schedule.h). The CTA's task loop syncs after every task,
+ * so the next task's load does not overtake this one's readers. */
+struct comm_tile {
+    int32_t peer[MOK_ROW_TILE];
+    int32_t slot[MOK_ROW_TILE];
+};
+
+static __device__ __forceinline__ void comm_tile_load(comm_tile *ct, const mok_sched_view &v, long long rt) {
+    if (threadIdx.x < MOK_ROW_TILE) {
+        const long long row = rt * MOK_ROW_TILE + threadIdx.x;
+        const int32_t peer = v.row_peer[row], slot = v.row_slot[row];
+        ct->peer[threadIdx.x] = peer;
+        ct->slot[threadIdx.x] = slot;
+    }
+    __syncthreads();
+}
+
 /* One warp: a row of h bf16 from src to dst, 16 bytes per lane, 4 loads in flight. */
 static __device__ __forceinline__ void copy_row(uint16_t *dst, const uint16_t *src, long long h) {
     const int4 *s = (const int4 *)src;

@@ -150,6 +150,7 @@ typedef struct cuda_rank {
     mok_task_group *groups;             /* device [groups_cap]: the pass's groups */
     long long groups_cap;
     long long *num_groups;
+    int *comm_dev;                      /* device: the pass's comm CTA count (groups_kernel) */
     cuda_error_word *error_word;        /* device: the error word (NOTE in workspace.cu) */
     int *error_mirror;                  /* mapped pinned: its mirror, the host's view of it */
     int error_clear_pending;            /* host: an argument error was reported, and the device

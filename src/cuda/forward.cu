@@ -18,24 +18,26 @@
 
 
 /* x rows of the tile's (peer, token) pairs into the ring, one warp per row. */
-static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &v, long long rt) {
-    const tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
-        const int peer = v.row_peer[t.row0 + r];
-        const long long token = v.row_slot[t.row0 + r] / p.topk;
-        const uint16_t *src = (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden;
-        copy_row(p.ring_x + (t.ring0 + r) * p.hidden, src, p.hidden);
+static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, v, rt);
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const int peer = ct->peer[r];
+        if (peer < 0) break; /* padding: the rest of the tile */
+        const uint16_t *src = (const uint16_t *)(p.peers[peer] + p.off_x) + (long long)(ct->slot[r] / p.topk) * p.hidden;
+        copy_row(p.ring_x + (ring0 + r) * p.hidden, src, p.hidden);
     }
 }
 
 /* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. */
-static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt) {
-    const tile_info t = row_tile(p, v, rt);
-    for (int r = threadIdx.x >> 5; r < t.nreal; r += blockDim.x / 32) {
-        const int peer = v.row_peer[t.row0 + r];
-        const long long slot = v.row_slot[t.row0 + r];
-        uint16_t *dst = (uint16_t *)(p.peers[peer] + p.off_comb) + slot * p.hidden;
-        copy_row(dst, p.ring_y + (t.ring0 + r) * p.hidden, p.hidden);
+static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, v, rt);
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
+    for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
+        const int peer = ct->peer[r];
+        if (peer < 0) break;
+        uint16_t *dst = (uint16_t *)(p.peers[peer] + p.off_comb) + (long long)ct->slot[r] * p.hidden;
+        copy_row(dst, p.ring_y + (ring0 + r) * p.hidden, p.hidden);
     }
 }
 
@@ -45,29 +47,28 @@ static __device__ void run_combine(const pass_params &p, const mok_sched_view &v
 
 /* combine_pull: q's expert outputs of this rank's (token, slot) rows, from q's ring into this
  * rank's combine buffer (after q's down tiles of rt: the GATHER's wait). */
-static __device__ void run_gather(const pass_params &p, int q, long long rt) {
-    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+static __device__ void run_gather(const pass_params &p, int q, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     const uint16_t *ring_y = (const uint16_t *)(p.peers[q] + p.off_ring_y);
     uint16_t *comb = (uint16_t *)(p.peers[p.rank] + p.off_comb);
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
-        const long long row = rt * MOK_ROW_TILE + r;
-        if (v.row_peer[row] != p.rank) continue;
-        copy_row(comb + (long long)v.row_slot[row] * p.hidden, ring_y + (row % p.ring_rows) * p.hidden, p.hidden);
+        if (ct->peer[r] != p.rank) continue;
+        copy_row(comb + (long long)ct->slot[r] * p.hidden, ring_y + (ring0 + r) * p.hidden, p.hidden);
     }
 }
 
 /* dispatch_push: this rank's x rows into q's ring (after q combined the slot's previous occupant:
  * the SCATTER's wait). The padding rows stay as they are: the forward never reads them (gate|up
  * stores zeros for them in the context and no h), the backward brings its own x. */
-static __device__ void run_scatter(const pass_params &p, int q, long long rt) {
-    const mok_sched_view v = mok__sched_view(&p.layout, p.peers[q] + p.off_sched);
+static __device__ void run_scatter(const pass_params &p, int q, long long rt, comm_tile *ct) {
+    comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     uint16_t *ring_x = (uint16_t *)(p.peers[q] + p.off_ring_x);
     const uint16_t *x = (const uint16_t *)(p.peers[p.rank] + p.off_x);
+    const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
-        const long long row = rt * MOK_ROW_TILE + r;
-        if (v.row_peer[row] != p.rank) continue;
-        copy_row(ring_x + (row % p.ring_rows) * p.hidden, x + (long long)(v.row_slot[row] / p.topk) * p.hidden,
-                 p.hidden);
+        if (ct->peer[r] != p.rank) continue;
+        copy_row(ring_x + (ring0 + r) * p.hidden, x + (long long)(ct->slot[r] / p.topk) * p.hidden, p.hidden);
     }
 }
 
@@ -240,12 +241,13 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised (walk_ws.cuh). */
 struct forward_runner {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
-                               long long, uint16_t *) {
+                               long long, uint16_t *smem) {
+        comm_tile *ct = (comm_tile *)smem;
         switch (grp.kind) {
-        case MOK_TASK_DISPATCH: run_dispatch(p, v, rt); break;
-        case MOK_TASK_COMBINE: run_combine(p, v, rt); break;
-        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt); break;
-        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt); break;
+        case MOK_TASK_DISPATCH: run_dispatch(p, v, rt, ct); break;
+        case MOK_TASK_COMBINE: run_combine(p, v, rt, ct); break;
+        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt, ct); break;
+        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt, ct); break;
         default: break;
         }
     }
@@ -280,13 +282,14 @@ struct forward_ws {
 __global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
-    if (pass_error_set(p)) return;
+    int comm;
+    if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < p.comm_ctas) walk_tasks<forward_runner>(p, v, nullptr);
+    if (blockIdx.x < comm) walk_tasks<forward_runner>(p, v, (uint16_t *)smem_raw); /* comm_tile */
     else walk_compute_ws<forward_ws>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
-        if (threadIdx.x == 0) trace_resident(p, entry);
+        if (threadIdx.x == 0) trace_resident(p, entry, comm);
     }
 }
 
@@ -354,7 +357,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         }
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
         p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
-        p.comm_ctas = comm_ctas(ws, R, ws->config.fwd_comm_sms);
+        pass_params_comm(&p, ws, R, ws->config.fwd_comm_sms);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
         if (a->num_tokens > 0)

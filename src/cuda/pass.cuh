@@ -16,7 +16,12 @@
 struct pass_params {
     mok_sched_layout layout;
     const void *schedule;
-    int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h, comm_ctas;
+    int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h;
+    /* comm CTAs: the shape's count (comm_ctas()); with comm_auto (config 0) groups_kernel scales it
+       by the rows this rank's comm tasks move per FLOP of its compute (mok__comm_workers), up to
+       comm_max, and every CTA reads the pass's count from comm_dev at its start (pass_start) */
+    int comm_ctas, comm_auto, comm_max;
+    int *comm_dev;
     long long hidden, inter, shared_inter, num_tokens, ring_rows, minibatch_rows, context_rows;
     char *const *peers;
     size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
@@ -80,13 +85,18 @@ struct task_prep {
     int wg_began, wg_continues; /* routed: rows of the expert before / after this macrobatch */
 };
 
-/* At a megakernel's start: whether the rank's error word is set (the pass must not run). One read
- * per CTA, broadcast through shared memory (when the word was mapped host memory, a read per
- * thread cost ~1.1 ms of PCIe reads at the kernel's start). */
-static __device__ __forceinline__ bool pass_error_set(const pass_params &p) {
-    __shared__ int s_error;
-    if (threadIdx.x == 0) s_error = *(volatile int *)p.error;
+/* At a megakernel's start: whether the rank's error word is set (the pass must not run), and the
+ * pass's comm CTA count into *comm (CTAs below it move rows). One read of each per CTA, broadcast
+ * through shared memory (when the word was mapped host memory, a read per thread cost ~1.1 ms of
+ * PCIe reads at the kernel's start). */
+static __device__ __forceinline__ bool pass_start(const pass_params &p, int *comm) {
+    __shared__ int s_error, s_comm;
+    if (threadIdx.x == 0) {
+        s_error = *(volatile int *)p.error;
+        s_comm = *(volatile int *)p.comm_dev;
+    }
     __syncthreads();
+    *comm = s_comm;
     return s_error != 0;
 }
 
@@ -103,13 +113,15 @@ static __device__ __forceinline__ unsigned long long counter_acquire(const pass_
  * False if the pass was aborted, here or on that peer, or the wait outlived the timeout (then it
  * sets MOK_KERR_STALL and the abort flag; a peer whose pass aborted, whatever its cause, stops
  * this one the same way, so a rank never waits on a peer that has given up). */
-static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target, int peer = -1) {
+static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target, int peer = -1,
+                                           long long *seen = nullptr) {
     if (c < 0) return true;
     long long start = globaltimer_ns();
     unsigned long long *abort = p.counters + p.counters_cap + 2;
     const unsigned long long *base = counters_of(p, peer);
     const volatile unsigned long long *peer_abort = base + p.counters_cap + 2;
-    while ((long long)counter_acquire(p, base + c) < target) {
+    long long v;
+    while ((v = (long long)counter_acquire(p, base + c)) < target) {
         if (*(volatile unsigned long long *)abort) return false;
         const bool gave_up = peer >= 0 && *peer_abort;
         if (gave_up || globaltimer_ns() - start > p.timeout_ns) {
@@ -118,6 +130,28 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
             return false;
         }
     }
+    if (seen) *seen = v;
+    return true;
+}
+
+/* One thread's wait on one of its own rank's counters, remembering the last counter it waited on
+ * and the value it read there (a counter never falls during a pass): a wait that value already
+ * meets is skipped. Consecutive tasks of one group wait on the same counter (every weight-gradient
+ * tile of an expert and macrobatch on its dh tiles), and each acquire costs an L2 round trip and
+ * the SM's L1 (the acquire invalidates it), on the producer's path to posting the task. The
+ * earlier acquire already ordered everything the bumps up to that value released. */
+struct counter_seen { /* 32 bits each (counter indices and values are far below 2^31): the
+                         producer runs on few registers (setmaxnreg) */
+    int c, v;
+};
+
+static __device__ __forceinline__ bool wait_counter_seen(const pass_params &p, long long c, long long target,
+                                                         counter_seen *seen) {
+    if (c < 0 || (c == seen->c && target <= seen->v)) return true;
+    long long v = 0;
+    if (!wait_counter_thread(p, c, target, -1, &v)) return false;
+    seen->c = (int)c;
+    seen->v = (int)(v < 0x7fffffff ? v : 0x7fffffff);
     return true;
 }
 
@@ -166,10 +200,12 @@ static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v
            v.header->num_tokens[p.rank] == p.num_tokens;
 }
 
-/* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel. */
+/* One thread: the pass's groups in the global order (core/tasks.c), for the megakernel, and its
+ * comm CTA count. */
 static __global__ void groups_kernel(pass_params p) {
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     *p.num_groups = 0;
+    *p.comm_dev = p.comm_ctas;
     if (!schedule_ok(p, v)) {
         set_error(p.error, MOK_KERR_SCHEDULE);
         atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank's counters stop */
@@ -198,6 +234,8 @@ static __global__ void groups_kernel(pass_params p) {
         n = 0;
     }
     *p.num_groups = n;
+    if (p.comm_auto) /* scaled by the rows this rank moves per FLOP, with turned transfers */
+        *p.comm_dev = mok__comm_workers(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
 }
 
 /* Where a role's tickets stand in the group list: group g holds tickets [g_first, g_first + g_size). */
@@ -262,7 +300,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_group &g
 }
 
 /* Thread 0 of a CTA, at its end (config.trace): its residency from `entry`, as one event. */
-static __device__ void trace_resident(const pass_params &p, long long entry) {
+static __device__ void trace_resident(const pass_params &p, long long entry, int comm) {
     if (!TRACE_ON(p)) return;
     unsigned long long n = atomicAdd(p.trace_count, 1ull);
     if ((long long)n >= p.trace_cap) return;
@@ -271,7 +309,7 @@ static __device__ void trace_resident(const pass_params &p, long long entry) {
     e.worker = (int16_t)blockIdx.x;
     e.minibatch = -1;
     e.rank = p.rank;
-    e.comm = blockIdx.x < p.comm_ctas;
+    e.comm = blockIdx.x < comm;
     e.gemm_ns = 0;
     e.epi_ns = 0;
     e.start_ns = entry;
@@ -284,7 +322,7 @@ template <typename Runner>
 static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
     __shared__ long long s_ticket;
     __shared__ int s_flag;
-    const int role = blockIdx.x < p.comm_ctas ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE;
+    const int role = MOK_ROLE_COMM; /* compute CTAs run walk_compute_ws (walk_ws.cuh) */
     unsigned long long *ticket = p.counters + p.counters_cap + role;
     const long long num_groups = *p.num_groups;
     task_cursor cur = {-1, 0, 0};
@@ -390,6 +428,17 @@ static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured
         if (comm > R->num_sms / 4) comm = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
     }
     return comm < R->num_sms - 1 ? comm : R->num_sms - 1;
+}
+
+/* A pass's comm CTAs (pass_params): the shape's count, and with configured = 0 the bounds of the
+ * count groups_kernel picks per pass from the routing. */
+static void pass_params_comm(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int configured) {
+    p->comm_ctas = comm_ctas(ws, R, configured);
+    p->comm_auto = configured <= 0;
+    const int cap = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
+    p->comm_max = cap < R->num_sms - 1 ? cap : R->num_sms - 1;
+    if (p->comm_max < p->comm_ctas) p->comm_max = p->comm_ctas;
+    p->comm_dev = R->comm_dev;
 }
 
 /* The layer a pass reads, as both passes' arguments name it: x, the weights, the context (the

@@ -222,6 +222,7 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
     /* The next ticket is claimed as soon as the current task is posted: the atomic's round trip
        then overlaps the current task's loads instead of delaying the next task's. */
     unsigned long long next = tid == 0 ? atomicAdd(ticket, 1ull) : 0;
+    counter_seen seen = {-1, 0}; /* thread 0: the last wait[0] counter it waited on (pass.cuh) */
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (tid == 0) {
@@ -235,7 +236,9 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
                 g = cur.g;
                 tp.grp = grp;
                 Runner::prepare(p, v, grp, rt, nt, &tp);
-                stop = !(wait_counter_thread(p, wait, grp.target[0]) && wait_counter_thread(p, grp.wait[1], grp.target[1]));
+                /* compute tasks wait on their own rank's counters, most on wait[0] alone */
+                stop = !(wait_counter_seen(p, wait, grp.target[0], &seen) &&
+                         wait_counter_thread(p, grp.wait[1], grp.target[1]));
             }
             mbar_wait(qempty + 8 * q, (uint32_t)((n >> 1) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
             if (!stop) sh.prep[q] = tp;

@@ -193,6 +193,8 @@ static void rank_release(cuda_rank *R) {
     memset(&R->sched, 0, sizeof R->sched);
     cudaFree(R->groups);
     cudaFree(R->num_groups);
+    cudaFree(R->comm_dev);
+    R->comm_dev = NULL;
     R->groups = NULL;
     R->num_groups = NULL;
     cudaFree(R->error_word);
@@ -249,6 +251,7 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
     ALLOC(R->num_groups, sizeof(long long));
+    ALLOC(R->comm_dev, sizeof(int));
     CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
     /* NOTE (the error word): who writes it, who reads it, who clears it, in which order.
      * - Set: only set_error, on the device: atomicCAS(word, 0, code) at device scope; the one
