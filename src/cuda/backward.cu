@@ -491,7 +491,10 @@ static __device__ __forceinline__ void store_staged_f32(const float (&acc)[WS_AC
     }
 }
 
-/* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros. */
+/* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros.
+ * One path for both, every load predicated: an early branch to zeros, or starting the first
+ * wgmma with scale-d 0 on the zero path, made ptxas serialise the wgmmas (C7515; the backward's
+ * main loops ~20% slower on the H200, docs/perf.md), which the build now refuses. */
 template <int VAR>
 static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_group &grp, const task_prep &tp,
                                   float (&acc)[WS_ACC]) {
