@@ -753,7 +753,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
         p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms);
+        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
         p.dw[0] = a->dw_gate;
