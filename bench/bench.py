@@ -217,25 +217,37 @@ def profile_case(group, ranks, name, experts, tokens, skew, config):
         run.close()
 
 
-def print_idle(ev):
+def print_idle(ev, windows=10):
     """Where rank 0's compute CTAs are not in a task: before their first, between tasks (the gaps
-    a CTA waits for its next task to be posted or its inputs to be ready), after their last."""
+    a CTA waits for its next task to be posted or its inputs to be ready), after their last; the
+    gaps by the kind of the task that ends them (what the CTA was waiting to start); and the idle
+    share of each of `windows` equal slices of the pass (where in the pass the waiting is)."""
     t0 = min(e["ts"] for e in ev)
     t1 = max(e["ts"] + e["dur"] for e in ev)
     by_cta = {}
     for e in ev:
         if e["pid"] == 0 and e["cat"] == "compute":
-            by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+            by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
     if not by_cta:
         return
     lead = tail = between = 0.0
-    gaps = []
+    gaps, before_kind = [], {}
+    width = (t1 - t0) / windows if t1 > t0 else 1.0
+    busy = [0.0] * windows
     for spans in by_cta.values():
         spans.sort()
         lead += spans[0][0] - t0
         tail += t1 - spans[-1][1]
-        for (_, end), (start, _) in zip(spans, spans[1:]):
-            gaps.append(max(0.0, start - end))
+        for (_, end, _), (start, _, kind) in zip(spans, spans[1:]):
+            gap = max(0.0, start - end)
+            gaps.append(gap)
+            before_kind[kind] = before_kind.get(kind, 0.0) + gap
+        for start, end, _ in spans:  # each task's time into the slices it overlaps
+            w = max(0, min(windows - 1, int((start - t0) / width)))
+            while w < windows and t0 + w * width < end:
+                lo, hi = max(start, t0 + w * width), min(end, t0 + (w + 1) * width)
+                busy[w] += max(0.0, hi - lo)
+                w += 1
     between = sum(gaps)
     gaps.sort()
     total = (t1 - t0) * len(by_cta)
@@ -244,6 +256,10 @@ def print_idle(ev):
           f"({100 * (lead + between + tail) / total:.1f}%): before the first task {lead / 1e3:.2f}, between tasks "
           f"{between / 1e3:.2f} (gap p50/p90/p99 {q(0.5):.1f}/{q(0.9):.1f}/{q(0.99):.1f} us), after the last "
           f"{tail / 1e3:.2f}", flush=True)
+    waits = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(before_kind.items(), key=lambda kv: -kv[1]) if v > 0)
+    print(f"  rank 0 compute gaps by the task that ends them (SM-ms): {waits or 'none'}", flush=True)
+    idle = " ".join(f"{100 * (1 - b / (width * len(by_cta))):.0f}" for b in busy)
+    print(f"  rank 0 compute idle % per tenth of the pass: {idle}", flush=True)
 
 
 def trace_case(group, ranks, name, experts, tokens, skew, config, out):

@@ -6,7 +6,7 @@
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
 # --base-tests: the checkout's GPU code is what gpu-check.sh tests), the EP1 benchmark beside PyTorch
 # (bench.py --ranks 1 --no-sweep), with --ep2 the EP2 benchmark, with --trace the per-kind
-# trace summary; with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
+# trace summary (EP1; with --ep2 also DeepSeek-V3 at EP2); with --nccl, once, the EP2 baseline (NCCL all-to-all + grouped GEMM under
 # torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
 # --compare-env, one build); each --config FIELD=V,... likewise with config fields replaced
@@ -84,6 +84,9 @@ for t in "${trees[@]}"; do
             --only deepseek-v3,qwen3-30b-a3b --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
         [ $trace -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
             --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
+        # with --ep2 too: DeepSeek-V3's EP2 passes traced (rank 0 is the heavy rank at skew 1.5)
+        [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
+            --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
     ) >>"$log" 2>&1
     echo "==== $t ($(grep -h "passed," "$log" | tail -1))"
     grep -E "^(deepseek|qwen|hash)" "$log" | cut -c1-150

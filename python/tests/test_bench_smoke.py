@@ -34,6 +34,11 @@ def test_bench_smoke(tmp_path, ranks):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "mok fwd ms" in r.stdout
+    # the trace summary: idle time split by what ended each gap, and by tenth of the pass
+    assert "compute gaps by the task that ends them" in r.stdout
+    tenths = [l for l in r.stdout.splitlines() if "idle % per tenth of the pass:" in l]
+    assert tenths and all(len(l.split(":")[1].split()) == 10 for l in tenths)
+    assert all(0 <= int(v) <= 100 for l in tenths for v in l.split(":")[1].split())
     data = json.loads((out / f"bench_ep{ranks}.json").read_text())
     assert len(data["cases"]) == 2 and len(data["sweeps"]) == 2
     for row in data["cases"]:
