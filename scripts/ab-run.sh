@@ -59,25 +59,40 @@ if [ $probe -eq 1 ]; then
     done
 fi
 wait
+# The outputs' hashes of one tree (`--hash`): scale 4 with four macrobatches (carried weight
+# gradients) and replayed rows past the context, on 1 and 2 GPUs; then full size on one GPU
+# (SwiGLU-backward tiles 256 wide; --hash: no reference, whose fp64 copy of 256 full-size experts
+# did not finish in 180 s). Timing plays no part, so two trees' hashes run at once.
+hash_tree() {
+    (
+        cd "$1" || exit 1
+        for P in 1 2; do
+            timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --scale 4 --tokens 2048 --ranks $P \
+                --minibatch 1024 --ring 4096 --context-rows 4096 --check --repeat 2 2>&1 |
+                grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP$P scale 4: /"
+        done
+        timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --tokens 1024 --hash --repeat 2 2>&1 |
+            grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP1 full size: /"
+    ) >"$2" 2>&1
+}
+start=$SECONDS
+if [ $hash -eq 1 ]; then
+    for t in "${trees[@]}"; do
+        while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
+        hash_tree "$t" "$out/hash$(echo "$t" | tr '/.' '__').txt" &
+    done
+    wait
+    echo "ab-run: hashes of ${#trees[@]} trees in $((SECONDS - start)) s"
+fi
 for t in "${trees[@]}"; do
     name=$(echo "$t" | tr '/.' '__')
     log=$out/ab$name.txt
     : >"$log"
+    [ $hash -eq 1 ] && cat "$out/hash$name.txt" >>"$log"
+    t0=$SECONDS
     (
         cd "$t" || exit 1
         export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
-        if [ $hash -eq 1 ]; then
-            # scale 4 with four macrobatches (carried weight gradients) and replayed rows past the
-            # context, on 1 and 2 GPUs; then full size on one GPU (SwiGLU-backward tiles 256 wide)
-            for P in 1 2; do
-                timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --scale 4 --tokens 2048 --ranks $P \
-                    --minibatch 1024 --ring 4096 --context-rows 4096 --check --repeat 2 2>&1 |
-                    grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP$P scale 4: /"
-            done
-            # (--hash: no reference, whose fp64 copy of 256 full-size experts did not finish in 180 s)
-            timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --tokens 1024 --hash --repeat 2 2>&1 |
-                grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP1 full size: /"
-        fi
         [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
         timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
         [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
@@ -88,7 +103,7 @@ for t in "${trees[@]}"; do
         [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
             --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
     ) >>"$log" 2>&1
-    echo "==== $t ($(grep -h "passed," "$log" | tail -1))"
+    echo "==== $t ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
     grep -E "^(deepseek|qwen|hash)" "$log" | cut -c1-150
 done
 if [ $nccl -eq 1 ]; then
