@@ -13,7 +13,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 python3 bench/bench.py --ranks 1 --out "$out" --trace 2>&1 | tee "$out/bench_ep1.txt"
 for P in 2 4 8; do
     [ "$ngpu" -ge $P ] || continue
-    python3 bench/bench.py --ranks $P --out "$out" --sweep-comm 16,32,48 --sweep-mb 2048 2>&1 | tee "$out/bench_ep$P.txt"
+    python3 bench/bench.py --ranks $P --out "$out" --sweep-comm 10,16,24,32 --sweep-mb 2048 2>&1 | tee "$out/bench_ep$P.txt"
     python3 bench/layers.py $P | while read -r name experts tokens skew; do
         torchrun --nproc-per-node $P bench/torch_baseline.py --layer "$name" --experts "$experts" --tokens "$tokens" \
             --skew "$skew" --backward 2>&1 | grep '^{' | tee -a "$out/baseline_ep$P.txt"
