@@ -2,9 +2,7 @@
  * still in flight at each wait) get two definitions, zeros on one branch and plain loads on the
  * other: ptxas serialises the wgmmas and says so (C751x "Potential Performance Loss"), which the
  * Makefile turns into a build failure. Never linked into anything. */
-#include <stdint.h>
-
-#include "cuda/wgmma_tile.cuh"
+#include "wgmma_loop.cuh"
 
 __global__ void serialised_wgmma(float *out, const float *in, int zero, uint64_t da, uint64_t db, int ktiles) {
     float acc[WS_ACC];
@@ -15,14 +13,5 @@ __global__ void serialised_wgmma(float *out, const float *in, int zero, uint64_t
 #pragma unroll
         for (int i = 0; i < WS_ACC; ++i) acc[i] = in[i * 128 + threadIdx.x];
     }
-    for (int kt = 0; kt < ktiles; ++kt) {
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k) wgmma_m64n256k16<0, 0>(acc, da + 4 * kt + k, db + 4 * kt + k, 1);
-        wgmma_commit();
-        wgmma_wait<1>();
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < WS_ACC; ++i) out[i * 128 + threadIdx.x] = acc[i];
+    pipelined_loop(acc, out, da, db, ktiles);
 }
