@@ -24,13 +24,12 @@
 static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
-    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    const int lane = threadIdx.x & 31;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const int peer = ct->peer[r];
         const long long ring = ring0 + r;
         if (peer < 0) { /* a padding row */
-            int4 *x_out = (int4 *)(p.ring_x + ring * p.hidden), *dyw_out = (int4 *)(p.ring_dyw + ring * p.hidden);
-            for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = make_int4(0, 0, 0, 0);
+            zero_pad_row(p.ring_x + ring * p.hidden, p.ring_dyw + ring * p.hidden, p.hidden);
             continue;
         }
         const long long slot = ct->slot[r], token = slot / p.topk;
@@ -51,12 +50,9 @@ static __device__ void run_push(const pass_params &p, const mok_sched_view &v, l
         const int peer = ct->peer[r];
         if (peer < 0) break; /* padding: the rest of the tile */
         const long long slot = ct->slot[r], ring = ring0 + r;
-        copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
-        if ((threadIdx.x & 31) == 0) {
-            float sum = 0.0f;
-            for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
-            ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
-        }
+        dx_row_out((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden,
+                   (float *)(p.peers[peer] + p.off_drw) + slot, p.ring_y + ring * p.hidden,
+                   p.ring_rdot + ring * (p.inter / 64), nI, p.hidden);
     }
 }
 
@@ -78,12 +74,8 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt, com
         const long long ring = ring0 + r;
         if (ct->peer[r] != p.rank) continue;
         const long long slot = ct->slot[r];
-        copy_row(dxbuf + slot * p.hidden, ring_y + ring * p.hidden, p.hidden);
-        if ((threadIdx.x & 31) == 0) {
-            float sum = 0.0f;
-            for (long long j = 0; j < nI; ++j) sum += rdot[ring * (p.inter / 64) + j];
-            drw[slot] = sum;
-        }
+        dx_row_out(dxbuf + slot * p.hidden, drw + slot, ring_y + ring * p.hidden, rdot + ring * (p.inter / 64), nI,
+                   p.hidden);
     }
 }
 
@@ -99,7 +91,7 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
     const char *mine = p.peers[p.rank];
     const uint16_t *x = (const uint16_t *)(mine + p.off_x), *dy = (const uint16_t *)(mine + p.off_dy);
     const float *router_w = (const float *)(mine + p.off_router_w);
-    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    const int lane = threadIdx.x & 31;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const long long ring = ring0 + r;
@@ -111,8 +103,7 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
                      x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
             if (lane == 0) ring_w[ring] = w;
         } else if (src < 0 && q == p.rank) {
-            int4 *x_out = (int4 *)(ring_x + ring * p.hidden), *dyw_out = (int4 *)(ring_dyw + ring * p.hidden);
-            for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = make_int4(0, 0, 0, 0);
+            zero_pad_row(ring_x + ring * p.hidden, ring_dyw + ring * p.hidden, p.hidden);
         }
     }
 }
