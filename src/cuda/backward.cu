@@ -119,23 +119,15 @@ static __device__ __forceinline__ int token_rows(const pass_params &p, long long
  * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
  * zeros (the routed tiles' padding rows, read by the weight gradients).
  *
- * 64 columns at a time, each thread on its own accumulators where they are (the fragment: rows
- * row0 and row0 + 8, columns 8j + col0, +1 for j < 8):
- *  1. g|u of the chunk into the staging tile `c` with 16-byte loads (cols 0..63 g, 64..127 u);
- *  2. each thread reads its g|u pairs from `c`, writes dg|du back over them and h into the h
- *     scratch (WS_H_LD, in the dh scratch after `c`): no copy of the accumulators through shared
- *     memory, and a row's partial is summed in the thread before two shuffles;
- *  3. h, dg and du leave in 16-byte row chunks (from registers, the fragment's 4-byte pattern
- *     stored at a sixth of the coalesced rate: docs/perf.md).
- * Both shared-memory patterns are free of bank conflicts: a row is 68 (c) or 36 (h) words, so the
- * 8 rows x 4 column pairs of a warp's access fall on 32 distinct banks.
- * The partial of a row is the sum the lanes of a warp made when each held two adjacent columns
- * (lane L: columns 2L, 2L + 1, in order) and reduced xor 16, 8, 4, 2, 1: column pair 4j + L % 4
- * is this thread's j, so the first three levels are j ^ 4, j ^ 2, j ^ 1 in the thread, the last
- * two the shuffles xor 2 and 1 (a + b = b + a, so every level gives the same bits); then the
- * chunks in order. A fixed order, and the same bits as that layout. */
-#define WS_H_LD 72 /* bf16: 64 columns, padded */
-static_assert(TILE_BM * WS_H_LD * 2 <= WS_DH_BYTES, "the h chunk fits the dh scratch");
+ * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
+ * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (walk_ws.cuh);
+ * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
+ * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
+ * epilogue ~13,400 instructions of straight-line code). The rows' router weights come into the
+ * scratch once per tile, with the first chunk: read from global memory in the row loop, each
+ * row waited a global load's latency (~45 µs per 256-column tile on the H200). The partial of a
+ * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
+ * chunks in order, in the scratch's per-row sums: a fixed order. */
 static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
@@ -143,77 +135,82 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                                                 bool zero_pad) {
     const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31, warp = t >> 5;
     const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    uint16_t *hs = c + TILE_BM * TILE_C_LD;
-    float wr[2], rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int half = 0; half < 2; ++half) wr[half] = w && row0 + 8 * half < rows ? w[row0 + 8 * half] : 1.0f;
-    const int out_rows = zero_pad ? TILE_BM : rows;
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD, *wsm = rsum + TILE_BM;
+    if (t < TILE_BM) { /* both read after the first chunk's barrier */
+        rsum[t] = 0.0f;
+        wsm[t] = w && t < rows ? w[t] : 1.0f;
+    }
 #pragma unroll
     for (int hc = 0; hc < TILE_BN / 64; ++hc) {
         if (hc * 64 >= n_valid) break;
-        for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) { /* a thread's loads in flight together */
+        /* cp.async: a thread's 8 loads of g|u are in flight together */
+        for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) {
             const int r = idx >> 4, c8 = (idx & 15) * 8;
             const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
             cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
         }
-        cp_async_wait_all();
-        consumer_sync();
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + 8 * half;
-            /* this thread's words: g at gw[4 j], u at gw[32 + 4 j], h at hw[4 j] */
-            uint32_t *gw = (uint32_t *)(c + row * TILE_C_LD) + (lane & 3), *hw = (uint32_t *)(hs + row * WS_H_LD) + (lane & 3);
-            float s = 0.0f;
-            if (row >= rows) { /* padding: zeros out (copied only with zero_pad) */
-#pragma unroll
-                for (int j = 0; j < 8; ++j) gw[4 * j] = gw[32 + 4 * j] = hw[4 * j] = 0u;
-            } else {
-                float part[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int a = 4 * (8 * hc + j) + 2 * half;
-                    const uint32_t gpair = gw[4 * j], upair = gw[32 + 4 * j];
-                    float h[2], dg[2], du[2];
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
-                        mok__swiglu_with_backward(wr[half] * acc[a + q],
-                                                  __uint_as_float(q ? gpair & 0xffff0000u : gpair << 16),
-                                                  __uint_as_float(q ? upair & 0xffff0000u : upair << 16), limit,
-                                                  &h[q], &dg[q], &du[q]);
-                    const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
-                    part[j] = 0.0f;
-                    part[j] += acc[a] * __uint_as_float(hb << 16);
-                    part[j] += acc[a + 1] * __uint_as_float(hb & 0xffff0000u);
-                    hw[4 * j] = hb;
-                    gw[4 * j] = bf16x2_from_f32(dg[0], dg[1]);
-                    gw[32 + 4 * j] = bf16x2_from_f32(du[0], du[1]);
-                }
-                /* xor 16, 8, 4 of the lanes' layout in the thread */
-                s = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
-            }
-            /* then 2 and 1 across the row's four lanes, which every lane of the warp joins */
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            if (row < rows) rsum[half] += s;
-        }
-        consumer_sync();
-        /* h, dg, du: 8 chunks of 16 bytes each per row, a row's 8 on adjacent lanes */
-        const long long col = n0 + 64 * hc;
-        for (int idx = t; idx < out_rows * 24; idx += WS_CONSUMERS) {
-            const int r = idx / 24, q = idx - 24 * r, which = q >> 3, c8 = (q & 7) * 8;
-            const int4 v = which == 0 ? *(const int4 *)(hs + r * WS_H_LD + c8)
-                                      : *(const int4 *)(c + r * TILE_C_LD + (which == 1 ? 0 : 64) + c8);
-            uint16_t *dst = which == 0 ? h_out + r * h_ld + col + c8
-                                       : dgu_out + r * dgu_ld + (which == 1 ? 0 : inter) + col + c8;
-            *(int4 *)dst = v;
-        }
-        consumer_sync(); /* c and the h scratch are read; the next chunk may write them */
-    }
-    if (rdot && (lane & 3) == 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            if (row0 + 8 * half < rows) rdot[(row0 + 8 * half) * rdot_ld] = rsum[half];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int a = 4 * (8 * hc + j) + 2 * half;
+                *(float2 *)(dsm + (row0 + 8 * half) * WS_DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
+            }
+        cp_async_wait_all();
+        consumer_sync();
+        const long long col = n0 + 64 * hc + 2 * lane;
+        /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
+           chunks instead, with the accumulators copied out through a switch, doubled the kernel's
+           spills). Rows warp + 16 k and warp + 16 k + 8: two independent chains per iteration. */
+#pragma unroll 1
+        for (int rp = warp; rp < TILE_BM; rp += 2 * (WS_CONSUMERS / 32)) {
+            uint32_t gpair[2], upair[2];
+            float2 d[2];
+            float wr[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) { /* every shared-memory load of both rows first */
+                const int row = rp + 8 * k;
+                gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+                upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+                d[k] = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
+                wr[k] = wsm[row];
+            }
+            float part[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int row = rp + 8 * k;
+                uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
+                if (row >= rows) {
+                    if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
+                    continue;
+                }
+                float h[2], dg[2], du[2];
+#pragma unroll
+                for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr[k] * (q ? d[k].y : d[k].x),
+                                              __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
+                                              __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), limit, &h[q],
+                                              &dg[q], &du[q]);
+                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
+                part[k] += d[k].x * __uint_as_float(hb << 16);
+                part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
+                *(uint32_t *)hp = hb;
+                *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
+                *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) {
+                part[0] += __shfl_xor_sync(0xffffffffu, part[0], m);
+                part[1] += __shfl_xor_sync(0xffffffffu, part[1], m);
+            }
+            if (lane == 0) {
+                if (rp < rows) rsum[rp] += part[0];
+                if (rp + 8 < rows) rsum[rp + 8] += part[1];
+            }
+        }
+        consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
+    if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
 }
 
 /* A weight-gradient tile: out = init + A^T B over `rows` rows (A M-major, B N-major), where the
