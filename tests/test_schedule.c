@@ -1312,3 +1312,23 @@ MOK_TEST(schedule_comm_workers) {
     CHECK(mok__comm_workers(&p, 16, 33, own, 0) == 16, "no rows");
     CHECK(mok__comm_workers(&p, 1, 33, own, 10 * own) >= 1, "at least one");
 }
+
+/* The comm workers a pass gets when the config leaves them to the backend (core/tasks.h). */
+MOK_TEST(schedule_comm_ctas) {
+    /* DeepSeek-V3 (I = 2048, I_s = 2048, k = 8: I_eff 2304, 12288 / 2304 -> 6) on 132 SMs */
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 0, 132) == 8, "DeepSeek EP1 forward: the one-rank floor");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 1, 132) == 8, "DeepSeek EP1 backward");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 0, 132) == 10, "DeepSeek EP2 forward: %d",
+          mok__comm_ctas(2048, 2048, 8, 2, 0, 132));
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 132) == 16, "DeepSeek EP2 backward");
+    /* Qwen3-30B-A3B (I = 768, no shared expert): ceil(12288 / 768) = 16 everywhere */
+    CHECK(mok__comm_ctas(768, 0, 8, 1, 0, 132) == 16, "Qwen EP1 forward");
+    CHECK(mok__comm_ctas(768, 0, 8, 2, 0, 132) == 16, "Qwen EP2 forward");
+    CHECK(mok__comm_ctas(768, 0, 8, 2, 1, 132) == 16, "Qwen EP2 backward");
+    /* narrow experts: by bytes, capped at a quarter of the SMs */
+    CHECK(mok__comm_ctas(128, 0, 8, 2, 0, 132) == 33, "I = 128: capped at 132 / 4");
+    /* small GPUs: the cap, and at least one SM left to compute */
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 8) == 2, "8 SMs: a quarter");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 2) == 1, "2 SMs: one each");
+    CHECK(mok__comm_ctas(2048, 2048, 0, 2, 1, 132) == 16, "k = 0 does not divide by zero");
+}

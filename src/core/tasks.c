@@ -32,6 +32,17 @@ MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int6
     return n < 1 ? 1 : n > max ? max : n;
 }
 
+MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
+                           int num_sms) {
+    const int64_t i_eff = intermediate + (topk > 0 ? shared_intermediate / topk : 0);
+    int comm = i_eff > 0 ? (int)ceil_div(12288, i_eff) : 1;
+    const int floor = nranks == 1 ? 8 : backward ? 16 : 10;
+    if (comm < floor) comm = floor;
+    const int cap = num_sms / 4 > 1 ? num_sms / 4 : 1;
+    if (comm > cap) comm = cap;
+    return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;
+}
+
 /* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
  * of any rank, so that the blocks peers address (down_tile, combined, dx_tile, pushed: every
  * block before the two token-tile blocks, which come last) sit at the same offsets on every

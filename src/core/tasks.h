@@ -215,6 +215,18 @@ MOK_CORE int mok__plan_names_peers(const mok_plan *plan);
  * rows gives workers to compute while the others take on its rows' moves. */
 MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int64_t own_rows, int64_t routed_rows);
 
+/* A pass's comm workers when the config leaves them to the backend (measured on 2x H200,
+ * docs/perf.md). A worker copies rows at ~35-45 GB/s whatever the method, so the workers a pass
+ * needs grow with the bytes its rows move per FLOP: 4·H bytes (in and out) against 6·H·I_eff
+ * FLOPs, I_eff = I + I_s / k counting the shared expert's work per routed row;
+ * ceil(12288 / I_eff) gives 16 for Qwen3-30B-A3B (I = 768; 16 beat 8, 12 and 24) and 6 for
+ * DeepSeek-V3. Raised to a floor: 8 on one rank (8 beat 4, 12, 16 and 24); across ranks 10 in
+ * the forward (DeepSeek-V3 EP2: 10 beat 12 and 16 by 2-6% once a comm task loaded its tile's
+ * row sources at once) and 16 in the backward (16 beat 10 and 24, and 24, 32, 48 before).
+ * At most a quarter of the SMs, and at least one SM left to compute. */
+MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
+                           int num_sms);
+
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

@@ -24,13 +24,12 @@
 static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
-    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    const int lane = threadIdx.x & 31;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const int peer = ct->peer[r];
         const long long ring = ring0 + r;
         if (peer < 0) { /* a padding row */
-            int4 *x_out = (int4 *)(p.ring_x + ring * p.hidden), *dyw_out = (int4 *)(p.ring_dyw + ring * p.hidden);
-            for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = make_int4(0, 0, 0, 0);
+            zero_pad_row(p.ring_x + ring * p.hidden, p.ring_dyw + ring * p.hidden, p.hidden);
             continue;
         }
         const long long slot = ct->slot[r], token = slot / p.topk;
@@ -51,12 +50,9 @@ static __device__ void run_push(const pass_params &p, const mok_sched_view &v, l
         const int peer = ct->peer[r];
         if (peer < 0) break; /* padding: the rest of the tile */
         const long long slot = ct->slot[r], ring = ring0 + r;
-        copy_row((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden, p.ring_y + ring * p.hidden, p.hidden);
-        if ((threadIdx.x & 31) == 0) {
-            float sum = 0.0f;
-            for (long long j = 0; j < nI; ++j) sum += p.ring_rdot[ring * (p.inter / 64) + j];
-            ((float *)(p.peers[peer] + p.off_drw))[slot] = sum;
-        }
+        dx_row_out((uint16_t *)(p.peers[peer] + p.off_dxbuf) + slot * p.hidden,
+                   (float *)(p.peers[peer] + p.off_drw) + slot, p.ring_y + ring * p.hidden,
+                   p.ring_rdot + ring * (p.inter / 64), nI, p.hidden);
     }
 }
 
@@ -78,12 +74,8 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt, com
         const long long ring = ring0 + r;
         if (ct->peer[r] != p.rank) continue;
         const long long slot = ct->slot[r];
-        copy_row(dxbuf + slot * p.hidden, ring_y + ring * p.hidden, p.hidden);
-        if ((threadIdx.x & 31) == 0) {
-            float sum = 0.0f;
-            for (long long j = 0; j < nI; ++j) sum += rdot[ring * (p.inter / 64) + j];
-            drw[slot] = sum;
-        }
+        dx_row_out(dxbuf + slot * p.hidden, drw + slot, ring_y + ring * p.hidden, rdot + ring * (p.inter / 64), nI,
+                   p.hidden);
     }
 }
 
@@ -99,7 +91,7 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
     const char *mine = p.peers[p.rank];
     const uint16_t *x = (const uint16_t *)(mine + p.off_x), *dy = (const uint16_t *)(mine + p.off_dy);
     const float *router_w = (const float *)(mine + p.off_router_w);
-    const int lane = threadIdx.x & 31, n = (int)(p.hidden / 8);
+    const int lane = threadIdx.x & 31;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const long long ring = ring0 + r;
@@ -111,8 +103,7 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
                      x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
             if (lane == 0) ring_w[ring] = w;
         } else if (src < 0 && q == p.rank) {
-            int4 *x_out = (int4 *)(ring_x + ring * p.hidden), *dyw_out = (int4 *)(ring_dyw + ring * p.hidden);
-            for (int c = lane; c < n; c += 32) x_out[c] = dyw_out[c] = make_int4(0, 0, 0, 0);
+            zero_pad_row(ring_x + ring * p.hidden, ring_dyw + ring * p.hidden, p.hidden);
         }
     }
 }
@@ -501,12 +492,22 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
     wgrad_job w;
     w.init = nullptr;
     if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, grp, tp, &w);
+    /* The thread's rows are row0 and row0 + 8, its columns col0 + 8j (+1): two row predicates
+     * (both off without an init) and no column predicate: a column past n_valid reads at the
+     * last valid pair's address instead (a value no epilogue stores: they store the valid part
+     * only), so every load stays inside the matrix. Bounds per register (64 predicates, more than
+     * a thread has, so spilled to registers) cost ~1,100 instructions per GEMM phase, 15% of the
+     * backward's executed instructions (ncu). */
+    int row0, col0;
+    ws_acc_position(0, &row0, &col0);
+    const bool on0 = w.init && row0 < w.m_valid, on8 = w.init && row0 + 8 < w.m_valid;
+    const int last = w.init ? w.n_valid - 2 - col0 : 0; /* the last valid pair's offset from col0 */
+    const float *b0 = w.init ? w.init + row0 * w.ld + col0 : nullptr, *b8 = w.init ? b0 + 8 * w.ld : nullptr;
 #pragma unroll
     for (int r = 0; r < WS_ACC; r += 2) {
-        int row, col;
-        ws_acc_position(r, &row, &col);
+        const int dc = (r >> 2) * 8, c = dc < last ? dc : last; /* ws_acc_position(r) - (row0, col0) */
         float a = 0.0f, b = 0.0f;
-        if (w.init && row < w.m_valid && col < w.n_valid) ld_f32x2(w.init + row * w.ld + col, &a, &b);
+        if ((r & 2) ? on8 : on0) ld_f32x2(((r & 2) ? b8 : b0) + c, &a, &b);
         acc[r] = a;
         acc[r + 1] = b;
     }
@@ -753,7 +754,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
         p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms);
+        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
         p.dw[0] = a->dw_gate;

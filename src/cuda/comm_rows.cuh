@@ -76,4 +76,23 @@ static __device__ __forceinline__ void pull_row(uint16_t *x_out, uint16_t *dy_ou
     }
 }
 
+/* One warp: a ring row's dx part (h bf16) into its owner's (token, slot) row, and lane 0 the
+ * row's d_router_w, the sum of its nI dh tiles' partial dot products in column order. Push and
+ * gather both write through here, so the two directions give the same bits. */
+static __device__ __forceinline__ void dx_row_out(uint16_t *dx_out, float *drw_out, const uint16_t *y,
+                                                  const float *rdot, long long n_parts, long long h) {
+    copy_row(dx_out, y, h);
+    if ((threadIdx.x & 31) == 0) {
+        float sum = 0.0f;
+        for (long long j = 0; j < n_parts; ++j) sum += rdot[j];
+        *drw_out = sum;
+    }
+}
+
+/* One warp: a padding ring row's x and bf16(w * dy) as zeros (the weight gradients read them). */
+static __device__ __forceinline__ void zero_pad_row(uint16_t *x_out, uint16_t *dyw_out, long long h) {
+    int4 *x = (int4 *)x_out, *d = (int4 *)dyw_out;
+    for (int c = threadIdx.x & 31; c < (int)(h / 8); c += 32) x[c] = d[c] = make_int4(0, 0, 0, 0);
+}
+
 #endif

@@ -357,7 +357,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         }
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
         p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.fwd_comm_sms);
+        pass_params_comm(&p, ws, R, ws->config.fwd_comm_sms, 0);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
         if (a->num_tokens > 0)

@@ -411,29 +411,19 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     if (p->raster < 1 || p->raster > 64) p->raster = 1;
 }
 
-/* Comm CTAs of a pass: the config's count, or for 0 the measured choice (docs/perf.md, 2×H200
- * sweeps). A CTA copies rows at ~35–45 GB/s whatever the method, so the CTAs a pass needs grow
- * with the bytes its rows move per FLOP: 4·H bytes (in and out) against 6·H·I_eff FLOPs, I_eff =
- * I + I_s / k counting the shared expert's work per routed row. ceil(12288 / I_eff) gives 16 for
- * Qwen3-30B-A3B (I = 768; 16 beat 8, 12 and 24) and 6 for DeepSeek-V3, raised to the floor of 8
- * on one rank (8 beat 4, 12, 16 and 24) and 16 across ranks (16 beat 24, 32 and 48 for both).
- * At least one CTA is left to compute. */
-static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured) {
-    int comm = configured;
-    if (comm <= 0) {
-        const long long i_eff = ws->shape.intermediate + ws->shape.shared_intermediate / ws->shape.topk;
-        const int by_bytes = (int)((12288 + i_eff - 1) / i_eff);
-        const int floor = ws->group->nranks == 1 ? 8 : 16;
-        comm = by_bytes > floor ? by_bytes : floor;
-        if (comm > R->num_sms / 4) comm = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
-    }
-    return comm < R->num_sms - 1 ? comm : R->num_sms - 1;
+/* Comm CTAs of a pass: the config's count, or for 0 the measured choice (mok__comm_ctas,
+ * core/tasks.h). */
+static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured, int backward) {
+    if (configured > 0) return configured < R->num_sms - 1 ? configured : R->num_sms - 1;
+    return mok__comm_ctas(ws->shape.intermediate, ws->shape.shared_intermediate, ws->shape.topk, ws->group->nranks,
+                          backward, R->num_sms);
 }
 
 /* A pass's comm CTAs (pass_params): the shape's count, and with configured = 0 the bounds of the
  * count groups_kernel picks per pass from the routing. */
-static void pass_params_comm(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int configured) {
-    p->comm_ctas = comm_ctas(ws, R, configured);
+static void pass_params_comm(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int configured,
+                             int backward) {
+    p->comm_ctas = comm_ctas(ws, R, configured, backward);
     p->comm_auto = configured <= 0;
     const int cap = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
     p->comm_max = cap < R->num_sms - 1 ? cap : R->num_sms - 1;

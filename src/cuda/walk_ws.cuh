@@ -80,7 +80,13 @@ static_assert(4 * WS_STORE_BOX_BYTES <= WS_STAGING_BYTES + WS_DH_BYTES && WS_STA
 #define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
 #define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
 #define WS_PREP_OFF ((WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done) + 15) / 16 * 16)
-#define WS_SMEM_BYTES (1024 + WS_PREP_OFF + 2 * (int)sizeof(task_prep))
+/* The schedule's expert_start [E + 1] and expert_rows [E] (int64), copied at the CTA's start when
+ * E <= WS_EXPERTS_MAX: the producer's row_tile and weight-gradient prep search and read them for
+ * every task, and from global memory each step of that search missed L1 (the counter acquire
+ * before it empties L1), ~7 dependent L2 round trips per task on its way to posting the task. */
+#define WS_EXPERTS_MAX 512
+#define WS_EXPERTS_OFF (WS_PREP_OFF + 2 * (int)sizeof(task_prep))
+#define WS_SMEM_BYTES (1024 + WS_EXPERTS_OFF + (2 * WS_EXPERTS_MAX + 1) * 8)
 static_assert(WS_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
@@ -366,13 +372,24 @@ static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, con
         }
         mbar_init_fence();
     }
+    /* the producer's view: the experts' starts and rows in shared memory when they fit (the
+       schedule does not change during the pass) */
+    mok_sched_view vs = v;
+    const int E = p.num_local_experts;
+    if (E <= WS_EXPERTS_MAX) {
+        int64_t *starts = (int64_t *)(aligned + WS_EXPERTS_OFF), *rows = starts + E + 1;
+        for (int i = threadIdx.x; i <= E; i += blockDim.x) starts[i] = v.expert_start[i];
+        for (int i = threadIdx.x; i < E; i += blockDim.x) rows[i] = v.expert_rows[i];
+        vs.expert_start = starts;
+        vs.expert_rows = rows;
+    }
     __syncthreads(); /* the last CTA-wide barrier: the roles part here */
     /* Warp indices through a shuffle: the compiler then knows the branches are warp-uniform and
        keeps the consumers' wgmmas asynchronous. */
     const int warp = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 32), 0);
     if (warp < WS_PRODUCERS / 32) {
         setmaxnreg_dec_producer(); /* the whole producer warpgroup, before its warps part */
-        if (warp < WS_LOADERS / 32) ws_producer_loop<Runner>(p, v, r, sh);
+        if (warp < WS_LOADERS / 32) ws_producer_loop<Runner>(p, vs, r, sh);
         else ws_completer_loop(p, r, sh);
     } else {
         setmaxnreg_inc_consumer();

@@ -42,11 +42,14 @@
 #define WS_THREADS (WS_PRODUCERS + WS_CONSUMERS)
 #define WS_ACC 128 /* fp32 accumulators per consumer thread: m64n256 */
 /* Registers per thread after the role split (setmaxnreg): the CTA holds what its launch gave it,
-   168 x 384 = 64,512 (launch bounds 384, 1), and the roles share exactly that: 128 * 72 +
-   256 * 216 = 64,512. More would leave setmaxnreg.inc waiting for registers no warp releases.
-   The consumers hold 128 accumulators; the producer only addresses and counters. */
-#define WS_PRODUCER_REGS 72
-#define WS_CONSUMER_REGS 216
+   168 x 384 = 64,512 (launch bounds 384, 1), and the roles share at most that: 128 * 80 +
+   256 * 208 = 63,488. More would leave setmaxnreg.inc waiting for registers no warp releases.
+   The consumers hold 128 accumulators; the producer addresses, counters and the schedule's
+   cursor. At 72 / 216 the producer spilled (forward 216 / 236 bytes, backward 372 / 544) right
+   after its counter acquires, which invalidate L1, so a reload could go to L2; at 80 / 208:
+   forward 136 / 136, backward 324 / 456, and no spill in the wgmma loop either way. */
+#define WS_PRODUCER_REGS 80
+#define WS_CONSUMER_REGS 208
 
 
 /* ---- mbarrier and proxy primitives ---------------------------------------------------------- */
