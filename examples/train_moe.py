@@ -19,9 +19,10 @@ so both runs see the same batches in the same order.
 
 The twin follows mok's rounding points (include/mok.h): gate and up projections rounded to bf16,
 h = bf16(silu(g) * u), each expert output rounded to bf16, the weighted sum in fp32 in the order
-shared, slot 0 .. k-1, rounded once. It differs from mok only in the order of the fp32
-accumulations inside the matmuls and in how dx is summed, which is the bf16 noise this script
-measures. --noise-ref (on by default) trains a third model, the twin with its MoE in fp32 (same bf16 weights, no bf16
+shared, slot 0 .. k-1, rounded once; in the backward, dx summed in fp32 and rounded once to bf16,
+and d_router_w taken against the expert output before its rounding. It differs from mok only in
+the order of the fp32 accumulations inside the matmuls and in how dx is summed, which is the bf16
+noise this script measures. --noise-ref (on by default) trains a third model, the twin with its MoE in fp32 (same bf16 weights, no bf16
 rounding of activations), as a yardstick for what bf16 rounding alone does to the loss.
 
 Outputs in --out: losses.csv (step, loss_mok, loss_torch[, loss_fp32]) and losses.png when
@@ -83,6 +84,44 @@ class MarkovLanguage:
 # ---- the twin: a plain PyTorch MoE with mok's parameters and rounding points ----------------------
 
 
+class ExpertFFN(torch.autograd.Function):
+    """One SwiGLU expert on rows v [n, H] (fp32 holding values of the compute dtype cd) with mok's
+    rounding points, forward and backward (include/mok.h, src/cpu/tasks_bwd.c); with cd = fp32
+    every rounding is a no-op. Returns the output rounded to cd and the output before that rounding
+    (both fp32; the second only for d_router_w, without a gradient of its own).
+    Backward, given gy = w * dy in fp32 (w = 1 for the shared expert): dh = gy . W_down in fp32 (not
+    rounded), dg and du rounded to cd, the rows' dx part = dg . W_gate + du . W_up accumulated in
+    fp32 and rounded once; weight gradients: W_down's from cd(gy) and h, W_gate's and W_up's from
+    dg, du and v, each accumulated in fp32 and rounded once."""
+
+    @staticmethod
+    def forward(ctx, v, wg, wu, wd, cd):
+        vc = v.to(cd)
+        g = F.linear(vc, wg.to(cd))
+        u = F.linear(vc, wu.to(cd))
+        h = (F.silu(g.float()) * u.float()).to(cd)
+        y = F.linear(h, wd.to(cd))
+        exact = F.linear(h.float(), wd.float())
+        ctx.save_for_backward(vc, g, u, h, wg, wu, wd)
+        ctx.cd = cd
+        ctx.mark_non_differentiable(exact)
+        return y.float(), exact
+
+    @staticmethod
+    def backward(ctx, gy, _):
+        vc, g, u, h, wg, wu, wd = ctx.saved_tensors
+        cd = ctx.cd
+        dh = gy @ wd.float()
+        gf, uf = g.float(), u.float()
+        sg = torch.sigmoid(gf)
+        dg = (dh * uf * sg * (1 + gf * (1 - sg))).to(cd)
+        du = (dh * gf * sg).to(cd)
+        dx = (torch.cat([dg, du], 1) @ torch.cat([wg.to(cd), wu.to(cd)], 0)).float()
+        dwd = gy.to(cd).t() @ h
+        dwg, dwu = dg.t() @ vc, du.t() @ vc
+        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), None
+
+
 class TorchMoE(nn.Module):
     """The function of mok.torch.MoE in plain PyTorch. Same parameter names, shapes and dtypes, so
     a state_dict copies across. compute_dtype=torch.bfloat16 follows mok's rounding points;
@@ -123,35 +162,36 @@ class TorchMoE(nn.Module):
         weights, ids = torch.topk(probs, self.topk, dim=-1)
         return ids, weights / weights.sum(dim=-1, keepdim=True)
 
-    def _ffn(self, v, wg, wu, wd):
-        """SwiGLU with mok's rounding points: bf16 g, u, h and output (fp32 accumulation inside)."""
-        cd = self.compute_dtype
-        g = F.linear(v, wg.to(cd))
-        u = F.linear(v, wu.to(cd))
-        h = (F.silu(g.float()) * u.float()).to(cd)
-        return F.linear(h, wd.to(cd))
-
     def forward(self, x):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.hidden)
         T = flat.shape[0]
         ids, rw = self.route(flat)
-        # Gathering from the fp32 x and rounding each gathered block to bf16 keeps dx's sum of the
-        # parts in fp32 (mok: fp32 sum of bf16 parts, rounded once).
-        xc = flat.float()
+        # x goes in as bf16 and dx comes out as bf16, as through mok.torch.MoE: autograd sums the
+        # parts of dx (shared, then the gathered rows') in fp32 on xc and rounds the sum once, at
+        # the cast (mok: fp32 sum of bf16 parts, rounded once). In the fp32 twin both casts are
+        # no-ops.
+        xc = flat.to(self.compute_dtype).float()
+        cd = self.compute_dtype
         y = torch.zeros(T, self.hidden, dtype=torch.float32, device=x.device)
         if self.s_gate is not None:
-            y = y + self._ffn(xc.to(self.compute_dtype), self.s_gate, self.s_up, self.s_down).float()
+            y = y + ExpertFFN.apply(xc, self.s_gate, self.s_up, self.s_down, cd)[0]
         # Rows sorted by expert, one matmul chain per expert, back to (token, slot) order, then the
         # weighted fp32 sum in slot order (mok's order).
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        rows = xc[order // self.topk].to(self.compute_dtype)
-        outs = [self._ffn(chunk, self.w_gate[e], self.w_up[e], self.w_down[e])
+        rows = xc[order // self.topk]
+        outs = [ExpertFFN.apply(chunk, self.w_gate[e], self.w_up[e], self.w_down[e], cd)
                 for e, chunk in enumerate(rows.split(counts)) if counts[e]]
-        out = torch.cat(outs)[torch.argsort(order)].view(T, self.topk, self.hidden).float()
-        contrib = out * rw.unsqueeze(-1)
+        back = torch.argsort(order)
+        out = torch.cat([o for o, _ in outs])[back].view(T, self.topk, self.hidden)
+        # d_router_w[t, j] = <dy[t], FFN_e(x[t])> with the expert output before its bf16 rounding
+        # (mok.h): the product's value uses the rounded output, its router-weight gradient the
+        # unrounded one (zero in value: rw - rw.detach()).
+        exact = torch.cat([e for _, e in outs])[back].view(T, self.topk, self.hidden)
+        rw3 = rw.unsqueeze(-1)
+        contrib = out * rw3.detach() + exact * (rw3 - rw3.detach())
         for j in range(self.topk):
             y = y + contrib[:, j]
         if self.compute_dtype != torch.float32:
@@ -254,8 +294,14 @@ def first_step_check(model_mok, model_torch, inputs, targets):
     x = model_mok.embed(inputs).detach()
     b0_mok, b0_torch = model_mok.blocks[0], model_torch.blocks[0]
     h = b0_mok.norm2(x + b0_mok.attn(b0_mok.norm1(x))).detach()
-    y_mok, y_torch = b0_mok.moe(h), b0_torch.moe(h)
+    hs = [h.clone().requires_grad_(True) for _ in range(2)]
+    y_mok, y_torch = b0_mok.moe(hs[0]), b0_torch.moe(hs[1])
     out["moe0_y"] = ((y_mok - y_torch).abs().max() / y_torch.abs().max()).item()
+    dy = torch.randn(y_mok.shape, generator=torch.Generator().manual_seed(11)).to(h.device)
+    y_mok.backward(dy)
+    y_torch.backward(dy)
+    # dx: the MoE's part (bf16 on both sides) plus the router's (fp32)
+    out["moe0_dx"] = ((hs[0].grad - hs[1].grad).abs().max() / hs[1].grad.abs().max()).item()
     for m in (model_mok, model_torch):
         m.zero_grad(set_to_none=True)
         logits = m(inputs)

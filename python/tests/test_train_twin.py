@@ -1,0 +1,103 @@
+"""test_train_twin.py — the training example's PyTorch twin (examples/train_moe.py) computes mok's
+function with mok's rounding points, forward and backward: its hand-written expert backward
+(ExpertFFN) equals autograd in fp32, and in bf16 its layer matches mok.torch.MoE on the cpu
+backend up to the order of fp32 sums: dx rounded once to bf16, d_router_w from the expert output
+before its rounding, every other gradient within a bf16 step. Skipped without torch.
+"""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+import mok
+
+SEED = int(os.environ.get("MOK_PY_SEED", np.random.SeedSequence().entropy % (1 << 32)))
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_moe.py")
+
+
+@pytest.fixture(autouse=True)
+def _print_seed():
+    print(f"MOK_PY_SEED={SEED}")
+
+
+def _example():
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def test_expert_ffn_fp32_is_autograd():
+    import torch
+    import torch.nn.functional as F
+    ex = _example()
+    g = torch.Generator().manual_seed(SEED)
+    n, H, I = 37, 64, 48
+    v = torch.randn(n, H, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    wg, wu = (torch.randn(I, H, generator=g).div(8).requires_grad_(True) for _ in range(2))
+    wd = torch.randn(H, I, generator=g).div(8).requires_grad_(True)
+    gy = torch.randn(n, H, generator=g)
+    y, exact = ex.ExpertFFN.apply(v, wg, wu, wd, torch.float32)
+    assert torch.equal(y, exact)
+    got = torch.autograd.grad(y, (v, wg, wu, wd), gy)
+    ref_y = F.linear(F.silu(F.linear(v, wg)) * F.linear(v, wu), wd)
+    want = torch.autograd.grad(ref_y, (v, wg, wu, wd), gy)
+    assert _rel(y, ref_y) < 1e-6
+    for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), got, want):
+        assert _rel(a, b) < 1e-5, name
+
+
+def _pair(ex, T, H, I, E, k, Is, seed):
+    """mok.torch.MoE (cpu backend) and the bf16 twin with the same weights, both routed by the
+    same fixed (topk_ids, router_w) so that dx is the MoE's alone (no router path)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    m = mok.torch.MoE(H, I, E, k, shared_intermediate=Is, backend="cpu", max_tokens=T)
+    t = ex.TorchMoE(H, I, E, k, Is, compute_dtype=torch.bfloat16)
+    t.load_state_dict(m.state_dict())
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[::7, -1] = ids[::7, 0]  # a token twice on one expert
+    rw = torch.rand(T, k, generator=g) * 2 - 0.5  # weights <= 0 too
+    leaf = rw.clone().requires_grad_(True)
+    m.route = lambda flat: (ids, leaf, None)
+    t.route = lambda flat: (ids.long(), leaf)
+    return m, t, leaf, g
+
+
+def test_twin_matches_mok_cpu_up_to_sum_order():
+    import torch
+    ex = _example()
+    T, H, I, E, k, Is = 96, 128, 64, 6, 2, 64
+    m, t, leaf, g = _pair(ex, T, H, I, E, k, Is, SEED)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).float()
+    dy = torch.randn(T, H, generator=g).to(torch.bfloat16).float()
+    out = {}
+    for name, layer in (("mok", m), ("twin", t)):
+        xi = x.clone().requires_grad_(True)
+        leaf.grad = None
+        layer.zero_grad(set_to_none=True)
+        y = layer(xi)
+        y.backward(dy)
+        out[name] = dict(y=y.detach(), dx=xi.grad, d_router_w=leaf.grad.clone(),
+                         **{n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
+    a, b = out["mok"], out["twin"]
+    # y and the gradients: the same bf16 values up to half a bf16 step of the largest (measured:
+    # most are equal, the rest within 1e-3)
+    assert _rel(a["y"], b["y"]) < 4e-3
+    # dx: one bf16 rounding of the fp32 sum on both sides
+    for name in ("mok", "twin"):
+        dx = out[name]["dx"]
+        assert torch.equal(dx, dx.to(torch.bfloat16).float()), f"{name}'s dx is not rounded to bf16"
+    assert _rel(a["dx"], b["dx"]) < 4e-3
+    # d_router_w: fp32 dot products with the unrounded expert outputs (with the rounded ones the
+    # difference is ~1e-3)
+    assert _rel(a["d_router_w"], b["d_router_w"]) < 1e-5
+    for n in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
+        assert n in a and n in b, n
+        assert _rel(a[n], b[n]) < 4e-3, n
