@@ -242,7 +242,10 @@ def host_case(group, ranks, name, experts, tokens, skew, config, reps):
                 baseline_step(i), 1, reps)
     finally:
         run.close()
-    print("host " + json.dumps(out), flush=True)
+    parts = [f"{label} host {out[k + '_host_ms']:.3f} queued {out[k + '_queued_ms']:.3f}"
+             for label, k in (("fwd", "forward"), ("bwd", "backward"), ("torch fwd", "baseline_forward"),
+                              ("torch f+b", "baseline_forward_backward")) if k + "_host_ms" in out]
+    print(f"host {name} EP{ranks} skew {skew} (ms per call): " + "; ".join(parts), flush=True)
     return out
 
 
