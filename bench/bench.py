@@ -56,6 +56,12 @@ def make_inputs(layer, experts, tokens, ranks, skew, seed):
     return per_rank
 
 
+def sync_all(ranks):
+    if not SMOKE:
+        for r in range(ranks):
+            torch.cuda.synchronize(r)
+
+
 def time_ranks(fn, ranks, reps):
     """Median over reps of the slowest rank's CUDA-event time of fn()."""
     if SMOKE:
@@ -67,8 +73,7 @@ def time_ranks(fn, ranks, reps):
         return sorted(times)[len(times) // 2]
     for _ in range(2):
         fn()
-    for r in range(ranks):
-        torch.cuda.synchronize(r)  # noqa
+    sync_all(ranks)
     times = []
     for _ in range(reps):
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
@@ -190,12 +195,6 @@ def kind_flops(layer, experts, tokens, ranks):
             "shared_wgrad": 2 * tokens * 3 * Is * H}
 
 
-def sync_all(ranks):
-    if not SMOKE:
-        for r in range(ranks):
-            torch.cuda.synchronize(r)
-
-
 def host_and_queued(fn, ranks, reps):
     """(median host time of one fn() call started on idle GPUs, GPU time per call with reps calls
     queued back to back). time_ranks times each call from idle GPUs, so a call whose host work
@@ -260,15 +259,14 @@ def profile_case(group, ranks, name, experts, tokens, skew, config):
     try:
         run.forward()
         run.backward()
-        sync = (lambda: None) if SMOKE else (lambda: [torch.cuda.synchronize(r) for r in range(ranks)])
-        sync()
+        sync_all(ranks)
         with profile(activities=activities) as prof:
             for _ in range(3):
                 run.forward()
-            sync()
+            sync_all(ranks)
             for _ in range(3):
                 run.backward()
-            sync()
+            sync_all(ranks)
         key = "self_cpu_time_total" if SMOKE else "self_cuda_time_total"
         print(f"profile {name} EP{ranks} {tokens} tokens/GPU skew {skew}: 3 forwards + 3 backwards", flush=True)
         print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
@@ -332,9 +330,7 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
     try:
         for phase, fn in (("fwd", run.forward), ("bwd", run.backward)):
             fn()
-            if not SMOKE:
-                for r in range(ranks):
-                    torch.cuda.synchronize(r)
+            sync_all(ranks)
             path = os.path.join(out, f"trace_{name}_ep{ranks}_skew{skew}_{phase}.json")
             run.ws.trace_write(path)
             ev = timeline.load(path)
