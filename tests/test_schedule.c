@@ -1317,12 +1317,14 @@ MOK_TEST(schedule_comm_workers) {
 MOK_TEST(schedule_comm_ctas) {
     /* DeepSeek-V3 (I = 2048, I_s = 2048, k = 8: I_eff 2304, 12288 / 2304 -> 6) on 132 SMs */
     CHECK(mok__comm_ctas(2048, 2048, 8, 1, 0, 132) == 8, "DeepSeek EP1 forward: the one-rank floor");
-    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 1, 132) == 8, "DeepSeek EP1 backward");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 1, 132) == 12, "DeepSeek EP1 backward: the one-rank backward's floor");
     CHECK(mok__comm_ctas(2048, 2048, 8, 2, 0, 132) == 10, "DeepSeek EP2 forward: %d",
           mok__comm_ctas(2048, 2048, 8, 2, 0, 132));
     CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 132) == 16, "DeepSeek EP2 backward");
-    /* Qwen3-30B-A3B (I = 768, no shared expert): ceil(12288 / 768) = 16 everywhere */
+    /* Qwen3-30B-A3B (I = 768, no shared expert): ceil(12288 / 768) = 16, but ceil(15360 / 768) =
+       20 in the one-rank backward */
     CHECK(mok__comm_ctas(768, 0, 8, 1, 0, 132) == 16, "Qwen EP1 forward");
+    CHECK(mok__comm_ctas(768, 0, 8, 1, 1, 132) == 20, "Qwen EP1 backward");
     CHECK(mok__comm_ctas(768, 0, 8, 2, 0, 132) == 16, "Qwen EP2 forward");
     CHECK(mok__comm_ctas(768, 0, 8, 2, 1, 132) == 16, "Qwen EP2 backward");
     /* narrow experts: by bytes, capped at a quarter of the SMs */

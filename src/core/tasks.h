@@ -220,9 +220,12 @@ MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int6
  * needs grow with the bytes its rows move per FLOP: 4·H bytes (in and out) against 6·H·I_eff
  * FLOPs, I_eff = I + I_s / k counting the shared expert's work per routed row;
  * ceil(12288 / I_eff) gives 16 for Qwen3-30B-A3B (I = 768; 16 beat 8, 12 and 24) and 6 for
- * DeepSeek-V3. Raised to a floor: 8 on one rank (8 beat 4, 12, 16 and 24); across ranks 10 in
- * the forward (DeepSeek-V3 EP2: 10 beat 12 and 16 by 2-6% once a comm task loaded its tile's
- * row sources at once) and 16 in the backward (16 beat 10 and 24, and 24, 32, 48 before).
+ * DeepSeek-V3. Raised to a floor: 8 in the one-rank forward (8 beat 4, 12, 16 and 24); across
+ * ranks 10 in the forward (DeepSeek-V3 EP2: 10 beat 12 and 16 by 2-6% once a comm task loaded
+ * its tile's row sources at once) and 16 in the backward (16 beat 10 and 24, and 24, 32, 48
+ * before). The one-rank backward takes ceil(15360 / I_eff) with a floor of 12: its comm tasks
+ * bounded the dh / dx phases (trace: compute idle 22-28% there with 8), and 12 beat 8, 16, 20
+ * and 24 on DeepSeek-V3 (-3%), 20 beat 12, 16 and 24 on Qwen3 (-3.6%).
  * At most a quarter of the SMs, and at least one SM left to compute. */
 MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
                            int num_sms);
