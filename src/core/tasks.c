@@ -293,11 +293,17 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
     const int pull = p->combine_pull && !p->recompute, push = p->dispatch_push && !p->recompute;
     const int64_t gatherers = pull ? p->nranks : 1, senders = push ? p->nranks : 1;
     const int64_t nmb_all = pull || push ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
+    /* lag: a minibatch's down tiles (and its combine or gathers) come after the next minibatch's
+       gate/up tiles in the order, so that the compute CTAs that take them find their row tiles'
+       gate/up done instead of waiting for them (the idle before the down tiles of a minibatch that
+       the CTAs take at once). A dispatch that refills a ring slot then waits for a combine
+       emitted one minibatch later: it needs a ring of two minibatches or more. */
+    const int64_t lag = !p->recompute && ring_mbs >= 2 ? 1 : 0;
     int64_t next = 0;
-    for (int64_t b = 0; b < nmb_all; ++b) {
+    for (int64_t b = 0; b < nmb_all + lag; ++b) {
         /* dispatch_push: this rank's rows into every rank's tiles of the minibatches in reach,
            each after the slot's previous occupant was combined on that rank */
-        while (push && next < nmb_all && next <= b + ahead && next - ring_mbs <= b - 1) {
+        while (push && next < nmb_all && next <= b + ahead && next - ring_mbs <= b - 1 - lag) {
             for (int r = 0; r < p->nranks; ++r) {
                 int64_t t0, t1, wait = -1, target = 0;
                 if (!peer_mb_tiles(p, r, next, &t0, &t1)) continue;
@@ -312,7 +318,7 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
             }
             ++next;
         }
-        while (!push && next < nmb && next <= b + ahead && next - ring_mbs <= b - 1) {
+        while (!push && next < nmb && next <= b + ahead && next - ring_mbs <= b - 1 - lag) {
             int64_t t0, t1, wait = -1, target = 0;
             mb_tiles(p, rows, next, &t0, &t1);
             if (next >= ring_mbs) {
@@ -330,23 +336,29 @@ static MOK_HD void build_forward(const mok_plan *p, const mok_counters_layout *L
             mb_tiles(p, rows, b, &t0, &t1);
             const int64_t tiles = t1 - t0;
             /* gate/up bumps its row tile's counter (down waits on it) and the minibatch's (a
-               recompute pass refills the ring slot after it); down and combine hand over per row
-               tile */
+               recompute pass refills the ring slot after it) */
             emit(em, MOK_TASK_GATEUP, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->gateup_tile + t0, 1, L->gateup_done + b,
                  L->dispatched + b, tiles * senders, 0, -1, 0);
-            if (p->recompute) continue;
-            emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->down_tile + t0, 1, -1, L->gateup_tile + t0,
+        }
+        const int64_t d = b - lag; /* the minibatch whose down tiles and combine follow */
+        if (p->recompute || d < 0) continue;
+        if (d < nmb) {
+            int64_t t0, t1;
+            mb_tiles(p, rows, d, &t0, &t1);
+            const int64_t tiles = t1 - t0;
+            /* down and combine hand over per row tile */
+            emit(em, MOK_TASK_DOWN, MOK_ROLE_COMPUTE, d, t0, tiles, nH, L->down_tile + t0, 1, -1, L->gateup_tile + t0,
                  nI, 1, -1, 0);
             if (!pull)
-                emit(em, MOK_TASK_COMBINE, MOK_ROLE_COMM, b, t0, tiles, 1, L->combined + b, 0, -1, L->down_tile + t0, nH,
+                emit(em, MOK_TASK_COMBINE, MOK_ROLE_COMM, d, t0, tiles, 1, L->combined + d, 0, -1, L->down_tile + t0, nH,
                      1, -1, 0);
         }
-        /* each rank's row tiles of minibatch b, in rank order: the counter offsets are the same
+        /* each rank's row tiles of minibatch d, in rank order: the counter offsets are the same
            on every rank (mok__counters_layout) */
         for (int r = 0; pull && r < p->nranks; ++r) {
             int64_t t0, t1;
-            if (!peer_mb_tiles(p, r, b, &t0, &t1)) continue;
-            emit_peer(em, MOK_TASK_GATHER, MOK_ROLE_COMM, b, t0, t1 - t0, 1, L->combined + b, 0, -1, L->down_tile + t0,
+            if (!peer_mb_tiles(p, r, d, &t0, &t1)) continue;
+            emit_peer(em, MOK_TASK_GATHER, MOK_ROLE_COMM, d, t0, t1 - t0, 1, L->combined + d, 0, -1, L->down_tile + t0,
                       nH, 1, -1, 0, r, r, r);
         }
     }
@@ -380,6 +392,17 @@ static MOK_HD int64_t dh_tasks_in(const mok_plan *p, int64_t m) {
     return (hi - lo) / MOK_ROW_TILE * (p->intermediate / p->n_tile);
 }
 
+/* A minibatch's dx tiles and, unless its dx parts are gathered by their owners, its push. */
+static MOK_HD void emit_dx(const mok_plan *p, const mok_counters_layout *L, emitter *em, int64_t b, int64_t nI,
+                           int64_t nH, int gather) {
+    int64_t t0, t1;
+    mb_tiles(p, p->padded_rows, b, &t0, &t1);
+    const int64_t tiles = t1 - t0;
+    emit(em, MOK_TASK_DX, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->dx_tile + t0, 1, -1, L->dh_tile + t0, nI, 1, -1, 0);
+    if (!gather)
+        emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_tile + t0, nH, 1, -1, 0);
+}
+
 static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *L, emitter *em) {
     const int64_t nI = p->intermediate / p->n_tile, nH = p->hidden / p->n_tile_h;
     const int64_t nIs = p->shared_intermediate / p->n_tile, ntt = L->num_token_tiles;
@@ -398,10 +421,18 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
     const int64_t nmb_all = gather || scatter ? ceil_div(layout_rows(p), p->minibatch_rows) : nmb;
     int64_t next = 0, counted_m = -1, counted = 0;
     int pull_lo = 0, wgrad_lo = 0; /* experts_in cursors */
+    /* lag: inside a macrobatch, a minibatch's dx tiles (and its push) come after the next
+       minibatch's dh tiles in the order, so that the compute CTAs that take them find their row
+       tiles' dh done instead of waiting for them; a macrobatch's last minibatch takes its dx tiles
+       before the weight gradients. A pull that refills a ring slot then waits for a push emitted
+       up to one minibatch later. Not with pulled reverse-dispatch: a rank's gathers of minibatch
+       b would wait, ahead of its pulls, for peers' dx tiles that wait for those pulls. */
+    const int64_t lag = ring_mbs >= 2 && !gather ? 1 : 0;
+    int64_t deferred = -1; /* the minibatch whose dx tiles and push are still to be emitted */
     for (int64_t b = 0; b < nmb_all; ++b) {
         /* A pull into macrobatch M waits for macrobatch M-1's weight gradients, emitted after
            M-1's last minibatch: only pull minibatches whose macrobatch has started. */
-        while (next < (scatter ? nmb_all : nmb) && next <= b + ahead && next - ring_mbs <= b - 1 &&
+        while (next < (scatter ? nmb_all : nmb) && next <= b + ahead && next - ring_mbs <= b - 1 - lag &&
                (next / ring_mbs) * ring_mbs <= b) {
             int64_t t0, t1, w0 = -1, g0 = 0, w1 = -1, g1 = 0;
             mb_tiles(p, rows, next, &t0, &t1);
@@ -446,12 +477,11 @@ static MOK_HD void build_backward(const mok_plan *p, const mok_counters_layout *
         const int64_t tiles = t1 - t0;
         emit(em, MOK_TASK_DH, MOK_ROLE_COMPUTE, b, t0, tiles, nI, L->dh_tile + t0, 1, L->dh_macro_done + m,
              L->pulled + b, tiles * senders, 0, -1, 0);
-        emit(em, MOK_TASK_DX, MOK_ROLE_COMPUTE, b, t0, tiles, nH, L->dx_tile + t0, 1, -1, L->dh_tile + t0, nI, 1, -1,
-             0);
-        if (!gather)
-            emit(em, MOK_TASK_PUSH, MOK_ROLE_COMM, b, t0, tiles, 1, L->pushed + b, 0, -1, L->dx_tile + t0, nH, 1, -1,
-                 0);
-        if ((b + 1) % ring_mbs == 0 || b == nmb - 1) {
+        const int last = (b + 1) % ring_mbs == 0 || b == nmb - 1; /* of its macrobatch */
+        if (deferred >= 0) emit_dx(p, L, em, deferred, nI, nH, gather);
+        deferred = lag && !last ? b : -1;
+        if (deferred != b) emit_dx(p, L, em, b, nI, nH, gather);
+        if (last) {
             const int64_t per_expert = mok__wgrad_tiles(p, p->intermediate);
             int hi;
             experts_in(p, m, &wgrad_lo, &hi);
