@@ -722,13 +722,10 @@ __global__ void backward_epilogue_kernel(const pass_params p, uint16_t *dx, floa
         } else {
             for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
         }
-        for (int j = 0; j < p.topk; ++j) {
-            const bool valid = v.own_ids[t * p.topk + j] >= 0;
-            if (c8 == 0) d_router_w[t * p.topk + j] = valid ? drw[t * p.topk + j] : 0.0f;
-            if (!valid) continue;
-            *(int4 *)in = *(const int4 *)(dxbuf + (t * p.topk + j) * p.hidden + c8);
-            for (int i = 0; i < 8; ++i) acc[i] += mok__bf16_to_f32(in[i]);
-        }
+        if (c8 == 0)
+            for (int j = 0; j < p.topk; ++j)
+                d_router_w[t * p.topk + j] = v.own_ids[t * p.topk + j] >= 0 ? drw[t * p.topk + j] : 0.0f;
+        slot_sum8<false>(acc, v.own_ids + t * p.topk, nullptr, dxbuf + t * p.topk * p.hidden + c8, p.hidden, p.topk);
         *(int4 *)(dx + t * p.hidden + c8) = bf16x8_from_f32(acc);
     }
 }

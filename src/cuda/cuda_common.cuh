@@ -239,4 +239,39 @@ mok_status mok__cuda_error_word_clear(mok_workspace *ws, int local_rank, cudaStr
  * base (device memory of the returned bytes) set, also points out's arrays into it. */
 size_t mok__cuda_sched_scratch(const mok_workspace *ws, int num_sms, char *base, cuda_sched_scratch *out);
 
+/* Both passes' epilogues: the fixed-order sum of one token's 8-column chunk over its k slots, onto
+ * acc (which holds the shared expert's part, or zeros): slot j = 0..k-1 in order, empty slots (id
+ * < 0) skipped, each part times w[j] when WEIGHTED (the forward's y) or as it is (the backward's
+ * dx). rows[j * ld] is slot j's chunk. Eight slots' ids, weights and rows are loaded before their
+ * sums (an empty slot's row is in the buffer too, its bytes unused), so a thread keeps eight row
+ * loads in flight instead of one; the sums, and so the bits, are those of the plain loop. */
+template <bool WEIGHTED>
+static __device__ __forceinline__ void slot_sum8(float (&acc)[8], const int32_t *ids, const float *w,
+                                                 const uint16_t *rows, long long ld, int k) {
+    for (int j0 = 0; j0 < k; j0 += 8) {
+        int4 r[8];
+        int32_t id[8];
+        float wj[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            id[q] = -1;
+            if (j0 + q < k) {
+                id[q] = ids[j0 + q];
+                wj[q] = WEIGHTED ? w[j0 + q] : 1.0f;
+                r[q] = *(const int4 *)(rows + (long long)(j0 + q) * ld);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            if (id[q] < 0) continue;
+            const uint16_t *in = (const uint16_t *)&r[q];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (WEIGHTED) acc[i] += wj[q] * mok__bf16_to_f32(in[i]);
+                else acc[i] += mok__bf16_to_f32(in[i]);
+            }
+        }
+    }
+}
+
 #endif

@@ -323,12 +323,8 @@ __global__ void forward_epilogue_kernel(const pass_params p, const float *router
         } else {
             for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
         }
-        for (int j = 0; j < p.topk; ++j) {
-            if (v.own_ids[t * p.topk + j] < 0) continue;
-            const float w = router_w[t * p.topk + j];
-            *(int4 *)in = *(const int4 *)(comb + (t * p.topk + j) * p.hidden + c8);
-            for (int i = 0; i < 8; ++i) acc[i] += w * mok__bf16_to_f32(in[i]);
-        }
+        slot_sum8<true>(acc, v.own_ids + t * p.topk, router_w + t * p.topk, comb + t * p.topk * p.hidden + c8, p.hidden,
+                        p.topk);
         *(int4 *)(y + t * p.hidden + c8) = bf16x8_from_f32(acc);
     }
 }
