@@ -190,6 +190,65 @@ def kind_flops(layer, experts, tokens, ranks):
             "shared_wgrad": 2 * tokens * 3 * Is * H}
 
 
+def sync_all(ranks):
+    if not SMOKE:
+        for r in range(ranks):
+            torch.cuda.synchronize(r)
+
+
+def host_and_queued(fn, ranks, reps):
+    """(median host time of one fn() call started on idle GPUs, GPU time per call with reps calls
+    queued back to back). time_ranks times each call from idle GPUs, so a call whose host work
+    (Python, the binding, launches) outlasts the GPU work queued before it shows that host time
+    as GPU idle; queued back to back, the host runs ahead and only GPU time is left."""
+    fn()
+    host = []
+    for _ in range(reps):
+        sync_all(ranks)
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    sync_all(ranks)
+    host.sort()
+    if SMOKE:
+        return host[len(host) // 2], float("nan")
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
+    for r in range(ranks):
+        ev[r][0].record(torch.cuda.current_stream(r))
+    for _ in range(reps):
+        fn()
+    for r in range(ranks):
+        ev[r][1].record(torch.cuda.current_stream(r))
+    sync_all(ranks)
+    return host[len(host) // 2], max(a.elapsed_time(b) for a, b in ev) / reps
+
+
+def host_case(group, ranks, name, experts, tokens, skew, config, reps):
+    """A line per case: mok's and (one rank) PyTorch's host time per call and GPU time per call
+    queued back to back, beside the per-call times of the table."""
+    layer = LAYERS[name]
+    inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
+    run = MokRun(group, layer, experts, tokens, inputs, config)
+    out = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew)
+    try:
+        run.forward()
+        out["forward_host_ms"], out["forward_queued_ms"] = host_and_queued(run.forward, ranks, reps)
+        out["backward_host_ms"], out["backward_queued_ms"] = host_and_queued(run.backward, ranks, reps)
+        if ranks == 1:
+            i = inputs[0]
+            out["baseline_forward_host_ms"], out["baseline_forward_queued_ms"] = host_and_queued(
+                lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1, reps)
+            out["baseline_forward_backward_host_ms"], out["baseline_forward_backward_queued_ms"] = host_and_queued(
+                baseline_step(i), 1, reps)
+    finally:
+        run.close()
+    parts = [f"{label} host {out[k + '_host_ms']:.3f} queued {out[k + '_queued_ms']:.3f}"
+             for label, k in (("fwd", "forward"), ("bwd", "backward"), ("torch fwd", "baseline_forward"),
+                              ("torch f+b", "baseline_forward_backward")) if k + "_host_ms" in out]
+    print(f"host {name} EP{ranks} skew {skew} (ms per call): " + "; ".join(parts), flush=True)
+    return out
+
+
 def profile_case(group, ranks, name, experts, tokens, skew, config):
     """Every kernel's GPU time (and the host's) over 3 forwards and 3 backwards, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -331,6 +390,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="per case, every kernel's GPU time over 3 forwards and 3 backwards (torch.profiler): "
                          "what the passes spend outside the megakernel (schedule, barriers, epilogue, memsets)")
+    ap.add_argument("--host", action="store_true",
+                    help="per case, mok's and PyTorch's host time per call and GPU time per call queued back to "
+                         "back (the table times each call from idle GPUs, so host time shows as GPU idle there)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
@@ -378,6 +440,10 @@ def main():
             rows.append(row)
             first = first or row
             print(json.dumps(row), flush=True)
+    hosts = []
+    if a.host:
+        for name, experts, tokens, skew in cases:
+            hosts.append(host_case(group, a.ranks, name, experts, tokens, skew, base, a.reps))
     if a.profile:
         for name, experts, tokens, skew in cases:
             profile_case(group, a.ranks, name, experts, tokens, skew, base)
@@ -409,7 +475,7 @@ def main():
         if bar is not None:
             bar.close()
     with open(os.path.join(a.out, f"bench_ep{a.ranks}.json"), "w") as f:
-        json.dump(dict(cases=rows, sweeps=sweeps), f, indent=1)
+        json.dump(dict(cases=rows, sweeps=sweeps, host=hosts), f, indent=1)
     print()
     print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} {'skew':>4} | {'mok fwd ms':>10} {'TFLOP/s':>7} | {'torch ms':>8} "
           f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | {'torch f+b':>9} {'speedup':>7} | err | env | "

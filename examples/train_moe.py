@@ -22,8 +22,9 @@ h = bf16(silu(g) * u), each expert output rounded to bf16, the weighted sum in f
 shared, slot 0 .. k-1, rounded once; in the backward, dx summed in fp32 and rounded once to bf16,
 and d_router_w taken against the expert output before its rounding. It differs from mok only in
 the order of the fp32 accumulations inside the matmuls and in how dx is summed, which is the bf16
-noise this script measures. --noise-ref (on by default) trains a third model, the twin with its MoE in fp32 (same bf16 weights, no bf16
-rounding of activations), as a yardstick for what bf16 rounding alone does to the loss.
+noise this script measures. --noise-ref (on by default) trains a third model, the twin with its
+MoE in fp32 (same bf16 weights, no bf16 rounding of activations), as a yardstick for what bf16
+rounding alone does to the loss.
 
 Outputs in --out: losses.csv (step, loss_mok, loss_torch[, loss_fp32]) and losses.png when
 matplotlib is importable.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--env VAR=V,...]...
-# [--config FIELD=V,...]... — on a GPU
+# [--config FIELD=V,...]... [--host] — on a GPU
 # machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
@@ -10,7 +10,8 @@
 # torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
 # --compare-env, one build); each --config FIELD=V,... likewise with config fields replaced
-# (bench.py --compare-config). --probe first builds and runs every dev/*_probe.cu (while the trees
+# (bench.py --compare-config). --host adds, on EP1, each call's host time, the GPU time per call
+# queued back to back and every kernel's GPU time (bench.py --host --profile). --probe first builds and runs every dev/*_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
 # replay, EP1 and EP2) and `mok run --hash --repeat 2` at full size on EP1 in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 envs=()
+tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 host=0 envs=()
 while [ $# -gt 0 ]; do
     a=$1
     shift
@@ -33,6 +34,7 @@ while [ $# -gt 0 ]; do
     --no-base) base=0 ;;
     --probe) probe=1 ;;
     --hash) hash=1 ;;
+    --host) host=1 ;;
     --env) envs+=(--compare-env "$1"); shift ;;
     --config) envs+=(--compare-config "$1"); shift ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
@@ -99,12 +101,15 @@ for t in "${trees[@]}"; do
             --only deepseek-v3,qwen3-30b-a3b --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
         [ $trace -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
             --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
+        # --host: EP1 host time per call, GPU time queued back to back, and every kernel's time
+        [ $host -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 5 --host --profile \
+            --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|epilogue|sched_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
         # with --ep2 too: DeepSeek-V3's EP2 passes traced (rank 0 is the heavy rank at skew 1.5)
         [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
             --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
     ) >>"$log" 2>&1
     echo "==== $t ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
-    grep -E "^(deepseek|qwen|hash)" "$log" | cut -c1-150
+    grep -E "^(deepseek|qwen|hash|host )" "$log" | cut -c1-200
 done
 if [ $nccl -eq 1 ]; then
     echo "==== EP2 baseline: NCCL all-to-all + grouped GEMM (torchrun, 2 processes)"

@@ -1,5 +1,5 @@
 """test_bench_smoke.py — the benchmark harness end to end on the cpu backend (MOK_BENCH_SMOKE=1:
-tiny layers, no GPU): bench.py for 1 and 2 ranks with a small sweep and the traces, checking that
+tiny layers, no GPU): bench.py for 1 and 2 ranks with a small sweep, the traces and the host timing, checking that
 it writes its JSON, its table and a trace per pass, and that the case table of bench/layers.py
 divides every layer's experts evenly for 1, 2, 4 and 8 ranks. Skipped without torch.
 """
@@ -30,7 +30,7 @@ def test_bench_smoke(tmp_path, ranks):
     env = dict(os.environ, MOK_BENCH_SMOKE="1")
     out, traces = tmp_path / "out", tmp_path / "traces"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--ranks", str(ranks), "--out", str(out),
-           "--reps", "2", "--sweep-comm", "8", "--sweep-mb", "128", "--trace", "--trace-dir", str(traces)]
+           "--reps", "2", "--sweep-comm", "8", "--sweep-mb", "128", "--trace", "--trace-dir", str(traces), "--host"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "mok fwd ms" in r.stdout
@@ -43,5 +43,10 @@ def test_bench_smoke(tmp_path, ranks):
     assert len(data["cases"]) == 2 and len(data["sweeps"]) == 2
     for row in data["cases"]:
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0
+    # --host: a line per case with mok's host time per call (and PyTorch's on one rank)
+    assert len(data["host"]) == 2
+    for h in data["host"]:
+        assert h["forward_host_ms"] > 0 and h["backward_host_ms"] > 0
+        assert (ranks == 1) == ("baseline_forward_host_ms" in h)
     names = sorted(p.name for p in traces.iterdir())
     assert sum(n.endswith("_fwd.json") for n in names) == 2 and sum(n.endswith("_bwd.json") for n in names) == 2
