@@ -1,0 +1,64 @@
+"""test_sim_pass.py — scripts/sim_pass.py: the simulator on small hand-made lists (a dependency
+chain, independent tasks, a wait nothing satisfies, comm feeding compute), and on the library's own
+task lists for the benchmark layers' passes, which must run to the end with no task stuck. Needs
+cc and build/libmok.a for the second part (skipped without them).
+"""
+import os
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import sim_pass as S  # noqa: E402
+
+COMM, COMPUTE = 0, 1
+
+
+def task(kind, role, wait=(-1, 0), wait1=(-1, 0), done=-1, done1=-1):
+    return (kind, role, wait[0], wait[1], wait1[0], wait1[1], done, done1)
+
+
+def test_chain_runs_in_order():
+    tasks = [task(S.GATEUP, COMPUTE, done=0), task(S.DOWN, COMPUTE, wait=(0, 1))]
+    span, busy, left = S.simulate(tasks, {COMPUTE: 2}, {S.GATEUP: 10.0, S.DOWN: 4.0}, gap=1.0)
+    assert left == 0 and span == pytest.approx(10.0 + 1.0 + 4.0 + 1.0)
+    assert busy[COMPUTE] == pytest.approx(14.0)
+
+
+def test_independent_tasks_overlap():
+    tasks = [task(S.GATEUP, COMPUTE), task(S.GATEUP, COMPUTE), task(S.GATEUP, COMPUTE)]
+    span, _, left = S.simulate(tasks, {COMPUTE: 2}, {S.GATEUP: 10.0}, gap=0.0)
+    assert left == 0 and span == pytest.approx(20.0)  # two at once, then the third
+
+
+def test_unmet_wait_is_reported():
+    tasks = [task(S.GATEUP, COMPUTE, wait=(5, 1)), task(S.DOWN, COMPUTE)]
+    _, _, left = S.simulate(tasks, {COMPUTE: 1}, {S.GATEUP: 1.0, S.DOWN: 1.0})
+    assert left == 2  # the waiting task, and the one its worker never reaches
+
+
+def test_comm_feeds_compute():
+    tasks = [task(S.DISPATCH, COMM, done=0), task(S.GATEUP, COMPUTE, wait=(0, 1)), task(S.DISPATCH, COMM, done=0),
+             task(S.GATEUP, COMPUTE, wait=(0, 2))]
+    span, busy, left = S.simulate(tasks, {COMM: 1, COMPUTE: 4}, {S.DISPATCH: 5.0, S.GATEUP: 3.0}, gap=0.0)
+    assert left == 0 and span == pytest.approx(5.0 + 5.0 + 3.0)  # the second dispatch gates the last task
+    assert busy[COMM] == pytest.approx(10.0) and busy[COMPUTE] == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("layer", sorted(S.LAYERS))
+@pytest.mark.parametrize("backward", [False, True])
+def test_library_lists_run_to_the_end(layer, backward):
+    if not shutil.which("cc") or not os.path.exists(os.path.join(ROOT, "build", "libmok.a")):
+        pytest.skip("needs cc and build/libmok.a (make)")
+    tasks = S.task_list(layer, backward, ring=32768, minibatch=2048)
+    dur = S.LAYERS[layer]["bwd" if backward else "fwd"]
+    assert {t[0] for t in tasks} <= set(dur)
+    compute = next(t[1] for t in tasks if t[0] in S.COMPUTE_KINDS)
+    span, busy, left = S.simulate(tasks, {1 - compute: 12, compute: 120}, dur)
+    assert left == 0 and span > 0
+    work = sum(dur[t[0]] for t in tasks if t[1] == compute)
+    assert busy[compute] == pytest.approx(work)
+    assert span >= work / 120  # no faster than every compute CTA busy all the time

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""sim_pass.py — what-if simulation of one pass on one GPU, from the task list the library builds
+and task durations measured in a trace. Each comm or compute CTA takes the next task of its role
+in list order, waits until the task's counters reach their targets, runs for the task kind's
+duration (compute tasks plus a gap), then bumps its counters. It answers questions of order and
+count ("does this task order, or this many comm CTAs, shorten the pass?") before a GPU run.
+
+    python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --comm 8,12,16
+    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.c
+
+It builds scripts/tasks_dump.c against build/libmok.a (run `make` first); --tasks-c compiles
+another core/tasks.c in its place (`git show BRANCH:src/core/tasks.c > F`), to simulate a
+branch's order beside main's. The durations (µs per task) are those of the fifth session's
+traces on one H200 (docs/perf.md, "2026-11-30 (fifth session)", job 5); its check against the
+traced passes: DeepSeek-V3's forward 10.7 ms simulated against 11.0 measured (idle 2.6% against
+2.8%), its backward 23.6 against 24.9 (idle 13.3% against 14.7%); Qwen3's forward 3.0 against
+3.4 (idle 14.7% against 19.7%). A comm task's duration does not change with the number of comm
+CTAs here, which the GPU does not promise: more CTAs moving rows at once share the memory
+system. The model has no claim-ahead, no per-task "before" beyond the gap, and equal experts.
+"""
+import argparse
+import collections
+import heapq
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+# task kinds (core/tasks.h)
+SHARED_UP, SHARED_DOWN, DISPATCH, GATEUP, DOWN, COMBINE, SHARED_DH, SHARED_DX, PULL, DH, DX, PUSH, WGRAD, \
+    SHARED_WGRAD = range(14)
+COMPUTE_KINDS = {SHARED_UP, SHARED_DOWN, GATEUP, DOWN, SHARED_DH, SHARED_DX, DH, DX, WGRAD, SHARED_WGRAD}
+
+# E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
+# EP1 cases: tokens x top-k rows over the local experts), and the traced durations in µs.
+LAYERS = {
+    "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256),
+                        fwd={SHARED_UP: 86.1, SHARED_DOWN: 24.5, DISPATCH: 64.5, GATEUP: 94.7, DOWN: 27.0,
+                             COMBINE: 64.1},
+                        bwd={SHARED_DH: 111.5, SHARED_DX: 50.2, PULL: 142.4, DH: 114.7, DX: 53.2, PUSH: 68.0,
+                             WGRAD: 23.9, SHARED_WGRAD: 93.0}),
+    "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128),
+                          fwd={DISPATCH: 17.9, GATEUP: 32.8, DOWN: 11.8, COMBINE: 15.0},
+                          bwd={PULL: 42.5, DH: 38.5, DX: 22.6, PUSH: 26.2, WGRAD: 12.9}),
+}
+
+
+def simulate(tasks, workers, dur, gap=0.9):
+    """tasks: (kind, role, wait0, target0, wait1, target1, done0, done1) in list order; workers:
+    {role: count}; dur: {kind: µs}. Returns (span µs, {role: busy µs}, tasks left unstarted or
+    waiting when nothing more can happen)."""
+    by_role = collections.defaultdict(list)
+    for i, t in enumerate(tasks):
+        by_role[t[1]].append(i)
+    cursor = collections.defaultdict(int)
+    counters = collections.defaultdict(int)
+    waiting = collections.defaultdict(list)  # counter -> [(target, worker, task)]
+    events, seq = [], [0]
+    busy = collections.defaultdict(float)
+
+    def post(time, what, worker, task):
+        heapq.heappush(events, (time, seq[0], what, worker, task))
+        seq[0] += 1
+
+    def start(worker, task, now):
+        kind, _, w0, t0, w1, t1, _, _ = tasks[task]
+        for c, target in ((w0, t0), (w1, t1)):
+            if c >= 0 and counters[c] < target:
+                waiting[c].append((target, worker, task))
+                return
+        busy[worker[0]] += dur[kind]
+        post(now + dur[kind] + (gap if kind in COMPUTE_KINDS else 0.0), "done", worker, task)
+
+    for role, n in workers.items():
+        for i in range(n):
+            post(0.0, "free", (role, i), -1)
+    span = 0.0
+    while events:
+        now, _, what, worker, task = heapq.heappop(events)
+        span = max(span, now)
+        if what == "done":
+            for c in tasks[task][6:8]:
+                if c < 0:
+                    continue
+                counters[c] += 1
+                met = [x for x in waiting[c] if counters[c] >= x[0]]
+                waiting[c] = [x for x in waiting[c] if counters[c] < x[0]]
+                for _, w, t in met:
+                    start(w, t, now)
+            post(now, "free", worker, -1)
+        elif cursor[worker[0]] < len(by_role[worker[0]]):
+            t = by_role[worker[0]][cursor[worker[0]]]
+            cursor[worker[0]] += 1
+            start(worker, t, now)
+    left = sum(len(v) for v in waiting.values()) + sum(len(by_role[r]) - cursor[r] for r in by_role)
+    return span, busy, left
+
+
+def task_list(layer, backward, ring, minibatch, tasks_c=None):
+    L = LAYERS[layer]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "tasks_dump")
+        srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")] + ([tasks_c] if tasks_c else [])
+        subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
+                        "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
+                        "-lpthread", "-o", exe], check=True)
+        out = subprocess.run([exe, str(L["E"]), str(L["rows"]), str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
+                              str(ring), str(minibatch), str(int(backward)), str(L["n_tile"][int(backward)])],
+                             check=True, capture_output=True, text=True).stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines()]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layer", choices=sorted(LAYERS), default="deepseek-v3")
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
+    ap.add_argument("--comm", default="8", help="comm CTA counts to try (comma-separated)")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--ring", type=int, default=32768)
+    ap.add_argument("--minibatch", type=int, default=2048)
+    ap.add_argument("--gap", type=float, default=0.9, help="µs between a compute CTA's tasks")
+    ap.add_argument("--tasks-c", help="another core/tasks.c to build the list with (a branch's order)")
+    a = ap.parse_args()
+    backward = a.which == "bwd"
+    tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
+    dur = LAYERS[a.layer]["bwd" if backward else "fwd"]
+    kinds = sorted({t[0] for t in tasks})
+    missing = [k for k in kinds if k not in dur]
+    if missing:
+        sys.exit(f"sim_pass: no duration for task kinds {missing}")
+    compute_role = next(t[1] for t in tasks if t[0] in COMPUTE_KINDS)
+    print(f"{a.layer} {a.which}: {len(tasks)} tasks" + (f" ({a.tasks_c})" if a.tasks_c else ""))
+    for comm in (int(c) for c in a.comm.split(",")):
+        comp = a.sms - comm
+        span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap)
+        print(f"  comm {comm:3d}: span {span / 1e3:7.3f} ms, compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
+              f", comm busy {100 * busy[1 - compute_role] / (span * comm):5.1f}%" + (f", {left} tasks stuck" if left else ""))
+
+
+if __name__ == "__main__":
+    main()
