@@ -192,7 +192,12 @@ typedef struct mok_forward_args {
     const void *s_up;        /* [I_s, H] */
     const void *s_down;      /* [H, I_s]; not read by mok_recompute_context */
     void *y;                 /* out [T, H]; not written by mok_recompute_context (may be NULL) */
-    void *context;           /* out: context_bytes, read by mok_backward */
+    void *context;           /* out: context_bytes, read by mok_backward. Need not be cleared: the
+                                pass writes the routed rows it keeps (the schedule's padded rows,
+                                at most the context rows, 2·I bf16 each, padding rows as zeros)
+                                and, from the next 256-byte boundary after the context rows' space,
+                                the shared expert's 2·I_s bf16 for each of the T tokens; the
+                                backward reads nothing else */
     void *stream;
 } mok_forward_args;
 

@@ -17,7 +17,7 @@ from ctypes import POINTER, byref, c_float, c_int, c_int32, c_int64, c_void_p
 import numpy as np
 
 from . import _lib
-from ._lib import Backend, Direction
+from ._lib import ROW_TILE, Backend, Direction
 
 __all__ = [
     "Config", "Group", "Workspace", "Sizes", "Schedule", "ScheduleInfo", "Context", "backend_available",
@@ -532,23 +532,35 @@ class Schedule:
 
 class Context:
     """One local rank's forward context (caller memory of sizes.context_bytes): what the backward
-    of the same layer call reads. Left by forward or recompute_forward_context."""
+    of the same layer call reads. Left by forward or recompute_forward_context. The buffer is not
+    cleared: the pass writes the bytes the backward reads (to_bytes) and leaves the rest."""
 
-    def __init__(self, workspace, local_rank, buffer, num_tokens):
+    def __init__(self, workspace, local_rank, buffer, num_tokens, schedule):
         self.workspace = workspace
         self.local_rank = local_rank
         self.buffer = buffer
         self.num_tokens = num_tokens
+        self.schedule = schedule
 
     @property
     def ptr(self):
         return _ptr(self.buffer)
 
     def to_bytes(self):
+        """The bytes the pass wrote (include/mok.h, mok_forward_args.context): the routed rows' g|u
+        the context keeps, then the shared expert's of the T tokens. Reads the schedule back (on
+        cuda this waits for the stream)."""
+        ws = self.workspace
+        cap = ws.sizes.max_routed_rows
+        if 0 < ws.config.context_rows < cap:
+            cap = -(-ws.config.context_rows // ROW_TILE) * ROW_TILE
+        routed = min(self.schedule.info().padded_rows, cap) * 4 * ws.intermediate
+        shared_at = -(-cap * 4 * ws.intermediate // 256) * 256
         b = self.buffer
         if not isinstance(b, np.ndarray):
             b = b.detach().cpu().numpy()
-        return b.tobytes()
+        b = b.view(np.uint8)
+        return b[:routed].tobytes() + b[shared_at:shared_at + self.num_tokens * 4 * ws.shared_intermediate].tobytes()
 
 
 def _schedules(ws, schedules):
@@ -637,10 +649,10 @@ def _forward_common(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate, s_
         rw = call.check(rws[r], f"router_w[{r}]", "f32", (T, k), r)
         weights = _weights(call, ws, r, w_gate, w_up, w_down, s_gate, s_up, s_down, need_down=not recompute)
         y = None if recompute else call.empty((T, H), "bf16", r)
-        ctx = call.empty((ws.sizes.context_bytes,), "u8", r, zero=True)
+        ctx = call.empty((ws.sizes.context_bytes,), "u8", r)
         kept.append((xr, rw, weights))
         ys.append(y)
-        contexts.append(Context(ws, r, ctx, T))
+        contexts.append(Context(ws, r, ctx, T, scheds[r]))
         a = args[r]
         a.num_tokens = T
         a.schedule = scheds[r].ptr

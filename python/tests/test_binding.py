@@ -467,6 +467,49 @@ def test_recompute_context_equals_forward_context():
             assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(g[key], g2[key])), key
 
 
+def poison_unwritten(ws, contexts, context_rows):
+    """Sets every byte of each context outside Context.to_bytes()'s ranges to 0xff (NaN as bf16);
+    numpy or torch buffers."""
+    for c in contexts:
+        kept = c.to_bytes()
+        cap = ws.sizes.max_routed_rows
+        if 0 < context_rows < cap:
+            cap = -(-context_rows // mok.ROW_TILE) * mok.ROW_TILE
+        routed = min(c.schedule.info().padded_rows, cap) * 4 * ws.intermediate
+        shared_at = -(-cap * 4 * ws.intermediate // 256) * 256
+        poison = np.full(c.buffer.shape[0], 0xFF, np.uint8)
+        poison[:routed] = np.frombuffer(kept[:routed], np.uint8)
+        poison[shared_at:shared_at + len(kept) - routed] = np.frombuffer(kept[routed:], np.uint8)
+        if isinstance(c.buffer, np.ndarray):
+            c.buffer.view(np.uint8)[:] = poison
+        else:
+            import torch
+            c.buffer.copy_(torch.from_numpy(poison))
+        assert c.to_bytes() == kept
+
+
+def check_context_bytes(ws, L, context_rows):
+    """The binding does not clear a context buffer: the backward after poison_unwritten gives every
+    gradient the same bits."""
+    schedules = mok.build_schedule(ws, L["topk_ids"])
+    _, contexts = mok.forward(ws, schedules, L["x"], L["router_w"], *weights(L))
+    clean = mok.backward(ws, schedules, contexts, L["dy"], L["x"], L["router_w"], *weights(L))
+    poison_unwritten(ws, contexts, context_rows)
+    dirty = mok.backward(ws, schedules, contexts, L["dy"], L["x"], L["router_w"], *weights(L))
+    return clean, dirty
+
+
+def test_backward_reads_only_the_context_bytes_the_forward_writes():
+    L = make_layer(2, [70, 33], E=4, k=2, Is=64, seed=43)
+    for context_rows in (0, 128):
+        group, ws = workspace(L, config=CONFIG.replace(context_rows=context_rows))
+        with group:
+            clean, dirty = check_context_bytes(ws, L, context_rows)
+        for key in clean:
+            assert all((a is None and b is None) or np.array_equal(a, b)
+                       for a, b in zip(clean[key], dirty[key])), (context_rows, key)
+
+
 # ---- torch -----------------------------------------------------------------------------------------------
 
 
@@ -663,6 +706,21 @@ def test_cuda_functional_matches_reference(P):
         _, _, _, g3 = run(ws, T, accumulate=True, grads=grads)
         assert g3["dw_down"][0] is grads["dw_down"][0]
         check_against_reference(L, y_np, to_numpy(torch, g3), y_ref, g_ref, start=to_numpy(torch, start))
+
+
+def test_cuda_backward_reads_only_the_context_bytes_the_forward_writes():
+    torch = _cuda(1)
+    L = make_layer(1, [300], H=256, I=128, E=4, k=2, Is=128, seed=71, holes=True, signed=True)
+    for context_rows in (0, 128):
+        config = CUDA_CONFIG.replace(context_rows=context_rows)
+        group = mok.Group.create_local(1, backend="cuda", devices=[0], config=config)
+        with group:
+            ws = mok.Workspace(group, 256, 128, 4, 2, 128, max_tokens=300)
+            clean, dirty = check_context_bytes(ws, torch_layer(torch, L, [torch.device("cuda", 0)]), context_rows)
+            clean, dirty = to_numpy(torch, clean), to_numpy(torch, dirty)
+        for key in clean:
+            assert all((a is None and b is None) or np.array_equal(a, b)
+                       for a, b in zip(clean[key], dirty[key])), (context_rows, key)
 
 
 @pytest.mark.parametrize("P", [1, 2])
