@@ -7,6 +7,7 @@ count ("does this task order, or this many comm CTAs, shorten the pass?") before
 
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --comm 8,12,16
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.c
+    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
 
 It builds scripts/tasks_dump.c against build/libmok.a (run `make` first); --tasks-c compiles
 another core/tasks.c in its place (`git show BRANCH:src/core/tasks.c > F`), to simulate a
@@ -122,10 +123,18 @@ def main():
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--gap", type=float, default=0.9, help="µs between a compute CTA's tasks")
     ap.add_argument("--tasks-c", help="another core/tasks.c to build the list with (a branch's order)")
+    ap.add_argument("--free", default="",
+                    help="task kinds that move nothing (comma-separated names: combine, push, dispatch, pull): "
+                         "they keep their place and counters and take no time")
     a = ap.parse_args()
     backward = a.which == "bwd"
     tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
-    dur = LAYERS[a.layer]["bwd" if backward else "fwd"]
+    dur = dict(LAYERS[a.layer]["bwd" if backward else "fwd"])
+    names = {"combine": COMBINE, "push": PUSH, "dispatch": DISPATCH, "pull": PULL}
+    for name in filter(None, a.free.split(",")):
+        if name not in names:
+            sys.exit(f"sim_pass: --free takes {sorted(names)}, not {name!r}")
+        dur[names[name]] = 0.0
     kinds = sorted({t[0] for t in tasks})
     missing = [k for k in kinds if k not in dur]
     if missing:
