@@ -274,21 +274,18 @@ def profile_case(group, ranks, name, experts, tokens, skew, config):
         run.close()
 
 
-def print_idle(ev, rank=0, window=None, windows=10):
+def print_idle(ev, rank, window, windows=10):
     """Where a rank's compute CTAs are not in a task: before their first, between tasks (the gaps
     a CTA waits for its next task to be posted or its inputs to be ready), after their last; the
     gaps by the kind of the task that ends them (what the CTA was waiting to start); and the idle
     share of each of `windows` equal slices of the pass (where in the pass the waiting is).
-    window: the rank's own (start, end) in the trace's time, its kernel's bounds when known; by
-    default its tasks' span. Each rank is measured against its own window: the trace puts every
-    rank on one time axis, and two GPUs' global timers need not agree."""
-    mine = [e for e in ev if e["pid"] == rank]
-    if not mine:
-        return
-    t0, t1 = window or (min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine))
+    window: the rank's own (start, end) in the trace's time: its kernel's bounds when known, else its
+    tasks' span. Each rank is measured against its own window: the trace puts every rank on one
+    time axis, and two GPUs' global timers need not agree."""
+    t0, t1 = window
     by_cta = {}
-    for e in mine:
-        if e["cat"] == "compute":
+    for e in ev:
+        if e["pid"] == rank and e["cat"] == "compute":
             by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
     if not by_cta:
         return
@@ -353,8 +350,7 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
                              f"GPUs' timers)" if r else "")
                 print(f"trace {name} EP{ranks} skew {skew} {phase} rank {r}: span {(t1 - t0) / 1e3:.3f} ms{extra}"
                       f"{skew_note}", flush=True)
-                window = (t0 - kb["lead_us"], t1 + kb["tail_us"]) if kb else None
-                print_idle(ev, rank=r, window=window)
+                print_idle(ev, r, (t0 - kb["lead_us"], t1 + kb["tail_us"]) if kb else (t0, t1))
             per = {}
             for e in ev:
                 if e["pid"] != 0:

@@ -306,11 +306,16 @@ def lr_at(step, base, warmup, total):
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def lm_loss(model, inputs, targets):
+    """The next-token cross-entropy of a batch (fp32), the one loss every model here trains on."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
 def train_step(model, opt, inputs, targets, lr, clip):
     for group in opt.param_groups:
         group["lr"] = lr
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    loss = lm_loss(model, inputs, targets)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -336,8 +341,7 @@ def first_step_check(model_mok, model_torch, inputs, targets):
     out["moe0_dx"] = ((hs[0].grad - hs[1].grad).abs().max() / hs[1].grad.abs().max()).item()
     for m in (model_mok, model_torch):
         m.zero_grad(set_to_none=True)
-        logits = m(inputs)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)).backward()
+        lm_loss(m, inputs, targets).backward()
     worst = (None, 0.0)
     for (name, pa), (_, pb) in zip(model_mok.named_parameters(), model_torch.named_parameters()):
         if pa.grad is None or pb.grad is None:
@@ -373,8 +377,7 @@ def same_weights_check(model_mok, model_torch, inputs, targets):
     losses, grads = [], []
     for m in (model_mok, model_torch):
         m.zero_grad(set_to_none=True)
-        logits = m(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        loss = lm_loss(m, inputs, targets)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.grad is not None})
