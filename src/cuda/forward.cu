@@ -29,8 +29,10 @@ static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &
     }
 }
 
-/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. */
+/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. With one
+ * rank the down tiles wrote them there themselves (fwd_epilogue): the task is its counters. */
 static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -225,6 +227,15 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         if (grp.kind == MOK_TASK_DOWN) {
             const tile_info t = tp.tile;
             rows = t.nreal;
+            if (p.nranks == 1 && !p.combine_pull) {
+                /* one rank: each row straight into its (token, slot) row of the combine buffer, which
+                   the COMBINE tasks would copy it to from the ring (run_combine); the rows < nreal
+                   of a tile are real, each with its own slot */
+                const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+                store_staged<true>(acc, rows, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_comb), H,
+                                   nt * p.n_tile_h, staging, v.row_slot + t.row0);
+                break;
+            }
             out = p.ring_y + t.ring0 * H;
         } else {
             const long long t0 = rt * MOK_ROW_TILE;
