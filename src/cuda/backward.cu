@@ -42,8 +42,10 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
 }
 
 /* Each ring row's dx part into its owner's (token, slot) row, and its d_router_w (the sum of the
- * dh tiles' partial dot products, in column order), one warp per row. */
+ * dh tiles' partial dot products, in column order), one warp per row. With one rank the dx tiles
+ * wrote both there themselves (bwd_epilogue): the task is its counters. */
 static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
     const long long nI = p.inter / p.n_tile, ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -566,6 +568,23 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         }
         case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
             const tile_info t = tp.tile;
+            if (p.nranks == 1 && !p.dispatch_pull) {
+                /* one rank: what run_push would do, here. Each row straight into its (token, slot)
+                   row of the dx buffer; the first column tile's threads also sum their rows'
+                   d_router_w partials, which every dh tile of the row tile wrote before this task
+                   could start (its wait), in column order, as dx_row_out does */
+                const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+                const int32_t *slots = v.row_slot + t.row0;
+                store_staged<true>(acc, t.nreal, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_dxbuf), H,
+                                   nt * p.n_tile_h, c, slots);
+                if (nt == 0 && tid < t.nreal) {
+                    const float *rdot = p.ring_rdot + (t.ring0 + tid) * (I / 64);
+                    float sum = 0.0f;
+                    for (long long j = 0; j < I / p.n_tile; ++j) sum += rdot[j];
+                    ((float *)(p.peers[p.rank] + p.off_drw))[slots[tid]] = sum;
+                }
+                return;
+            }
             store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
             return;
         }
