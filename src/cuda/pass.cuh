@@ -412,11 +412,13 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
 }
 
 /* Comm CTAs of a pass: the config's count, or for 0 the measured choice (mok__comm_ctas,
- * core/tasks.h). */
+ * core/tasks.h). With one rank and the default combine (forward) or reverse-dispatch (backward)
+ * direction the down / dx tiles store their rows themselves (fwd_epilogue, bwd_epilogue). */
 static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured, int backward) {
     if (configured > 0) return configured < R->num_sms - 1 ? configured : R->num_sms - 1;
+    const int direct = backward ? ws->config.bwd_dispatch == MOK_PUSH : ws->config.fwd_combine == MOK_PUSH;
     return mok__comm_ctas(ws->shape.intermediate, ws->shape.shared_intermediate, ws->shape.topk, ws->group->nranks,
-                          backward, R->num_sms);
+                          backward, direct, R->num_sms);
 }
 
 /* A pass's comm CTAs (pass_params): the shape's count, and with configured = 0 the bounds of the
