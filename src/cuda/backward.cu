@@ -33,10 +33,10 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
             continue;
         }
         const long long slot = ct->slot[r], token = slot / p.topk;
-        const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
+        const float w = ((const float *)input_row_base(p, peer, p.off_router_w, p.router_w))[slot];
         pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
-                 (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden,
-                 (const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden, w, p.hidden);
+                 (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) + token * p.hidden,
+                 (const uint16_t *)input_row_base(p, peer, p.off_dy, p.dy) + token * p.hidden, w, p.hidden);
         if (lane == 0) p.ring_w[ring] = w;
     }
 }
@@ -88,9 +88,8 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
     uint16_t *ring_x = (uint16_t *)(dst + p.off_ring_x), *ring_dy = (uint16_t *)(dst + p.off_ring_dy);
     uint16_t *ring_dyw = (uint16_t *)(dst + p.off_ring_dyw);
     float *ring_w = (float *)(dst + p.off_ring_w);
-    const char *mine = p.peers[p.rank];
-    const uint16_t *x = (const uint16_t *)(mine + p.off_x), *dy = (const uint16_t *)(mine + p.off_dy);
-    const float *router_w = (const float *)(mine + p.off_router_w);
+    const uint16_t *x = p.x, *dy = p.dy;
+    const float *router_w = p.router_w;
     const int lane = threadIdx.x & 31;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -754,6 +753,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
+        p.router_w = a->router_w;
         p.dw[0] = a->dw_gate;
         p.dw[1] = a->dw_up;
         p.dw[2] = a->dw_down;
@@ -761,7 +761,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.ds[1] = a->ds_up;
         p.ds[2] = a->ds_down;
         const size_t H = (size_t)s->hidden, k = (size_t)s->topk, T = (size_t)a->num_tokens;
-        if (T > 0) {
+        if (T > 0 && ws->group->nranks > 1) { /* the peers' copies (input_row_base) */
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));

@@ -24,8 +24,11 @@ struct pass_params {
     int *comm_dev;
     long long hidden, inter, shared_inter, num_tokens, ring_rows, minibatch_rows, context_rows;
     char *const *peers;
+    /* x, dy and router_w: the caller's buffers, which this rank's own reads use; the copies at
+       off_x, off_dy, off_router_w of every window are there for the peers (input_row_base) */
     size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
     const uint16_t *x, *dy, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down;
+    const float *router_w;
     uint16_t *ring_x, *ring_h, *ring_y, *sh_h, *sh_out, *context, *context_shared;
     /* backward */
     uint16_t *ring_dy, *ring_dyw, *ring_gu, *ring_dgu, *sh_dgu;
@@ -98,6 +101,13 @@ static __device__ __forceinline__ bool pass_start(const pass_params &p, int *com
     __syncthreads();
     *comm = s_comm;
     return s_error != 0;
+}
+
+/* An input of rank `peer` (x, dy or router_w): this rank's own from the caller's buffer `own`, a
+ * peer's from the copy at `off` in its window. With one rank the pass makes no copies. */
+static __device__ __forceinline__ const char *input_row_base(const pass_params &p, int peer, size_t off,
+                                                            const void *own) {
+    return peer == p.rank ? (const char *)own : p.peers[peer] + off;
 }
 
 /* The counters of rank `peer` (-1: this rank's own). A peer's are reached through its window. */
