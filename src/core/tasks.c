@@ -46,6 +46,8 @@ MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, i
     return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;
 }
 
+MOK_CORE int mok__raster(int64_t hidden) { return hidden >= 6144 ? 8 : 1; }
+
 /* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
  * of any rank, so that the blocks peers address (down_tile, combined, dx_tile, pushed: every
  * block before the two token-tile blocks, which come last) sit at the same offsets on every

@@ -230,6 +230,13 @@ MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int6
 MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
                            int num_sms);
 
+/* The GEMM groups' walk when the backend chooses it (mok__group_tile; measured on 2x H200,
+ * docs/perf.md, sixth session): runs of 8 row tiles for hidden >= 6144, where CTAs running
+ * neighbouring tickets then share a sub-tile's block of weights (256 columns x H, 3.7 MB at
+ * H = 7168) in L2: EP2 backward -3% to -10% on the four layers with H of 6144 and 7168;
+ * tile-major (1) below, where the shared activation tile is worth more (H = 4096: +4% with 8). */
+MOK_CORE int mok__raster(int64_t hidden);
+
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

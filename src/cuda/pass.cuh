@@ -43,7 +43,7 @@ struct pass_params {
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, cuda_common.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
-    int raster;        /* GEMM groups' walk (mok__group_tile): MOK_CUDA_RASTER, default 1 */
+    int raster;        /* GEMM groups' walk (mok__group_tile): mok__raster or MOK_CUDA_RASTER */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -405,10 +405,11 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace = R->trace;
     p->trace_cap = R->trace_cap;
     p->trace_count = R->trace_count;
-    /* an experiment's switch, read at every pass: tiles per run of the GEMM groups' walk */
+    /* tiles per run of the GEMM groups' walk: the shape's choice (mok__raster), or an
+       experiment's switch read at every pass (MOK_CUDA_RASTER, 1..64; other values: the choice) */
     const char *raster = getenv("MOK_CUDA_RASTER");
-    p->raster = raster ? atoi(raster) : 1;
-    if (p->raster < 1 || p->raster > 64) p->raster = 1;
+    p->raster = raster ? atoi(raster) : 0;
+    if (p->raster < 1 || p->raster > 64) p->raster = mok__raster(s->hidden);
 }
 
 /* Comm CTAs of a pass: the config's count, or for 0 the measured choice (mok__comm_ctas,
