@@ -274,16 +274,21 @@ def profile_case(group, ranks, name, experts, tokens, skew, config):
         run.close()
 
 
-def print_idle(ev, windows=10):
-    """Where rank 0's compute CTAs are not in a task: before their first, between tasks (the gaps
+def print_idle(ev, rank=0, window=None, windows=10):
+    """Where a rank's compute CTAs are not in a task: before their first, between tasks (the gaps
     a CTA waits for its next task to be posted or its inputs to be ready), after their last; the
     gaps by the kind of the task that ends them (what the CTA was waiting to start); and the idle
-    share of each of `windows` equal slices of the pass (where in the pass the waiting is)."""
-    t0 = min(e["ts"] for e in ev)
-    t1 = max(e["ts"] + e["dur"] for e in ev)
+    share of each of `windows` equal slices of the pass (where in the pass the waiting is).
+    window: the rank's own (start, end) in the trace's time, its kernel's bounds when known; by
+    default its tasks' span. Each rank is measured against its own window: the trace puts every
+    rank on one time axis, and two GPUs' global timers need not agree."""
+    mine = [e for e in ev if e["pid"] == rank]
+    if not mine:
+        return
+    t0, t1 = window or (min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine))
     by_cta = {}
-    for e in ev:
-        if e["pid"] == 0 and e["cat"] == "compute":
+    for e in mine:
+        if e["cat"] == "compute":
             by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
     if not by_cta:
         return
@@ -309,14 +314,14 @@ def print_idle(ev, windows=10):
     gaps.sort()
     total = (t1 - t0) * len(by_cta)
     q = lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else 0.0
-    print(f"  rank 0 compute idle: {(lead + between + tail) / 1e3:9.2f} SM-ms of {total / 1e3:.2f} "
+    print(f"  rank {rank} compute idle: {(lead + between + tail) / 1e3:9.2f} SM-ms of {total / 1e3:.2f} "
           f"({100 * (lead + between + tail) / total:.1f}%): before the first task {lead / 1e3:.2f}, between tasks "
           f"{between / 1e3:.2f} (gap p50/p90/p99 {q(0.5):.1f}/{q(0.9):.1f}/{q(0.99):.1f} us), after the last "
           f"{tail / 1e3:.2f}", flush=True)
     waits = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(before_kind.items(), key=lambda kv: -kv[1]) if v > 0)
-    print(f"  rank 0 compute gaps by the task that ends them (SM-ms): {waits or 'none'}", flush=True)
-    idle = " ".join(f"{100 * (1 - b / (width * len(by_cta))):.0f}" for b in busy)
-    print(f"  rank 0 compute idle % per tenth of the pass: {idle}", flush=True)
+    print(f"  rank {rank} compute gaps by the task that ends them (SM-ms): {waits or 'none'}", flush=True)
+    idle = " ".join(f"{max(0.0, 100 * (1 - b / (width * len(by_cta)))):.0f}" for b in busy)
+    print(f"  rank {rank} compute idle % per tenth of the pass: {idle}", flush=True)
 
 
 def trace_case(group, ranks, name, experts, tokens, skew, config, out):
@@ -335,12 +340,21 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             run.ws.trace_write(path)
             ev = timeline.load(path)
             timeline.draw(ev, path[:-5] + ".png", title=f"{name}, EP{ranks}, {tokens} tokens/GPU: {phase}")
-            span = (max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)) / 1e3
-            kb = timeline.kernel_bounds(timeline.load(path, resident=True), ev)
-            extra = (f"; kernel {kb['kernel_us'] / 1e3:.3f} ms on the GPU, {kb['lead_us'] / 1e3:.3f} ms before the "
-                     f"first task, {kb['tail_us'] / 1e3:.3f} ms after the last" if kb else "")
-            print(f"trace {name} EP{ranks} skew {skew} {phase}: span {span:.3f} ms{extra}", flush=True)
-            print_idle(ev)
+            residents = timeline.load(path, resident=True)
+            first0 = None
+            for r in sorted({e["pid"] for e in ev}):
+                mine = [e for e in ev if e["pid"] == r]
+                t0, t1 = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+                kb = timeline.kernel_bounds([e for e in residents if e["pid"] == r], mine)
+                extra = (f"; kernel {kb['kernel_us'] / 1e3:.3f} ms on the GPU, {kb['lead_us'] / 1e3:.3f} ms before "
+                         f"the first task, {kb['tail_us'] / 1e3:.3f} ms after the last" if kb else "")
+                first0 = t0 if first0 is None else first0
+                skew_note = (f"; first task {(t0 - first0) / 1e3:+.3f} ms from rank 0's on the trace's axis (the "
+                             f"GPUs' timers)" if r else "")
+                print(f"trace {name} EP{ranks} skew {skew} {phase} rank {r}: span {(t1 - t0) / 1e3:.3f} ms{extra}"
+                      f"{skew_note}", flush=True)
+                window = (t0 - kb["lead_us"], t1 + kb["tail_us"]) if kb else None
+                print_idle(ev, rank=r, window=window)
             per = {}
             for e in ev:
                 if e["pid"] != 0:

@@ -22,12 +22,20 @@ h = bf16(silu(g) * u), each expert output rounded to bf16, the weighted sum in f
 shared, slot 0 .. k-1, rounded once; in the backward, dx summed in fp32 and rounded once to bf16,
 and d_router_w taken against the expert output before its rounding. It differs from mok only in
 the order of the fp32 accumulations inside the matmuls and in how dx is summed, which is the bf16
-noise this script measures. --noise-ref (on by default) trains a third model, the twin with its
-MoE in fp32 (same bf16 weights, no bf16 rounding of activations), as a yardstick for what bf16
-rounding alone does to the loss.
+noise this script measures. --noise-ref (on by default) trains two more models as yardsticks: the
+twin with each bf16 matmul run in two halves of its inner dimension (the same function, another
+order of its fp32 sums: the kind of difference mok has) and the twin with its MoE in fp32 (same
+bf16 weights, no bf16 rounding of activations: what bf16 rounding itself does to the loss).
 
-Outputs in --out: losses.csv (step, loss_mok, loss_torch[, loss_fp32]) and losses.png when
-matplotlib is importable.
+The verdict, "within bf16 noise": the mean |loss_mok - loss_twin| below twice the yardsticks' mean
+|loss - loss_twin|, over the whole run and over its last quarter, and every same-weights check
+within its limits: every --check-every steps, mok's layer on the twin's weights of that step and
+the same batch against the twin (loss, and each parameter's gradient), so that differences cannot
+pile up over steps. Free-running curves drift apart after the loss's sharp drop whatever the
+perturbation (the yardsticks' own gaps reach 1-2%); the same-weights checks do not drift.
+
+Outputs in --out: losses.csv (step, lr, loss_* and gnorm_* of mok, torch[, order, fp32]) and
+losses.png when matplotlib is importable.
 """
 import argparse
 import csv
@@ -85,6 +93,26 @@ class MarkovLanguage:
 # ---- the twin: a plain PyTorch MoE with mok's parameters and rounding points ----------------------
 
 
+def _linear(a, w, cd, split_k):
+    """a @ w.T with cd operands, fp32 accumulation, rounded once to cd; split_k: the two halves of
+    the inner dimension as fp32 products of the cd values, added in fp32, then rounded (exact
+    products, another order of the fp32 sums on every backend)."""
+    if split_k and a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a, w = a.to(cd).float(), w.to(cd).float()
+        return (F.linear(a[..., :h], w[:, :h]) + F.linear(a[..., h:], w[:, h:])).to(cd)
+    return F.linear(a.to(cd), w.to(cd))
+
+
+def _matmul(a, b, cd, split_k):
+    """a @ b for cd operands, rounded once to cd; split_k as in _linear."""
+    if split_k and a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a, b = a.float(), b.float()
+        return (a[:, :h] @ b[:h] + a[:, h:] @ b[h:]).to(cd)
+    return a @ b
+
+
 class ExpertFFN(torch.autograd.Function):
     """One SwiGLU expert on rows v [n, H] (fp32 holding values of the compute dtype cd) with mok's
     rounding points, forward and backward (include/mok.h, src/cpu/tasks_bwd.c); with cd = fp32
@@ -93,44 +121,47 @@ class ExpertFFN(torch.autograd.Function):
     Backward, given gy = w * dy in fp32 (w = 1 for the shared expert): dh = gy . W_down in fp32 (not
     rounded), dg and du rounded to cd, the rows' dx part = dg . W_gate + du . W_up accumulated in
     fp32 and rounded once; weight gradients: W_down's from cd(gy) and h, W_gate's and W_up's from
-    dg, du and v, each accumulated in fp32 and rounded once."""
+    dg, du and v, each accumulated in fp32 and rounded once. split_k: every cd matmul in two halves
+    of its inner dimension (the same function up to the order of its fp32 sums)."""
 
     @staticmethod
-    def forward(ctx, v, wg, wu, wd, cd):
+    def forward(ctx, v, wg, wu, wd, cd, split_k=False):
         vc = v.to(cd)
-        g = F.linear(vc, wg.to(cd))
-        u = F.linear(vc, wu.to(cd))
+        g = _linear(vc, wg, cd, split_k)
+        u = _linear(vc, wu, cd, split_k)
         h = (F.silu(g.float()) * u.float()).to(cd)
-        y = F.linear(h, wd.to(cd))
+        y = _linear(h, wd, cd, split_k)
         exact = F.linear(h.float(), wd.float())
         ctx.save_for_backward(vc, g, u, h, wg, wu, wd)
-        ctx.cd = cd
+        ctx.cd, ctx.split_k = cd, split_k
         ctx.mark_non_differentiable(exact)
         return y.float(), exact
 
     @staticmethod
     def backward(ctx, gy, _):
         vc, g, u, h, wg, wu, wd = ctx.saved_tensors
-        cd = ctx.cd
+        cd, split_k = ctx.cd, ctx.split_k
         dh = gy @ wd.float()
         gf, uf = g.float(), u.float()
         sg = torch.sigmoid(gf)
         dg = (dh * uf * sg * (1 + gf * (1 - sg))).to(cd)
         du = (dh * gf * sg).to(cd)
-        dx = (torch.cat([dg, du], 1) @ torch.cat([wg.to(cd), wu.to(cd)], 0)).float()
-        dwd = gy.to(cd).t() @ h
-        dwg, dwu = dg.t() @ vc, du.t() @ vc
-        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), None
+        dx = _matmul(torch.cat([dg, du], 1), torch.cat([wg.to(cd), wu.to(cd)], 0), cd, split_k).float()
+        dwd = _matmul(gy.to(cd).t(), h, cd, split_k)
+        dwg, dwu = _matmul(dg.t(), vc, cd, split_k), _matmul(du.t(), vc, cd, split_k)
+        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), None, None
 
 
 class TorchMoE(nn.Module):
     """The function of mok.torch.MoE in plain PyTorch. Same parameter names, shapes and dtypes, so
     a state_dict copies across. compute_dtype=torch.bfloat16 follows mok's rounding points;
-    torch.float32 computes the experts in fp32 from the same (bf16) weights."""
+    torch.float32 computes the experts in fp32 from the same (bf16) weights. split_k runs each bf16
+    matmul in two halves of its inner dimension: the bf16 function again, another order of sums."""
 
     def __init__(self, hidden, intermediate, num_experts, topk, shared_intermediate=0, device=None,
-                 compute_dtype=torch.bfloat16):
+                 compute_dtype=torch.bfloat16, split_k=False):
         super().__init__()
+        self.split_k = split_k
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.topk, self.shared_intermediate = num_experts, topk, shared_intermediate
         self.compute_dtype = compute_dtype
@@ -176,14 +207,14 @@ class TorchMoE(nn.Module):
         cd = self.compute_dtype
         y = torch.zeros(T, self.hidden, dtype=torch.float32, device=x.device)
         if self.s_gate is not None:
-            y = y + ExpertFFN.apply(xc, self.s_gate, self.s_up, self.s_down, cd)[0]
+            y = y + ExpertFFN.apply(xc, self.s_gate, self.s_up, self.s_down, cd, self.split_k)[0]
         # Rows sorted by expert, one matmul chain per expert, back to (token, slot) order, then the
         # weighted fp32 sum in slot order (mok's order).
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         rows = xc[order // self.topk]
-        outs = [ExpertFFN.apply(chunk, self.w_gate[e], self.w_up[e], self.w_down[e], cd)
+        outs = [ExpertFFN.apply(chunk, self.w_gate[e], self.w_up[e], self.w_down[e], cd, self.split_k)
                 for e, chunk in enumerate(rows.split(counts)) if counts[e]]
         back = torch.argsort(order)
         out = torch.cat([o for o, _ in outs])[back].view(T, self.topk, self.hidden)
@@ -326,6 +357,50 @@ def first_step_check(model_mok, model_torch, inputs, targets):
     return out
 
 
+# What the same-weights check allows: mok against the twin on the twin's weights of that step, so
+# that no difference carries over from earlier steps. The loss and, per parameter, the gradient's
+# norm-relative difference ||g_mok - g_twin|| / max(||g_mok||, ||g_twin||); the worst of the MoE's parameters and
+# the worst of the rest (attention, norms, head: a different dx out of the MoE shows there). Both
+# sides round at the same points, so what is left is the order of fp32 sums (a bf16 value a step
+# apart here and there) and the routing of tokens whose top-k probabilities tie to rounding.
+SAME_WEIGHTS_LIMITS = {"loss": 1e-4, "moe": 1e-2, "other": 1e-2}
+
+
+def same_weights_check(model_mok, model_torch, inputs, targets):
+    """One batch through both models, which hold the same weights: {"loss": relative difference,
+    "moe" / "other": the worst norm-relative gradient difference, "worst": that parameter's name}.
+    A parameter with a gradient on one side only counts as a difference of 1."""
+    losses, grads = [], []
+    for m in (model_mok, model_torch):
+        m.zero_grad(set_to_none=True)
+        logits = m(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().float().clone() for n, p in m.named_parameters() if p.grad is not None})
+        m.zero_grad(set_to_none=True)
+    out = {"loss": abs(losses[0] - losses[1]) / abs(losses[1]), "moe": 0.0, "other": 0.0, "worst": None}
+    worst = 0.0
+    for name in sorted(set(grads[0]) | set(grads[1])):
+        ga, gb = grads[0].get(name), grads[1].get(name)
+        if ga is None or gb is None:
+            d = 1.0
+        else:
+            scale = max(ga.norm().item(), gb.norm().item())
+            if scale < 1e-12:  # zero on both sides (the router with top-1)
+                continue
+            d = (ga - gb).norm().item() / scale
+        key = "moe" if ".moe." in name else "other"
+        out[key] = max(out[key], d)
+        if d > worst:
+            worst, out["worst"] = d, name
+    return out
+
+
+def same_weights_ok(check):
+    return all(check[k] < lim for k, lim in SAME_WEIGHTS_LIMITS.items())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -350,9 +425,14 @@ def main():
     ap.add_argument("--cpu-threads", type=int, default=0,
                     help="mok cpu backend: worker threads (0 = the library's default, the machine's cores)")
     ap.add_argument("--noise-ref", action=argparse.BooleanOptionalAction, default=True,
-                    help="also train the twin with an fp32 MoE, a yardstick for bf16 noise (default on)")
+                    help="also train two yardsticks for bf16 noise: the twin with split-K matmuls (another "
+                         "sum order) and the twin with an fp32 MoE (default on)")
     ap.add_argument("--threshold", type=float, default=0.02,
-                    help="'within bf16 noise': mean and last-quarter mean |rel diff| both below this")
+                    help="with --no-noise-ref, 'within bf16 noise': mean and last-quarter mean |rel diff| "
+                         "both below this")
+    ap.add_argument("--check-every", type=int, default=50,
+                    help="every this many steps (and at the last), mok on the twin's weights of that step "
+                         "against the twin (0: never)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--out", default="build/train_moe")
     a = ap.parse_args()
@@ -369,16 +449,20 @@ def main():
         return mok.torch.MoE(a.hidden, a.intermediate, a.experts, a.topk, a.shared, config=config,
                              backend=a.device, max_tokens=tokens_per_step, device=device)
 
-    def torch_moe(dtype):
+    def torch_moe(dtype, split_k=False):
         return lambda: TorchMoE(a.hidden, a.intermediate, a.experts, a.topk, a.shared, device=device,
-                                compute_dtype=dtype)
+                                compute_dtype=dtype, split_k=split_k)
 
     torch.manual_seed(a.seed)
     model_mok = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, mok_moe).to(device)
     models = {"mok": model_mok}
     models["torch"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, torch_moe(torch.bfloat16)).to(device)
     if a.noise_ref:
+        models["order"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq,
+                                         torch_moe(torch.bfloat16, split_k=True)).to(device)
         models["fp32"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, torch_moe(torch.float32)).to(device)
+    # mok's layer on the twin's weights, for the same-weights checks along the run
+    shadow = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, mok_moe).to(device) if a.check_every else None
     state = model_mok.state_dict()
     for name, m in models.items():
         if m is not model_mok:
@@ -398,11 +482,19 @@ def main():
 
     opts = {name: make_optimizer(m, a.lr, a.weight_decay) for name, m in models.items()}
     rows, times = [], {name: 0.0 for name in models}
+    checks = []
     names = list(models)
     for step in range(a.steps):
         inputs, targets = lang.batch(step, a.batch, a.seq, a.seed)
         inputs, targets = inputs.to(device), targets.to(device)
         lr = lr_at(step, a.lr, a.warmup, a.steps)
+        if shadow is not None and (step % a.check_every == 0 or step == a.steps - 1):
+            shadow.load_state_dict(models["torch"].state_dict())
+            c = same_weights_check(shadow, models["torch"], inputs, targets)
+            checks.append((step, c))
+            print(f"step {step:4d}  same weights (the twin's): loss {c['loss']:.1e}, gradients: MoE {c['moe']:.1e}, "
+                  f"other {c['other']:.1e} (worst {c['worst']})  {'ok' if same_weights_ok(c) else 'OVER THE LIMIT'}",
+                  flush=True)
         row = {"step": step, "lr": lr}
         for name in names:
             t0 = time.perf_counter()
@@ -415,7 +507,7 @@ def main():
             row[f"loss_{name}"], row[f"gnorm_{name}"] = loss, gnorm
         rows.append(row)
         if step % a.log_every == 0 or step == a.steps - 1:
-            extra = f"  fp32 {row['loss_fp32']:.4f}" if a.noise_ref else ""
+            extra = f"  order {row['loss_order']:.4f}  fp32 {row['loss_fp32']:.4f}" if a.noise_ref else ""
             print(f"step {step:4d}  lr {lr:.2e}  mok {row['loss_mok']:.4f}  torch {row['loss_torch']:.4f}  "
                   f"|diff| {abs(row['loss_mok'] - row['loss_torch']):.4f}{extra}  "
                   f"gnorm mok {row['gnorm_mok']:.3f} torch {row['gnorm_torch']:.3f}", flush=True)
@@ -430,8 +522,9 @@ def main():
         xm, ym = (n - 1) / 2, sum(rd) / n
         var = sum((i - xm) ** 2 for i in range(n))
         slope = sum((i - xm) * (v - ym) for i, v in enumerate(rd)) / var * 100 if var else 0.0
-        return dict(max_abs=max(ad), mean_abs=sum(ad) / n, max_rel=max(rd), mean_rel=ym,
-                    first_q_rel=sum(rd[:q]) / q, last_q_rel=sum(rd[-q:]) / q, slope_rel_per_100=slope)
+        return dict(max_abs=max(ad), mean_abs=sum(ad) / n, last_q_abs=sum(ad[-q:]) / q, max_rel=max(rd),
+                    mean_rel=ym, first_q_rel=sum(rd[:q]) / q, last_q_rel=sum(rd[-q:]) / q,
+                    slope_rel_per_100=slope)
 
     s = stats("loss_mok", "loss_torch")
     first, last = rows[0], rows[-1]
@@ -441,16 +534,34 @@ def main():
     print(f"|loss_mok - loss_torch|: max {s['max_abs']:.5f}, mean {s['mean_abs']:.5f}; relative: max "
           f"{s['max_rel']:.3%}, mean {s['mean_rel']:.3%}, first quarter {s['first_q_rel']:.3%}, last quarter "
           f"{s['last_q_rel']:.3%}, trend {s['slope_rel_per_100']:+.3%} per 100 steps")
-    agree = s["mean_rel"] < a.threshold and s["last_q_rel"] < a.threshold
-    rule = f"mean and last-quarter mean relative difference < {a.threshold:.1%}"
     if a.noise_ref:
-        n = stats("loss_torch", "loss_fp32")
-        ratio = s["mean_abs"] / max(n["mean_abs"], 1e-12)
-        print(f"yardstick |loss_torch(bf16) - loss_torch(fp32 MoE)|: max {n['max_abs']:.5f}, mean {n['mean_abs']:.5f}; "
-              f"relative mean {n['mean_rel']:.3%}, last quarter {n['last_q_rel']:.3%}")
-        print(f"mean |mok - twin| / mean |twin - fp32 twin| = {ratio:.2f}")
-        agree = agree and ratio < 2.0
-        rule += ", and mean |mok - twin| < 2x the bf16-vs-fp32 gap"
+        # The yardsticks: the twin against itself with another fp32 sum order (what mok differs by)
+        # and against its fp32 MoE (bf16 rounding itself). A run passes through a sharp drop of the
+        # loss whose timing any perturbation moves, so each pair of curves ends up ~1-2% apart
+        # whatever the perturbation's size: the bar is relative to the pairs measured in this run.
+        refs = {"twin with split-K matmuls": stats("loss_order", "loss_torch"),
+                "twin with fp32 MoE": stats("loss_fp32", "loss_torch")}
+        for label, n in refs.items():
+            print(f"yardstick |twin - {label}|: max {n['max_abs']:.5f}, mean {n['mean_abs']:.5f}; "
+                  f"relative mean {n['mean_rel']:.3%}, last quarter {n['last_q_rel']:.3%}")
+        noise = sum(n["mean_abs"] for n in refs.values()) / len(refs)
+        noise_last = sum(n["last_q_abs"] for n in refs.values()) / len(refs)
+        ratio, ratio_last = s["mean_abs"] / max(noise, 1e-12), s["last_q_abs"] / max(noise_last, 1e-12)
+        print(f"|mok - twin| / the yardsticks' mean: {ratio:.2f} over the run, {ratio_last:.2f} over its last quarter")
+        agree = ratio < 2.0 and ratio_last < 2.0
+        rule = "mean |mok - twin| below 2x the yardsticks' mean, over the run and over its last quarter"
+    else:
+        agree = s["mean_rel"] < a.threshold and s["last_q_rel"] < a.threshold
+        rule = f"mean and last-quarter mean relative difference < {a.threshold:.1%}"
+    if checks:
+        bad = [st for st, c in checks if not same_weights_ok(c)]
+        worst = {k: max(c[k] for _, c in checks) for k in SAME_WEIGHTS_LIMITS}
+        print(f"same weights, {len(checks)} checks: worst loss {worst['loss']:.1e}, MoE gradient {worst['moe']:.1e}, "
+              f"other gradient {worst['other']:.1e} (limits {SAME_WEIGHTS_LIMITS['loss']:.0e} / "
+              f"{SAME_WEIGHTS_LIMITS['moe']:.0e} / {SAME_WEIGHTS_LIMITS['other']:.0e})"
+              + (f"; over at steps {bad}" if bad else ""))
+        agree = agree and not bad
+        rule += "; every same-weights check within its limits"
     print(f"within bf16 noise ({rule}): {'yes' if agree else 'NO'}")
     print("time per step: " + ", ".join(f"{k} {v / a.steps * 1e3:.1f} ms" for k, v in times.items()))
 
@@ -474,6 +585,7 @@ def main():
     ax.plot(steps, [r["loss_mok"] for r in rows], label="mok (mok.torch.MoE)", lw=1.4)
     ax.plot(steps, [r["loss_torch"] for r in rows], label="PyTorch twin (bf16)", lw=1.0, ls="--")
     if a.noise_ref:
+        ax.plot(steps, [r["loss_order"] for r in rows], label="PyTorch twin (split-K matmuls)", lw=0.8, ls="-.")
         ax.plot(steps, [r["loss_fp32"] for r in rows], label="PyTorch twin (fp32 MoE)", lw=0.8, ls=":")
     ax.axhline(lang.entropy_rate, color="gray", lw=0.8, ls="-.", label=f"entropy rate {lang.entropy_rate:.3f}")
     ax.set_ylabel("cross-entropy (nats)")
@@ -484,8 +596,10 @@ def main():
     ax2.plot(steps, [100 * abs(r["loss_mok"] - r["loss_torch"]) / r["loss_torch"] for r in rows], lw=0.8,
              label="|mok - twin| / twin")
     if a.noise_ref:
-        ax2.plot(steps, [100 * abs(r["loss_torch"] - r["loss_fp32"]) / r["loss_fp32"] for r in rows], lw=0.8,
-                 label="|twin - fp32 twin| / fp32 twin", alpha=0.7)
+        ax2.plot(steps, [100 * abs(r["loss_order"] - r["loss_torch"]) / r["loss_torch"] for r in rows], lw=0.8,
+                 label="|twin (split-K) - twin| / twin", alpha=0.7)
+        ax2.plot(steps, [100 * abs(r["loss_fp32"] - r["loss_torch"]) / r["loss_torch"] for r in rows], lw=0.8,
+                 label="|twin (fp32 MoE) - twin| / twin", alpha=0.7)
     ax2.set_ylabel("rel. diff (%)")
     ax2.set_xlabel("step")
     ax2.legend(fontsize=8)

@@ -106,7 +106,7 @@ for t in "${trees[@]}"; do
             --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|epilogue|sched_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
         # with --ep2 too: DeepSeek-V3's EP2 passes traced (rank 0 is the heavy rank at skew 1.5)
         [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
-            --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
+            --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank [0-9]+ (compute|comm)"
     ) >>"$log" 2>&1
     echo "==== $t ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
     grep -E "^(deepseek|qwen|hash|host )" "$log" | cut -c1-200

@@ -103,3 +103,70 @@ def test_twin_matches_mok_cpu_up_to_sum_order():
     for n in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
         assert n in a and n in b, n
         assert _rel(a[n], b[n]) < 8e-3, n
+
+
+def test_split_k_twin_is_the_twin_up_to_sum_order():
+    """The yardstick twin with split-K matmuls computes the twin's function: the same rounding
+    points, another order of the fp32 sums (every value within a bf16 step of the largest)."""
+    import torch
+    ex = _example()
+    g = torch.Generator().manual_seed(SEED)
+    T, H, I, E, k, Is = 80, 128, 64, 5, 2, 64
+    a = ex.TorchMoE(H, I, E, k, Is, compute_dtype=torch.bfloat16)
+    b = ex.TorchMoE(H, I, E, k, Is, compute_dtype=torch.bfloat16, split_k=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(T, H, generator=g)
+    dy = torch.randn(T, H, generator=g)
+    out = []
+    for layer in (a, b):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(dy)
+        out.append(dict(y=y.detach(), dx=xi.grad, **{n: p.grad for n, p in layer.named_parameters()}))
+    for name in out[0]:
+        assert _rel(out[1][name], out[0][name]) < 8e-3, name
+    same = [name for name in out[0] if torch.equal(out[0][name], out[1][name])]
+    assert len(same) < len(out[0]), "the split-K twin gave the same bits: it is not another sum order"
+
+
+def _models(ex, seed):
+    """A one-block model with mok's layer (cpu backend) and its twin holding the same weights, and a
+    batch of the example's language."""
+    import torch
+    H, I, E, k, Is, V, B, L = 64, 64, 4, 2, 64, 16, 4, 16
+
+    def mok_moe():
+        return mok.torch.MoE(H, I, E, k, Is, backend="cpu", max_tokens=B * L)
+
+    def twin_moe():
+        return ex.TorchMoE(H, I, E, k, Is, compute_dtype=torch.bfloat16)
+
+    torch.manual_seed(seed)
+    m = ex.MoETransformer(V, H, 2, 1, L, mok_moe)
+    t = ex.MoETransformer(V, H, 2, 1, L, twin_moe)
+    t.load_state_dict(m.state_dict())
+    inputs, targets = ex.MarkovLanguage(V, 2, seed).batch(0, B, L, seed)
+    return m, t, inputs, targets
+
+
+def test_same_weights_check_passes_mok_and_catches_defects():
+    """The example's same-weights check passes mok against its twin, and fails a layer with a
+    defect: the router's gradient lost, or the output 2% too large."""
+    ex = _example()
+    m, t, inputs, targets = _models(ex, SEED)
+    c = ex.same_weights_check(m, t, inputs, targets)
+    assert ex.same_weights_ok(c), c
+
+    moe = m.blocks[0].moe
+    route = moe.route
+    moe.route = lambda flat: (lambda r: (r[0], r[1].detach(), r[2]))(route(flat))
+    c = ex.same_weights_check(m, t, inputs, targets)
+    assert not ex.same_weights_ok(c) and c["worst"] == "blocks.0.moe.router.weight", c
+    moe.route = route
+
+    forward = moe.forward
+    moe.forward = lambda x: forward(x) * 1.02
+    c = ex.same_weights_check(m, t, inputs, targets)
+    assert not ex.same_weights_ok(c), c
+    moe.forward = forward
+    assert ex.same_weights_ok(ex.same_weights_check(m, t, inputs, targets))
