@@ -161,23 +161,26 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
         const long long col = n0 + 64 * hc + 2 * lane;
         /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
            chunks instead, with the accumulators copied out through a switch, doubled the kernel's
-           spills). Rows warp + 16 k and warp + 16 k + 8: two independent chains per iteration. */
+           spills). Rows warp + 32 m + 8 k, k = 0..3: four independent chains per iteration, each
+           row's sums in the same order as with two */
+        constexpr int RPI = 4; /* rows per iteration */
 #pragma unroll 1
-        for (int rp = warp; rp < TILE_BM; rp += 2 * (WS_CONSUMERS / 32)) {
-            uint32_t gpair[2], upair[2];
-            float2 d[2];
-            float wr[2];
+        for (int rp = warp; rp < TILE_BM; rp += RPI * (WS_CONSUMERS / 32)) {
+            uint32_t gpair[RPI], upair[RPI];
+            float2 d[RPI];
+            float wr[RPI];
 #pragma unroll
-            for (int k = 0; k < 2; ++k) { /* every shared-memory load of both rows first */
+            for (int k = 0; k < RPI; ++k) { /* every shared-memory load of the rows first */
                 const int row = rp + 8 * k;
                 gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
                 upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
                 d[k] = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
                 wr[k] = wsm[row];
             }
-            float part[2] = {0.0f, 0.0f};
+            float part[RPI];
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
+            for (int k = 0; k < RPI; ++k) {
+                part[k] = 0.0f;
                 const int row = rp + 8 * k;
                 uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
                 if (row >= rows) {
@@ -199,14 +202,13 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                 *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
             }
 #pragma unroll
-            for (int m = 16; m >= 1; m >>= 1) {
-                part[0] += __shfl_xor_sync(0xffffffffu, part[0], m);
-                part[1] += __shfl_xor_sync(0xffffffffu, part[1], m);
-            }
-            if (lane == 0) {
-                if (rp < rows) rsum[rp] += part[0];
-                if (rp + 8 < rows) rsum[rp + 8] += part[1];
-            }
+            for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+                for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+            if (lane == 0)
+#pragma unroll
+                for (int k = 0; k < RPI; ++k)
+                    if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
         }
         consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
