@@ -11,11 +11,11 @@ count ("does this task order, or this many comm CTAs, shorten the pass?") before
 
 It builds scripts/tasks_dump.c against build/libmok.a (run `make` first); --tasks-c compiles
 another core/tasks.c in its place (`git show BRANCH:src/core/tasks.c > F`), to simulate a
-branch's order beside main's. The durations (µs per task) are those of the fifth session's
-traces on one H200 (docs/perf.md, "2026-11-30 (fifth session)", job 5); its check against the
-traced passes: DeepSeek-V3's forward 10.7 ms simulated against 11.0 measured (idle 2.6% against
-2.8%), its backward 23.6 against 24.9 (idle 13.3% against 14.7%); Qwen3's forward 3.0 against
-3.4 (idle 14.7% against 19.7%). A comm task's duration does not change with the number of comm
+branch's order beside main's. The durations (µs per task) are those of the sixth session's
+traces on one H200 (docs/perf.md, "2026-11-30 (sixth session)", job 1: next2, with main's dh
+tasks); the fifth session's check against the traced passes: DeepSeek-V3's forward 10.7 ms
+simulated against 11.0 measured (idle 2.6% against 2.8%), its backward 23.6 against 24.9 (idle
+13.3% against 14.7%); Qwen3's forward 3.0 against 3.4 (idle 14.7% against 19.7%). A comm task's duration does not change with the number of comm
 CTAs here, which the GPU does not promise: more CTAs moving rows at once share the memory
 system. The model has no claim-ahead, no per-task "before" beyond the gap, and equal experts.
 """
@@ -38,13 +38,13 @@ COMPUTE_KINDS = {SHARED_UP, SHARED_DOWN, GATEUP, DOWN, SHARED_DH, SHARED_DX, DH,
 # EP1 cases: tokens x top-k rows over the local experts), and the traced durations in µs.
 LAYERS = {
     "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256),
-                        fwd={SHARED_UP: 86.1, SHARED_DOWN: 24.5, DISPATCH: 64.5, GATEUP: 94.7, DOWN: 27.0,
-                             COMBINE: 64.1},
-                        bwd={SHARED_DH: 111.5, SHARED_DX: 50.2, PULL: 142.4, DH: 114.7, DX: 53.2, PUSH: 68.0,
-                             WGRAD: 23.9, SHARED_WGRAD: 93.0}),
+                        fwd={SHARED_UP: 89.0, SHARED_DOWN: 25.1, DISPATCH: 64.9, GATEUP: 93.1, DOWN: 27.0,
+                             COMBINE: 64.9},
+                        bwd={SHARED_DH: 112.5, SHARED_DX: 52.4, PULL: 155.4, DH: 114.7, DX: 53.5, PUSH: 71.2,
+                             WGRAD: 23.8, SHARED_WGRAD: 92.0}),
     "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128),
-                          fwd={DISPATCH: 17.9, GATEUP: 32.8, DOWN: 11.8, COMBINE: 15.0},
-                          bwd={PULL: 42.5, DH: 38.5, DX: 22.6, PUSH: 26.2, WGRAD: 12.9}),
+                          fwd={DISPATCH: 19.8, GATEUP: 34.6, DOWN: 10.6, COMBINE: 19.7},
+                          bwd={PULL: 44.4, DH: 38.4, DX: 20.8, PUSH: 26.4, WGRAD: 12.7}),
 }
 
 

@@ -1316,21 +1316,27 @@ MOK_TEST(schedule_comm_workers) {
 /* The comm workers a pass gets when the config leaves them to the backend (core/tasks.h). */
 MOK_TEST(schedule_comm_ctas) {
     /* DeepSeek-V3 (I = 2048, I_s = 2048, k = 8: I_eff 2304, 12288 / 2304 -> 6) on 132 SMs */
-    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 0, 132) == 8, "DeepSeek EP1 forward: the one-rank floor");
-    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 1, 132) == 12, "DeepSeek EP1 backward: the one-rank backward's floor");
-    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 0, 132) == 10, "DeepSeek EP2 forward: %d",
-          mok__comm_ctas(2048, 2048, 8, 2, 0, 132));
-    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 132) == 16, "DeepSeek EP2 backward");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 0, 0, 132) == 8, "DeepSeek EP1 forward: the one-rank floor");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 1, 0, 132) == 12, "DeepSeek EP1 backward: the one-rank backward's floor");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 0, 0, 132) == 10, "DeepSeek EP2 forward: %d",
+          mok__comm_ctas(2048, 2048, 8, 2, 0, 0, 132));
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 0, 132) == 16, "DeepSeek EP2 backward");
+    /* one rank whose down / dx tiles store their own rows: the floors 4 and 8 */
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 0, 1, 132) == 4, "DeepSeek EP1 direct forward");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 1, 1, 1, 132) == 8, "DeepSeek EP1 direct backward");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 1, 132) == 16, "direct means nothing across ranks");
     /* Qwen3-30B-A3B (I = 768, no shared expert): ceil(12288 / 768) = 16, but ceil(15360 / 768) =
-       20 in the one-rank backward */
-    CHECK(mok__comm_ctas(768, 0, 8, 1, 0, 132) == 16, "Qwen EP1 forward");
-    CHECK(mok__comm_ctas(768, 0, 8, 1, 1, 132) == 20, "Qwen EP1 backward");
-    CHECK(mok__comm_ctas(768, 0, 8, 2, 0, 132) == 16, "Qwen EP2 forward");
-    CHECK(mok__comm_ctas(768, 0, 8, 2, 1, 132) == 16, "Qwen EP2 backward");
+       20 in the one-rank backward; direct: ceil(6144 / 768) = 8 and ceil(12288 / 768) = 16 */
+    CHECK(mok__comm_ctas(768, 0, 8, 1, 0, 0, 132) == 16, "Qwen EP1 forward");
+    CHECK(mok__comm_ctas(768, 0, 8, 1, 1, 0, 132) == 20, "Qwen EP1 backward");
+    CHECK(mok__comm_ctas(768, 0, 8, 1, 0, 1, 132) == 8, "Qwen EP1 direct forward");
+    CHECK(mok__comm_ctas(768, 0, 8, 1, 1, 1, 132) == 16, "Qwen EP1 direct backward");
+    CHECK(mok__comm_ctas(768, 0, 8, 2, 0, 0, 132) == 16, "Qwen EP2 forward");
+    CHECK(mok__comm_ctas(768, 0, 8, 2, 1, 0, 132) == 16, "Qwen EP2 backward");
     /* narrow experts: by bytes, capped at a quarter of the SMs */
-    CHECK(mok__comm_ctas(128, 0, 8, 2, 0, 132) == 33, "I = 128: capped at 132 / 4");
+    CHECK(mok__comm_ctas(128, 0, 8, 2, 0, 0, 132) == 33, "I = 128: capped at 132 / 4");
     /* small GPUs: the cap, and at least one SM left to compute */
-    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 8) == 2, "8 SMs: a quarter");
-    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 2) == 1, "2 SMs: one each");
-    CHECK(mok__comm_ctas(2048, 2048, 0, 2, 1, 132) == 16, "k = 0 does not divide by zero");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 0, 8) == 2, "8 SMs: a quarter");
+    CHECK(mok__comm_ctas(2048, 2048, 8, 2, 1, 0, 2) == 1, "2 SMs: one each");
+    CHECK(mok__comm_ctas(2048, 2048, 0, 2, 1, 0, 132) == 16, "k = 0 does not divide by zero");
 }

@@ -33,18 +33,22 @@ MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int6
 }
 
 MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
-                           int num_sms) {
+                           int direct, int num_sms) {
     const int64_t i_eff = intermediate + (topk > 0 ? shared_intermediate / topk : 0);
     /* the one-rank backward moves more per FLOP than the by-bytes term says (pull brings dy and
-       x rows in, push takes dx rows out, and its dh / dx tasks are shorter than the forward's) */
-    const int64_t bytes_term = nranks == 1 && backward ? 15360 : 12288;
+       x rows in, push takes dx rows out, and its dh / dx tasks are shorter than the forward's);
+       a direct one-rank pass moves rows one way only */
+    direct = direct && nranks == 1;
+    const int64_t bytes_term = direct ? (backward ? 12288 : 6144) : nranks == 1 && backward ? 15360 : 12288;
     int comm = i_eff > 0 ? (int)ceil_div(bytes_term, i_eff) : 1;
-    const int floor = nranks == 1 ? (backward ? 12 : 8) : backward ? 16 : 10;
+    const int floor = direct ? (backward ? 8 : 4) : nranks == 1 ? (backward ? 12 : 8) : backward ? 16 : 10;
     if (comm < floor) comm = floor;
     const int cap = num_sms / 4 > 1 ? num_sms / 4 : 1;
     if (comm > cap) comm = cap;
     return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;
 }
+
+MOK_CORE int mok__raster(int64_t hidden) { return hidden >= 6144 ? 8 : 1; }
 
 /* The rows the counter blocks are sized for: the rank's own, or with a pulled transfer the most
  * of any rank, so that the blocks peers address (down_tile, combined, dx_tile, pushed: every

@@ -226,9 +226,20 @@ MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int6
  * before). The one-rank backward takes ceil(15360 / I_eff) with a floor of 12: its comm tasks
  * bounded the dh / dx phases (trace: compute idle 22-28% there with 8), and 12 beat 8, 16, 20
  * and 24 on DeepSeek-V3 (-3%), 20 beat 12, 16 and 24 on Qwen3 (-3.6%).
+ * direct: one rank whose down (dx) tiles store their rows into the (token, slot) rows themselves,
+ * so that its comm tasks move rows one way only (dispatch; pull): ceil(6144 / I_eff) with a floor
+ * of 4 in the forward, ceil(12288 / I_eff) with a floor of 8 in the backward (the pass simulator's
+ * best counts for both layers, scripts/sim_pass.py; not yet measured).
  * At most a quarter of the SMs, and at least one SM left to compute. */
 MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
-                           int num_sms);
+                           int direct, int num_sms);
+
+/* The GEMM groups' walk when the backend chooses it (mok__group_tile; measured on 2x H200,
+ * docs/perf.md, sixth session): runs of 8 row tiles for hidden >= 6144, where CTAs running
+ * neighbouring tickets then share a sub-tile's block of weights (256 columns x H, 3.7 MB at
+ * H = 7168) in L2: EP2 backward -3% to -10% on the four layers with H of 6144 and 7168;
+ * tile-major (1) below, where the shared activation tile is worth more (H = 4096: +4% with 8). */
+MOK_CORE int mok__raster(int64_t hidden);
 
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);

@@ -33,17 +33,19 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
             continue;
         }
         const long long slot = ct->slot[r], token = slot / p.topk;
-        const float w = ((const float *)(p.peers[peer] + p.off_router_w))[slot];
+        const float w = ((const float *)input_row_base(p, peer, p.off_router_w, p.router_w))[slot];
         pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
-                 (const uint16_t *)(p.peers[peer] + p.off_x) + token * p.hidden,
-                 (const uint16_t *)(p.peers[peer] + p.off_dy) + token * p.hidden, w, p.hidden);
+                 (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) + token * p.hidden,
+                 (const uint16_t *)input_row_base(p, peer, p.off_dy, p.dy) + token * p.hidden, w, p.hidden);
         if (lane == 0) p.ring_w[ring] = w;
     }
 }
 
 /* Each ring row's dx part into its owner's (token, slot) row, and its d_router_w (the sum of the
- * dh tiles' partial dot products, in column order), one warp per row. */
+ * dh tiles' partial dot products, in column order), one warp per row. With one rank the dx tiles
+ * wrote both there themselves (bwd_epilogue): the task is its counters. */
 static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
     const long long nI = p.inter / p.n_tile, ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -88,9 +90,8 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
     uint16_t *ring_x = (uint16_t *)(dst + p.off_ring_x), *ring_dy = (uint16_t *)(dst + p.off_ring_dy);
     uint16_t *ring_dyw = (uint16_t *)(dst + p.off_ring_dyw);
     float *ring_w = (float *)(dst + p.off_ring_w);
-    const char *mine = p.peers[p.rank];
-    const uint16_t *x = (const uint16_t *)(mine + p.off_x), *dy = (const uint16_t *)(mine + p.off_dy);
-    const float *router_w = (const float *)(mine + p.off_router_w);
+    const uint16_t *x = p.x, *dy = p.dy;
+    const float *router_w = p.router_w;
     const int lane = threadIdx.x & 31;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -161,23 +162,26 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
         const long long col = n0 + 64 * hc + 2 * lane;
         /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
            chunks instead, with the accumulators copied out through a switch, doubled the kernel's
-           spills). Rows warp + 16 k and warp + 16 k + 8: two independent chains per iteration. */
+           spills). Rows warp + 32 m + 8 k, k = 0..3: four independent chains per iteration, each
+           row's sums in the same order as with two */
+        constexpr int RPI = 4; /* rows per iteration */
 #pragma unroll 1
-        for (int rp = warp; rp < TILE_BM; rp += 2 * (WS_CONSUMERS / 32)) {
-            uint32_t gpair[2], upair[2];
-            float2 d[2];
-            float wr[2];
+        for (int rp = warp; rp < TILE_BM; rp += RPI * (WS_CONSUMERS / 32)) {
+            uint32_t gpair[RPI], upair[RPI];
+            float2 d[RPI];
+            float wr[RPI];
 #pragma unroll
-            for (int k = 0; k < 2; ++k) { /* every shared-memory load of both rows first */
+            for (int k = 0; k < RPI; ++k) { /* every shared-memory load of the rows first */
                 const int row = rp + 8 * k;
                 gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
                 upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
                 d[k] = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
                 wr[k] = wsm[row];
             }
-            float part[2] = {0.0f, 0.0f};
+            float part[RPI];
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
+            for (int k = 0; k < RPI; ++k) {
+                part[k] = 0.0f;
                 const int row = rp + 8 * k;
                 uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
                 if (row >= rows) {
@@ -199,14 +203,13 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                 *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
             }
 #pragma unroll
-            for (int m = 16; m >= 1; m >>= 1) {
-                part[0] += __shfl_xor_sync(0xffffffffu, part[0], m);
-                part[1] += __shfl_xor_sync(0xffffffffu, part[1], m);
-            }
-            if (lane == 0) {
-                if (rp < rows) rsum[rp] += part[0];
-                if (rp + 8 < rows) rsum[rp + 8] += part[1];
-            }
+            for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+                for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+            if (lane == 0)
+#pragma unroll
+                for (int k = 0; k < RPI; ++k)
+                    if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
         }
         consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
@@ -566,6 +569,23 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         }
         case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
             const tile_info t = tp.tile;
+            if (p.nranks == 1 && !p.dispatch_pull) {
+                /* one rank: what run_push would do, here. Each row straight into its (token, slot)
+                   row of the dx buffer; the first column tile's threads also sum their rows'
+                   d_router_w partials, which every dh tile of the row tile wrote before this task
+                   could start (its wait), in column order, as dx_row_out does */
+                const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+                const int32_t *slots = v.row_slot + t.row0;
+                store_staged<true>(acc, t.nreal, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_dxbuf), H,
+                                   nt * p.n_tile_h, c, slots);
+                if (nt == 0 && tid < t.nreal) {
+                    const float *rdot = p.ring_rdot + (t.ring0 + tid) * (I / 64);
+                    float sum = 0.0f;
+                    for (long long j = 0; j < I / p.n_tile; ++j) sum += rdot[j];
+                    ((float *)(p.peers[p.rank] + p.off_drw))[slots[tid]] = sum;
+                }
+                return;
+            }
             store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
             return;
         }
@@ -754,6 +774,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
+        p.router_w = a->router_w;
         p.dw[0] = a->dw_gate;
         p.dw[1] = a->dw_up;
         p.dw[2] = a->dw_down;
@@ -761,7 +782,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.ds[1] = a->ds_up;
         p.ds[2] = a->ds_down;
         const size_t H = (size_t)s->hidden, k = (size_t)s->topk, T = (size_t)a->num_tokens;
-        if (T > 0) {
+        if (T > 0 && ws->group->nranks > 1) { /* the peers' copies (input_row_base) */
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));

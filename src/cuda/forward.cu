@@ -24,13 +24,16 @@ static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const int peer = ct->peer[r];
         if (peer < 0) break; /* padding: the rest of the tile */
-        const uint16_t *src = (const uint16_t *)(p.peers[peer] + p.off_x) + (long long)(ct->slot[r] / p.topk) * p.hidden;
+        const uint16_t *src = (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) +
+                              (long long)(ct->slot[r] / p.topk) * p.hidden;
         copy_row(p.ring_x + (ring0 + r) * p.hidden, src, p.hidden);
     }
 }
 
-/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. */
+/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. With one
+ * rank the down tiles wrote them there themselves (fwd_epilogue): the task is its counters. */
 static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
+    if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -64,7 +67,7 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt, com
 static __device__ void run_scatter(const pass_params &p, int q, long long rt, comm_tile *ct) {
     comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     uint16_t *ring_x = (uint16_t *)(p.peers[q] + p.off_ring_x);
-    const uint16_t *x = (const uint16_t *)(p.peers[p.rank] + p.off_x);
+    const uint16_t *x = p.x;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         if (ct->peer[r] != p.rank) continue;
@@ -225,6 +228,15 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         if (grp.kind == MOK_TASK_DOWN) {
             const tile_info t = tp.tile;
             rows = t.nreal;
+            if (p.nranks == 1 && !p.combine_pull) {
+                /* one rank: each row straight into its (token, slot) row of the combine buffer, which
+                   the COMBINE tasks would copy it to from the ring (run_combine); the rows < nreal
+                   of a tile are real, each with its own slot */
+                const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+                store_staged<true>(acc, rows, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_comb), H,
+                                   nt * p.n_tile_h, staging, v.row_slot + t.row0);
+                break;
+            }
             out = p.ring_y + t.ring0 * H;
         } else {
             const long long t0 = rt * MOK_ROW_TILE;
@@ -356,7 +368,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params_comm(&p, ws, R, ws->config.fwd_comm_sms, 0);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
-        if (a->num_tokens > 0)
+        if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
                                      cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;

@@ -24,8 +24,11 @@ struct pass_params {
     int *comm_dev;
     long long hidden, inter, shared_inter, num_tokens, ring_rows, minibatch_rows, context_rows;
     char *const *peers;
+    /* x, dy and router_w: the caller's buffers, which this rank's own reads use; the copies at
+       off_x, off_dy, off_router_w of every window are there for the peers (input_row_base) */
     size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
     const uint16_t *x, *dy, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down;
+    const float *router_w;
     uint16_t *ring_x, *ring_h, *ring_y, *sh_h, *sh_out, *context, *context_shared;
     /* backward */
     uint16_t *ring_dy, *ring_dyw, *ring_gu, *ring_dgu, *sh_dgu;
@@ -43,7 +46,7 @@ struct pass_params {
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, cuda_common.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
-    int raster;        /* GEMM groups' walk (mok__group_tile): MOK_CUDA_RASTER, default 1 */
+    int raster;        /* GEMM groups' walk (mok__group_tile): mok__raster or MOK_CUDA_RASTER */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -98,6 +101,13 @@ static __device__ __forceinline__ bool pass_start(const pass_params &p, int *com
     __syncthreads();
     *comm = s_comm;
     return s_error != 0;
+}
+
+/* An input of rank `peer` (x, dy or router_w): this rank's own from the caller's buffer `own`, a
+ * peer's from the copy at `off` in its window. With one rank the pass makes no copies. */
+static __device__ __forceinline__ const char *input_row_base(const pass_params &p, int peer, size_t off,
+                                                            const void *own) {
+    return peer == p.rank ? (const char *)own : p.peers[peer] + off;
 }
 
 /* The counters of rank `peer` (-1: this rank's own). A peer's are reached through its window. */
@@ -405,18 +415,21 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace = R->trace;
     p->trace_cap = R->trace_cap;
     p->trace_count = R->trace_count;
-    /* an experiment's switch, read at every pass: tiles per run of the GEMM groups' walk */
+    /* tiles per run of the GEMM groups' walk: the shape's choice (mok__raster), or an
+       experiment's switch read at every pass (MOK_CUDA_RASTER, 1..64; other values: the choice) */
     const char *raster = getenv("MOK_CUDA_RASTER");
-    p->raster = raster ? atoi(raster) : 1;
-    if (p->raster < 1 || p->raster > 64) p->raster = 1;
+    p->raster = raster ? atoi(raster) : 0;
+    if (p->raster < 1 || p->raster > 64) p->raster = mok__raster(s->hidden);
 }
 
 /* Comm CTAs of a pass: the config's count, or for 0 the measured choice (mok__comm_ctas,
- * core/tasks.h). */
+ * core/tasks.h). With one rank and the default combine (forward) or reverse-dispatch (backward)
+ * direction the down / dx tiles store their rows themselves (fwd_epilogue, bwd_epilogue). */
 static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured, int backward) {
     if (configured > 0) return configured < R->num_sms - 1 ? configured : R->num_sms - 1;
+    const int direct = backward ? ws->config.bwd_dispatch == MOK_PUSH : ws->config.fwd_combine == MOK_PUSH;
     return mok__comm_ctas(ws->shape.intermediate, ws->shape.shared_intermediate, ws->shape.topk, ws->group->nranks,
-                          backward, R->num_sms);
+                          backward, direct, R->num_sms);
 }
 
 /* A pass's comm CTAs (pass_params): the shape's count, and with configured = 0 the bounds of the

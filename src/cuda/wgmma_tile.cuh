@@ -368,12 +368,17 @@ static __device__ __forceinline__ void stsm_blocks(const float (&acc)[WS_ACC], i
 
 /* Rows < rows, columns < cols (a multiple of 8) of the staging tile c[128][TILE_C_LD] to out
  * (row stride ld; out and ld 16-byte aligned), in 16-byte chunks: each warp's store covers whole
- * chunks of one row. */
-static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld) {
+ * chunks of one row. With a row map, row r goes to row rowmap[r] of out instead of row r. */
+template <bool MAPPED = false>
+static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld,
+                                                   const int32_t *rowmap = nullptr) {
     const int t = threadIdx.x - WS_PRODUCERS;
     for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += WS_CONSUMERS) {
         const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8;
-        if (r < rows && c8 < cols) *(int4 *)(out + r * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
+        if (r < rows && c8 < cols) {
+            const long long orow = MAPPED ? (long long)rowmap[r] : r;
+            *(int4 *)(out + orow * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
+        }
     }
 }
 
@@ -392,8 +397,10 @@ static __device__ __forceinline__ void ws_stage_bf16(uint16_t *c, const float (&
  * 16-byte aligned). Each warp's global store then covers whole 16-byte chunks of one row
  * rather than 4 bytes of 8 rows. The consumers sync before each round's copy and after it, so
  * c is free again on return. */
+template <bool MAPPED = false>
 static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], int rows, int cols, uint16_t *out,
-                                                    long long ld, long long n0, uint16_t *c) {
+                                                    long long ld, long long n0, uint16_t *c,
+                                                    const int32_t *rowmap = nullptr) {
     const int t = threadIdx.x - WS_PRODUCERS;
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
 #pragma unroll
@@ -403,7 +410,7 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[WS_ACC], 
         for (int j = 0; j < TILE_C_COLS / 8; j += 2)
             stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, (t >> 5) * 16, h * (TILE_C_COLS / 8));
         consumer_sync();
-        copy_staged(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld);
+        copy_staged<MAPPED>(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld, rowmap);
         consumer_sync();
     }
 }
