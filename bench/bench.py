@@ -404,10 +404,10 @@ def main():
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
     rows = []
     cases = LY.cases(a.ranks)
-    if a.only:
-        cases = [c for c in cases if c[0] in a.only.split(",")]
     if SMOKE:
         cases = [("deepseek-v3", 8, 200, 0.0), ("qwen3-30b-a3b", 16, 300, 1.5 if a.ranks > 1 else 0.0)]
+    if a.only:
+        cases = [c for c in cases if c[0] in a.only.split(",")]
     base = F.Config()
     # each variant: (label, environment variables, config) for a row per case beside the defaults
     variants = [("", [], base)]

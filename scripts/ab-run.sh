@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--env VAR=V,...]...
-# [--config FIELD=V,...]... [--host] — on a GPU
+# [--config FIELD=V,...]... [--host] [--reps N] [--only LAYERS] [--rounds K] — on a GPU
 # machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
 # quick GPU tests (MOK_TEST_NO_FULL=1 ./build/mok_tests cuda_; on the ab/ trees only, unless
@@ -15,13 +15,16 @@
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
 # replay, EP1 and EP2) and `mok run --hash --repeat 2` at full size on EP1 in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
-# (a change meant to keep every sum's order). Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
+# (a change meant to keep every sum's order). --reps N: the EP1 benchmark's repetitions (8); --only
+# LAYERS: the benchmarks' layers (bench.py --only); --rounds K: the benchmarks K times, the trees
+# in turn each round (the machine drifts by a few % between minutes: interleaved rounds show how
+# much; the tests and hashes run once). Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 host=0 envs=()
+tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 host=0 envs=() reps1=8 rounds=1 only=() ep2only=deepseek-v3,qwen3-30b-a3b
 while [ $# -gt 0 ]; do
     a=$1
     shift
@@ -35,6 +38,9 @@ while [ $# -gt 0 ]; do
     --probe) probe=1 ;;
     --hash) hash=1 ;;
     --host) host=1 ;;
+    --reps) reps1=$1; shift ;;
+    --rounds) rounds=$1; shift ;;
+    --only) only=(--only "$1"); ep2only=$1; shift ;;
     --env) envs+=(--compare-env "$1"); shift ;;
     --config) envs+=(--compare-config "$1"); shift ;;
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
@@ -86,30 +92,36 @@ if [ $hash -eq 1 ]; then
     wait
     echo "ab-run: hashes of ${#trees[@]} trees in $((SECONDS - start)) s"
 fi
-for t in "${trees[@]}"; do
-    name=$(echo "$t" | tr '/.' '__')
-    log=$out/ab$name.txt
-    : >"$log"
-    [ $hash -eq 1 ] && cat "$out/hash$name.txt" >>"$log"
-    t0=$SECONDS
-    (
-        cd "$t" || exit 1
-        export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
-        [ $tests -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
-        timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 8 ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
-        [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
-            --only deepseek-v3,qwen3-30b-a3b --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
-        [ $trace -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
-            --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
-        # --host: EP1 host time per call, GPU time queued back to back, and every kernel's time
-        [ $host -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 5 --host --profile \
-            --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|epilogue|sched_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
-        # with --ep2 too: DeepSeek-V3's EP2 passes traced (rank 0 is the heavy rank at skew 1.5)
-        [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
-            --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank [0-9]+ (compute|comm)"
-    ) >>"$log" 2>&1
-    echo "==== $t ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
-    grep -E "^(deepseek|qwen|hash|host )" "$log" | cut -c1-200
+for round in $(seq 1 "$rounds"); do
+    for t in "${trees[@]}"; do
+        name=$(echo "$t" | tr '/.' '__')
+        log=$out/ab$name.txt
+        if [ "$round" -eq 1 ]; then
+            : >"$log"
+            [ $hash -eq 1 ] && cat "$out/hash$name.txt" >>"$log"
+        else
+            echo "-- round $round" >>"$log"
+        fi
+        t0=$SECONDS
+        (
+            cd "$t" || exit 1
+            export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
+            [ $tests -eq 1 ] && [ "$round" -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
+            timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps "$reps1" ${only[@]+"${only[@]}"} ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
+            [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
+                --only "$ep2only" --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
+            [ $trace -eq 1 ] && [ "$round" -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
+                --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
+            # --host: EP1 host time per call, GPU time queued back to back, and every kernel's time
+            [ $host -eq 1 ] && [ "$round" -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 5 --host --profile \
+                --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|epilogue|sched_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
+            # with --ep2 too: DeepSeek-V3's EP2 passes traced (rank 0 is the heavy rank at skew 1.5)
+            [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && [ "$round" -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
+                --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank [0-9]+ (compute|comm)"
+        ) >>"$log" 2>&1
+        echo "==== $t, round $round ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
+        if [ "$round" -eq 1 ]; then grep -E "^(deepseek|qwen|hash|host )" "$log"; else sed -n "/^-- round $round\$/,\$p" "$log" | grep -E "^(deepseek|qwen)"; fi | cut -c1-200
+    done
 done
 if [ $nccl -eq 1 ]; then
     echo "==== EP2 baseline: NCCL all-to-all + grouped GEMM (torchrun, 2 processes)"
