@@ -1,0 +1,457 @@
+/* gemm_common.cuh — what the dev GEMM experiments share (dev/gemm_wgmma_v1.cu,
+ * dev/pingpong_probe.cu): error checks, the CTA's thread layout (one producer warpgroup, two
+ * consumer warpgroups), the PTX wrappers for mbarriers, TMA and wgmma with their shared-memory
+ * descriptors, the fp32 reference GEMM, random inputs, tensor maps, the comparison against the
+ * reference and the event timer. Included by exactly one translation unit per program. */
+#pragma once
+#include <cuda.h>  // CUtensorMap and its enums only: the driver entry point comes through cudart
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <vector>
+
+#ifdef WITH_CUBLAS
+#include <cublas_v2.h>
+#endif
+
+typedef __nv_bfloat16 bf16;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Error checking: every runtime, driver and cuBLAS call goes through one of these.           */
+
+#define CUDA_CHECK(call)                                                                              \
+    do {                                                                                              \
+        cudaError_t err_ = (call);                                                                    \
+        if (err_ != cudaSuccess) {                                                                    \
+            fprintf(stderr, "%s:%d: %s failed: %s (%s)\n", __FILE__, __LINE__, #call,                \
+                    cudaGetErrorName(err_), cudaGetErrorString(err_));                                \
+            exit(2);                                                                                  \
+        }                                                                                             \
+    } while (0)
+
+#define CHECK(cond, ...)                                                                              \
+    do {                                                                                              \
+        if (!(cond)) {                                                                                \
+            fprintf(stderr, "%s:%d: ", __FILE__, __LINE__);                                           \
+            fprintf(stderr, __VA_ARGS__);                                                             \
+            fprintf(stderr, "\n");                                                                    \
+            exit(2);                                                                                  \
+        }                                                                                             \
+    } while (0)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tile configuration.                                                                        */
+
+constexpr int BM = 128;              // rows of C per tile: two consumer warpgroups of 64 rows
+constexpr int BK = 64;               // K per stage: 64 bf16 = 128 bytes, one 128B swizzle row
+constexpr int WG_THREADS = 128;
+constexpr int NUM_CONSUMERS = 2;
+constexpr int THREADS = WG_THREADS * (1 + NUM_CONSUMERS);  // producer warpgroup + consumers
+constexpr int PRODUCER_REGS = 40;    // setmaxnreg budget: 128·40 + 256·232 = 64,512 <= 65,536
+constexpr int CONSUMER_REGS = 232;
+constexpr int SWIZZLE_ATOM_BYTES = 1024;  // 8 rows x 128 bytes: the repeat of the 128B swizzle
+constexpr long long WAIT_TIMEOUT_NS = 4000000000ll;  // a barrier wait longer than this is a bug
+
+// Error codes the kernel leaves in *err (host prints them).
+enum { KERNEL_OK = 0, KERNEL_FULL_TIMEOUT = 1, KERNEL_EMPTY_TIMEOUT = 2 };
+
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX wrappers.                                                                              */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the barrier initialisation visible to the async proxy (TMA completes tx on it).
+static __device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+static __device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Waits for the phase of `bar` with the given parity. NOTE: a deadlocked pipeline must not hang
+ * a lent GPU: after WAIT_TIMEOUT_NS the first waiter records `code` in *err and every later or
+ * concurrent waiter sees the flag and gives up too, so the kernel ends and the host reports it.
+ * The fast path (barrier already complete) costs one try_wait. */
+static __device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, int *err, int code) {
+    if (mbar_try_wait(bar, parity)) return true;
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t spins = 1;; ++spins) {
+        if (mbar_try_wait(bar, parity)) return true;
+        if ((spins & 1023) == 0) {
+            if (*(volatile int *)err != KERNEL_OK) return false;
+            if (globaltimer_ns() - start > (uint64_t)WAIT_TIMEOUT_NS) {
+                atomicCAS(err, KERNEL_OK, code);
+                return false;
+            }
+        }
+    }
+}
+
+static __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)map) : "memory");
+}
+
+/* One 2-D TMA box (c0 along K, c1 along rows) into shared memory; completes `bytes` on bar.
+ * Out-of-bounds rows/columns arrive as zeros and still count in the byte total. */
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                                   uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving reads or writes of the accumulators across the asynchronous
+ * region (the wgmma asm names them, but the wait does not). */
+template <int R>
+static __device__ __forceinline__ void pin_accumulators(float (&acc)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+/* Shared-memory matrix descriptor for a K-major operand in 128B-swizzled 128-byte rows:
+ * start address, leading offset unused for swizzled K-major (set to 16 bytes), stride offset
+ * 1024 bytes between 8-row groups, base offset 0 (atoms are 1024-byte aligned), swizzle 1 = 128B.
+ * Moving 16 elements along K adds 32 bytes, i.e. +2 in the start-address field. */
+static __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr) {
+    uint64_t desc = 0;
+    desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+    desc |= (uint64_t)(16 >> 4) << 16;
+    desc |= (uint64_t)(SWIZZLE_ATOM_BYTES >> 4) << 32;
+    desc |= (uint64_t)1 << 62;
+    return desc;
+}
+
+/* D[64 x N] (+)= A[64 x 16] · B[16 x N]; A and B from shared memory, both K-major (no transpose).
+ * scale_d == 0 overwrites D, which saves zeroing the accumulators at the start of a tile. */
+template <int TA, int TB>
+static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                        int scale_d) {
+#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                "+f"(d[i + 6]), "+f"(d[i + 7])
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, %131, %132;\n"
+        "}\n"
+        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
+          ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
+        : "memory");
+}
+
+template <int TA, int TB>
+static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                        int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68;\n"
+        "}\n"
+        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
+        : "memory");
+#undef ACC8
+}
+
+template <int ACC, int TA, int TB>
+static __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    if constexpr (ACC == 128)
+        wgmma_m64n256k16<TA, TB>(d, desc_a, desc_b, scale_d);
+    else
+        wgmma_m64n128k16<TA, TB>(d, desc_a, desc_b, scale_d);
+}
+
+/* Descriptor of an MN-major operand: 64-wide (128-byte) rows of the M or N dimension, one per k,
+ * in the 128B swizzle; 8-k groups 1024 bytes apart (stride offset), consecutive 64-wide halves of
+ * M or N 8 KB apart (leading offset); 16 more k is +2048 bytes. */
+static __device__ __forceinline__ uint64_t make_smem_desc_mn(uint32_t addr) {
+    uint64_t desc = 0;
+    desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+    desc |= (uint64_t)(8192 >> 4) << 16;
+    desc |= (uint64_t)(SWIZZLE_ATOM_BYTES >> 4) << 32;
+    desc |= (uint64_t)1 << 62;
+    return desc;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Reference and input kernels.                                                               */
+
+/* One thread per output, fp32 accumulate, 8 elements of K per 16-byte load (K % 8 == 0).
+ * Blocks of 32 (n) x 8 (m) threads: a warp shares one row of A (broadcast) and the block's 8
+ * warps share the same 32 rows of B through L1, which keeps the largest shape at seconds, not
+ * minutes, without making the reference any less obvious. */
+constexpr int REF_BLOCK_N = 32, REF_BLOCK_M = 8;
+__global__ void reference_gemm(const bf16 *__restrict__ A, const bf16 *__restrict__ B, float *__restrict__ C,
+                               int M, int N, int K) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int m = blockIdx.y * blockDim.y + threadIdx.y;
+    if (n >= N || m >= M) return;
+    const uint4 *a = reinterpret_cast<const uint4 *>(A + (size_t)m * K);
+    const uint4 *b = reinterpret_cast<const uint4 *>(B + (size_t)n * K);
+    float sum = 0.0f;
+    for (int k8 = 0; k8 < K / 8; ++k8) {
+        const uint4 va = a[k8], vb = b[k8];
+        const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sum += __uint_as_float(wa[j] << 16) * __uint_as_float(wb[j] << 16);
+            sum += __uint_as_float(wa[j] & 0xFFFF0000u) * __uint_as_float(wb[j] & 0xFFFF0000u);
+        }
+    }
+    C[(size_t)m * N + n] = sum;
+}
+
+/* Random bf16 with magnitude in [1/16, 1): never zero, signs mixed, a pure function of
+ * (seed, index) so a failing run can be replayed from the printed seed. */
+__global__ void fill_random(bf16 *x, size_t count, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        const float mag = 0.0625f + 0.9375f * u;
+        x[i] = __float2bfloat16_rn((z & 1) ? -mag : mag);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Host side.                                                                                 */
+
+static PFN_cuTensorMapEncodeTiled_v12000 g_encode_tiled = nullptr;
+static int g_num_sms = 0;
+
+static void load_driver_entry_points() {
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    void *fn = nullptr;
+#if CUDART_VERSION >= 12050
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &query));
+#else
+    CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &query));
+#endif
+    CHECK(query == cudaDriverEntryPointSuccess && fn != nullptr,
+          "cuTensorMapEncodeTiled not found in the driver (query result %d)", (int)query);
+    g_encode_tiled = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+}
+
+/* A K-major bf16 matrix [rows, K] as a 2-D tensor map with box [box_rows, 64], 128B swizzle.
+ * Rows past `rows` and columns past K come back as zeros. */
+static CUtensorMap make_kmajor_map(const bf16 *ptr, int rows, int K, int box_rows, const char *what) {
+    CHECK(((uintptr_t)ptr & 15) == 0, "%s: base address must be 16-byte aligned", what);
+    CHECK(((size_t)K * sizeof(bf16)) % 16 == 0, "%s: row stride (K = %d) must be a multiple of 16 bytes", what, K);
+    CUtensorMap map;
+    memset(&map, 0, sizeof(map));
+    const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)K * sizeof(bf16)};
+    const cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = g_encode_tiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(ptr), dims, strides,
+                                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled(%s: rows %d, K %d, box %d x %d) failed with CUresult %d", what,
+          rows, K, box_rows, BK, (int)r);
+    return map;
+}
+
+/* An MN-major bf16 matrix Xt[K, cols] (cols contiguous) as a 2-D tensor map with boxes of 64
+ * columns x 64 k, 128B swizzle. */
+static CUtensorMap make_mn_map(const bf16 *ptr, int K, int cols, const char *what) {
+    CHECK(((uintptr_t)ptr & 15) == 0, "%s: base address must be 16-byte aligned", what);
+    CHECK(((size_t)cols * sizeof(bf16)) % 16 == 0, "%s: row stride (%d columns) must be a multiple of 16 bytes", what,
+          cols);
+    CUtensorMap map;
+    memset(&map, 0, sizeof(map));
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)K};
+    const cuuint64_t strides[1] = {(cuuint64_t)cols * sizeof(bf16)};
+    const cuuint32_t box[2] = {64, (cuuint32_t)BK};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = g_encode_tiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(ptr), dims, strides,
+                                box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled(%s: K %d, cols %d) failed with CUresult %d", what, K, cols,
+          (int)r);
+    return map;
+}
+
+/* dst[c, r] = src[r, c] for src [rows, cols]: the MN-major copies At and Bt. */
+__global__ void transpose(const bf16 *__restrict__ src, bf16 *__restrict__ dst, int rows, int cols) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * cols;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / cols, c = i % cols;
+        dst[c * rows + r] = src[i];
+    }
+}
+
+/* The operands of one run: K-major A[M, K] and B[N, K], and their MN-major copies (At[K, M],
+ * Bt[K, N]) for the transposed layouts. */
+struct Operands {
+    const bf16 *A, *B, *At, *Bt;
+};
+
+/* Synchronises and turns a kernel-side error code into a message; returns false on error. */
+static bool check_kernel_error(int *d_err, const char *what) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    int h_err = 0;
+    CUDA_CHECK(cudaMemcpy(&h_err, d_err, sizeof(int), cudaMemcpyDeviceToHost));
+    if (h_err == KERNEL_OK) return true;
+    fprintf(stderr, "%s: kernel gave up: %s\n", what,
+            h_err == KERNEL_FULL_TIMEOUT    ? "a consumer waited > 4 s on a full barrier (TMA never landed?)"
+            : h_err == KERNEL_EMPTY_TIMEOUT ? "the producer waited > 4 s on an empty barrier (consumers stuck?)"
+                                            : "unknown error code");
+    CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
+    return false;
+}
+
+
+/* Tolerances, and why:
+ *   REL_TOL  2^-7: the output is bf16, whose round-to-nearest error is at most 2^-8 relative;
+ *            twice that leaves room for the reference's different fp32 summation order.
+ *   ABS_TOL  1e-3: outputs that are nearly zero by cancellation, where a relative bound means
+ *            nothing; fp32 reordering over K <= 7168 terms of size < 1 stays far below this.
+ * A layout or pipeline bug gives errors of order 1 or more (|C| ~ sqrt(K) / 2 here). */
+constexpr double REL_TOL = 1.0 / 128.0;
+constexpr double ABS_TOL = 1e-3;
+
+struct CompareResult {
+    double max_abs, max_rel;
+    size_t bad, unwritten, guard_broken;
+};
+
+/* Compares C (bf16, poisoned with 0xFFFF = NaN before the run) against the fp32 reference;
+ * also checks that `guard` elements after C are still poison (nothing written past the end). */
+static CompareResult compare(const bf16 *d_C, const float *d_ref, int M, int N, size_t guard) {
+    const size_t count = (size_t)M * N;
+    std::vector<uint16_t> got(count + guard);
+    std::vector<float> ref(count);
+    CUDA_CHECK(cudaMemcpy(got.data(), d_C, (count + guard) * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(ref.data(), d_ref, count * sizeof(float), cudaMemcpyDeviceToHost));
+    CompareResult r = {0.0, 0.0, 0, 0, 0};
+    for (size_t i = 0; i < count; ++i) {
+        uint32_t bits = (uint32_t)got[i] << 16;
+        float g;
+        memcpy(&g, &bits, 4);
+        if (std::isnan(g)) {
+            ++r.unwritten;
+            continue;
+        }
+        const double e = std::fabs((double)g - (double)ref[i]), mag = std::fabs((double)ref[i]);
+        r.max_abs = std::max(r.max_abs, e);
+        if (mag > 1e-2) r.max_rel = std::max(r.max_rel, e / mag);
+        if (!(e <= ABS_TOL + REL_TOL * mag)) ++r.bad;
+    }
+    for (size_t i = count; i < count + guard; ++i)
+        if (got[i] != 0xFFFF) ++r.guard_broken;
+    return r;
+}
+
+struct Shape {
+    int M, N, K;
+};
+
+static double median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+constexpr int WARMUP_RUNS = 3;
+constexpr int TIMED_RUNS = 20;
+
+/* Median milliseconds of TIMED_RUNS launches of `run`, each bracketed by its own events. */
+template <class F>
+static double time_median_ms(F run) {
+    cudaEvent_t start, stop;
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    for (int i = 0; i < WARMUP_RUNS; ++i) run();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ms(TIMED_RUNS);
+    for (int i = 0; i < TIMED_RUNS; ++i) {
+        CUDA_CHECK(cudaEventRecord(start));
+        run();
+        CUDA_CHECK(cudaEventRecord(stop));
+        CUDA_CHECK(cudaEventSynchronize(stop));
+        CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
+    return median(ms);
+}
+
