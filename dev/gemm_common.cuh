@@ -61,7 +61,7 @@ constexpr int SWIZZLE_ATOM_BYTES = 1024;  // 8 rows x 128 bytes: the repeat of t
 constexpr long long WAIT_TIMEOUT_NS = 4000000000ll;  // a barrier wait longer than this is a bug
 
 // Error codes the kernel leaves in *err (host prints them).
-enum { KERNEL_OK = 0, KERNEL_FULL_TIMEOUT = 1, KERNEL_EMPTY_TIMEOUT = 2 };
+enum { KERNEL_OK = 0, KERNEL_FULL_TIMEOUT = 1, KERNEL_EMPTY_TIMEOUT = 2, KERNEL_ORDER_TIMEOUT = 3 };
 
 
 /* ------------------------------------------------------------------------------------------ */
@@ -374,6 +374,7 @@ static bool check_kernel_error(int *d_err, const char *what) {
     fprintf(stderr, "%s: kernel gave up: %s\n", what,
             h_err == KERNEL_FULL_TIMEOUT    ? "a consumer waited > 4 s on a full barrier (TMA never landed?)"
             : h_err == KERNEL_EMPTY_TIMEOUT ? "the producer waited > 4 s on an empty barrier (consumers stuck?)"
+            : h_err == KERNEL_ORDER_TIMEOUT ? "a consumer waited > 4 s for the other one's turn (ping-pong order)"
                                             : "unknown error code");
     CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
     return false;
