@@ -251,6 +251,68 @@ static __device__ __forceinline__ uint64_t make_smem_desc_mn(uint32_t addr) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Tile order and the producer, for a tile configuration Cfg with BN (columns per tile), STAGES,
+ * A_BYTES, STAGE_BYTES and GROUP_N.                                                          */
+
+struct TilePos {
+    int m0, n0;
+};
+
+/* Linear tile id -> (m0, n0). Tiles go in bands of GROUP_N column blocks (2048 columns of C), and
+ * within a band the column block runs fastest: the ~132 tiles in flight at once cover ~16 row
+ * blocks x 8 column blocks (BN 256), the band's B panel (2048 x K) stays in L2 while the band
+ * walks down M, and each A row panel is read from HBM once per band. Producer and consumers call
+ * this with the same arguments, so they agree on the order. */
+template <class Cfg>
+static __device__ __forceinline__ TilePos tile_at(int tile, int num_m, int num_n) {
+    const int band_tiles = Cfg::GROUP_N * num_m;
+    const int band = tile / band_tiles;
+    const int first_n = band * Cfg::GROUP_N;
+    const int width = min(Cfg::GROUP_N, num_n - first_n);
+    const int local = tile - band * band_tiles;
+    TilePos p;
+    p.m0 = (local / width) * BM;
+    p.n0 = (first_n + local % width) * Cfg::BN;
+    return p;
+}
+
+/* The producer thread: every TMA load of the CTA's tiles (blockIdx.x, + gridDim.x, ...), num_k
+ * slices of BK each, into the STAGES-deep ring; full[s] gets the stage's byte count, and a slot
+ * is refilled once empty[s] has completed (the consumers' count). TA: A is MN-major (At[K, M],
+ * two boxes of 64 m); TB: B is MN-major (Bt[K, N], BN / 64 boxes of 64 n). Returns early if a
+ * wait timed out (the code is in *err). */
+template <class Cfg, int TA, int TB>
+static __device__ __forceinline__ void produce_tiles(const CUtensorMap *map_a, const CUtensorMap *map_b, uint32_t ring,
+                                                     uint32_t full_bar, uint32_t empty_bar, int num_m, int num_n,
+                                                     int num_k, int *err) {
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
+        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
+        for (int kb = 0; kb < num_k; ++kb) {
+            if (!mbar_wait(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
+            const uint32_t a_dst = ring + stage * Cfg::STAGE_BYTES;
+            mbar_arrive_expect_tx(full_bar + 8 * stage, Cfg::STAGE_BYTES);
+            if (TA) /* At[K, M]: two boxes of 64 m x 64 k */
+                for (int h = 0; h < BM / 64; ++h)
+                    tma_load_2d(a_dst + h * 8192, map_a, pos.m0 + 64 * h, kb * BK, full_bar + 8 * stage);
+            else
+                tma_load_2d(a_dst, map_a, kb * BK, pos.m0, full_bar + 8 * stage);
+            if (TB) /* Bt[K, N]: BN / 64 boxes of 64 n x 64 k */
+                for (int h = 0; h < Cfg::BN / 64; ++h)
+                    tma_load_2d(a_dst + Cfg::A_BYTES + h * 8192, map_b, pos.n0 + 64 * h, kb * BK,
+                                full_bar + 8 * stage);
+            else
+                tma_load_2d(a_dst + Cfg::A_BYTES, map_b, kb * BK, pos.n0, full_bar + 8 * stage);
+            if (++stage == Cfg::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Reference and input kernels.                                                               */
 
 /* One thread per output, fp32 accumulate, 8 elements of K per 16-byte load (K % 8 == 0).
@@ -425,6 +487,51 @@ static CompareResult compare(const bf16 *d_C, const float *d_ref, int M, int N, 
 struct Shape {
     int M, N, K;
 };
+
+/* The operands' device buffers: A and B random (never zero, a pure function of the seed), room
+ * for a_elems / b_elems, and At / Bt, which transpose_operands fills for one shape. */
+struct DeviceOperands {
+    bf16 *A, *B, *At, *Bt;
+};
+
+static DeviceOperands alloc_operands(size_t a_elems, size_t b_elems, uint64_t seed) {
+    DeviceOperands d;
+    CUDA_CHECK(cudaMalloc(&d.A, a_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d.B, b_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d.At, a_elems * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d.Bt, b_elems * sizeof(bf16)));
+    fill_random<<<1024, 256>>>(d.A, a_elems, seed);
+    CUDA_CHECK(cudaGetLastError());
+    fill_random<<<1024, 256>>>(d.B, b_elems, seed ^ 0x5DEECE66Dull);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return d;
+}
+
+/* At, Bt: the MN-major copies of the shape's A[M, K] and B[N, K] prefixes. */
+static void transpose_operands(const DeviceOperands &d, const Shape &s) {
+    transpose<<<1024, 256>>>(d.A, d.At, s.M, s.K);
+    CUDA_CHECK(cudaGetLastError());
+    transpose<<<1024, 256>>>(d.B, d.Bt, s.N, s.K);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* ref[M, N] = A · B^T in fp32 (reference_gemm) for the shape's prefixes. */
+static void run_reference(const DeviceOperands &d, float *ref, const Shape &s) {
+    const dim3 block(REF_BLOCK_N, REF_BLOCK_M);
+    const dim3 grid((s.N + REF_BLOCK_N - 1) / REF_BLOCK_N, (s.M + REF_BLOCK_M - 1) / REF_BLOCK_M);
+    reference_gemm<<<grid, block>>>(d.A, d.B, ref, s.M, s.N, s.K);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static void free_operands(const DeviceOperands &d) {
+    CUDA_CHECK(cudaFree(d.A));
+    CUDA_CHECK(cudaFree(d.B));
+    CUDA_CHECK(cudaFree(d.At));
+    CUDA_CHECK(cudaFree(d.Bt));
+}
 
 static double median(std::vector<float> v) {
     std::sort(v.begin(), v.end());

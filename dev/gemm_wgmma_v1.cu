@@ -47,28 +47,6 @@ struct TileConfig {
 /* ------------------------------------------------------------------------------------------ */
 /* The kernel.                                                                                */
 
-struct TilePos {
-    int m0, n0;
-};
-
-/* Linear tile id -> (m0, n0). Tiles go in bands of GROUP_N column blocks (2048 columns of C), and
- * within a band the column block runs fastest: the ~132 tiles in flight at once cover ~16 row
- * blocks x 8 column blocks (BN 256), the band's B panel (2048 x K) stays in L2 while the band
- * walks down M, and each A row panel is read from HBM once per band. Producer and consumers call
- * this with the same arguments, so they agree on the order. */
-template <class Cfg>
-static __device__ __forceinline__ TilePos tile_at(int tile, int num_m, int num_n) {
-    const int band_tiles = Cfg::GROUP_N * num_m;
-    const int band = tile / band_tiles;
-    const int first_n = band * Cfg::GROUP_N;
-    const int width = min(Cfg::GROUP_N, num_n - first_n);
-    const int local = tile - band * band_tiles;
-    TilePos p;
-    p.m0 = (local / width) * BM;
-    p.n0 = (first_n + local % width) * Cfg::BN;
-    return p;
-}
-
 /* C[M, N] = A[M, K] · B[N, K]^T. grid = min(#SMs, #tiles), block = 384 threads, one CTA per SM.
  * NOTE (ring protocol): full[s] has count 1 (the producer's arrive.expect_tx) plus the TMA byte
  * count; empty[s] has count 8 (lane 0 of each of the 8 consumer warps, after its
@@ -113,31 +91,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* Producer: one thread issues every TMA; the other 127 only give their registers back. */
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x != 0) return;
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-            const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-            for (int kb = 0; kb < num_k; ++kb) {
-                if (!mbar_wait(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
-                const uint32_t a_dst = ring + stage * Cfg::STAGE_BYTES;
-                mbar_arrive_expect_tx(full_bar + 8 * stage, Cfg::STAGE_BYTES);
-                if (TA) /* At[K, M]: two boxes of 64 m x 64 k */
-                    for (int h = 0; h < BM / 64; ++h)
-                        tma_load_2d(a_dst + h * 8192, &map_a, pos.m0 + 64 * h, kb * BK, full_bar + 8 * stage);
-                else
-                    tma_load_2d(a_dst, &map_a, kb * BK, pos.m0, full_bar + 8 * stage);
-                if (TB) /* Bt[K, N]: BN / 64 boxes of 64 n x 64 k */
-                    for (int h = 0; h < Cfg::BN / 64; ++h)
-                        tma_load_2d(a_dst + Cfg::A_BYTES + h * 8192, &map_b, pos.n0 + 64 * h, kb * BK,
-                                    full_bar + 8 * stage);
-                else
-                    tma_load_2d(a_dst + Cfg::A_BYTES, &map_b, kb * BK, pos.n0, full_bar + 8 * stage);
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1;
-                }
-            }
-        }
+        produce_tiles<Cfg, TA, TB>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
         return;
     }
 
@@ -360,43 +314,23 @@ int main(int argc, char **argv) {
         c_elems = std::max(c_elems, (size_t)s.M * s.N);
     }
     const size_t c_capacity = c_elems + (1 << 16);  // room for the past-the-end guard
-    bf16 *d_A, *d_B, *d_At, *d_Bt, *d_C, *d_C2;
+    bf16 *d_C, *d_C2;
     float *d_ref;
     int *d_err;
-    CUDA_CHECK(cudaMalloc(&d_A, a_elems * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_B, b_elems * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_At, a_elems * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_Bt, b_elems * sizeof(bf16)));
-    const Operands ops = {d_A, d_B, d_At, d_Bt};
-    /* At, Bt: the MN-major copies of the shape's A[M, K] and B[N, K] prefixes */
-    auto make_transposed = [&](const Shape &s) {
-        transpose<<<1024, 256>>>(d_A, d_At, s.M, s.K);
-        CUDA_CHECK(cudaGetLastError());
-        transpose<<<1024, 256>>>(d_B, d_Bt, s.N, s.K);
-        CUDA_CHECK(cudaGetLastError());
-        CUDA_CHECK(cudaDeviceSynchronize());
-    };
+    const DeviceOperands dev = alloc_operands(a_elems, b_elems, seed);
+    const Operands ops = {dev.A, dev.B, dev.At, dev.Bt};
     CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d_C2, c_elems * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&d_err, sizeof(int)));
     CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
-    fill_random<<<1024, 256>>>(d_A, a_elems, seed);
-    CUDA_CHECK(cudaGetLastError());
-    fill_random<<<1024, 256>>>(d_B, b_elems, seed ^ 0x5DEECE66Dull);
-    CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaDeviceSynchronize());
 
     int passed = 0, failed = 0;
     printf("\nself-test against reference_gemm (fp32, one thread per output); pass: |err| <= %.0e + %.4f |ref|\n",
            ABS_TOL, REL_TOL);
     for (const Shape &s : tests) {
-        const dim3 block(REF_BLOCK_N, REF_BLOCK_M);
-        const dim3 grid((s.N + REF_BLOCK_N - 1) / REF_BLOCK_N, (s.M + REF_BLOCK_M - 1) / REF_BLOCK_M);
-        reference_gemm<<<grid, block>>>(d_A, d_B, d_ref, s.M, s.N, s.K);
-        CUDA_CHECK(cudaGetLastError());
-        CUDA_CHECK(cudaDeviceSynchronize());
-        make_transposed(s);
+        run_reference(dev, d_ref, s);
+        transpose_operands(dev, s);
         (self_test_one<256, 0, 0>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
         (self_test_one<128, 0, 0>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
         (self_test_one<256, 0, 1>(ops, d_C, c_capacity, d_ref, s, d_err) ? passed : failed)++;
@@ -415,7 +349,7 @@ int main(int argc, char **argv) {
 #endif
     for (const Shape &s : timed) {
         const double flops = 2.0 * s.M * s.N * s.K;
-        make_transposed(s);
+        transpose_operands(dev, s);
         GemmPlan<256, 0, 0> p256 = make_plan<256, 0, 0>(ops, d_C, s.M, s.N, s.K);
         GemmPlan<128, 0, 0> p128 = make_plan<128, 0, 0>(ops, d_C, s.M, s.N, s.K);
         const double ms256 = time_median_ms([&] { launch(p256, d_err); });
@@ -440,7 +374,7 @@ int main(int argc, char **argv) {
         printf("              At, Bt     128x256: %8.3f ms %7.1f TFLOP/s           128x128: %8.3f ms %7.1f TFLOP/s\n",
                rs256, flops / rs256 * 1e-9, rs128, flops / rs128 * 1e-9);
 #ifdef WITH_CUBLAS
-        const double ms_cublas = time_median_ms([&] { cublas_gemm(handle, d_A, d_B, d_C2, s.M, s.N, s.K); });
+        const double ms_cublas = time_median_ms([&] { cublas_gemm(handle, dev.A, dev.B, d_C2, s.M, s.N, s.K); });
         CUDA_CHECK(cudaDeviceSynchronize());
         printf("                         cuBLAS:        %8.3f ms %7.1f TFLOP/s   (128x256 runs at %.0f%% of cuBLAS)\n",
                ms_cublas, flops / ms_cublas * 1e-9, 100.0 * ms_cublas / ms256);
@@ -459,10 +393,7 @@ int main(int argc, char **argv) {
     printf("(cuBLAS baseline not built: add -DWITH_CUBLAS ... -lcublas)\n");
 #endif
 
-    CUDA_CHECK(cudaFree(d_A));
-    CUDA_CHECK(cudaFree(d_B));
-    CUDA_CHECK(cudaFree(d_At));
-    CUDA_CHECK(cudaFree(d_Bt));
+    free_operands(dev);
     CUDA_CHECK(cudaFree(d_C));
     CUDA_CHECK(cudaFree(d_C2));
     CUDA_CHECK(cudaFree(d_ref));

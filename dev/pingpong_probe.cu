@@ -57,23 +57,6 @@ struct ProbeConfig {
     static_assert(SMEM_BYTES <= 227 * 1024, "ring does not fit in shared memory");
 };
 
-struct ProbePos {
-    int m0, n0;
-};
-
-template <class Cfg>
-static __device__ __forceinline__ ProbePos probe_tile_at(int tile, int num_m, int num_n) {
-    const int band_tiles = Cfg::GROUP_N * num_m;
-    const int band = tile / band_tiles;
-    const int first_n = band * Cfg::GROUP_N;
-    const int width = min(Cfg::GROUP_N, num_n - first_n);
-    const int local = tile - band * band_tiles;
-    ProbePos p;
-    p.m0 = (local / width) * BM;
-    p.n0 = (first_n + local % width) * Cfg::BN;
-    return p;
-}
-
 /* The synthetic epilogue: iters passes of four FMA chains over 128 accumulators. The result is
  * stored only if it equals a value it never takes, which keeps the work from being removed. */
 static __device__ __forceinline__ void busy_epilogue(const float (&lo)[64], const float (&hi)[64], int iters,
@@ -152,34 +135,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     __syncthreads();
 
-    if (warpgroup == 0) { /* producer: as gemm_wgmma_v1's, for tiles of Cfg::BN columns */
+    if (warpgroup == 0) { /* producer: one thread, tiles of Cfg::BN columns */
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x != 0) return;
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-            const ProbePos pos = probe_tile_at<Cfg>(tile, num_m, num_n);
-            for (int kb = 0; kb < num_k; ++kb) {
-                if (!mbar_wait(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
-                const uint32_t a_dst = ring + stage * Cfg::STAGE_BYTES;
-                mbar_arrive_expect_tx(full_bar + 8 * stage, Cfg::STAGE_BYTES);
-                if (TA)
-                    for (int h = 0; h < BM / 64; ++h)
-                        tma_load_2d(a_dst + h * 8192, &map_a, pos.m0 + 64 * h, kb * BK, full_bar + 8 * stage);
-                else
-                    tma_load_2d(a_dst, &map_a, kb * BK, pos.m0, full_bar + 8 * stage);
-                if (TB)
-                    for (int h = 0; h < Cfg::BN / 64; ++h)
-                        tma_load_2d(a_dst + Cfg::A_BYTES + h * 8192, &map_b, pos.n0 + 64 * h, kb * BK,
-                                    full_bar + 8 * stage);
-                else
-                    tma_load_2d(a_dst + Cfg::A_BYTES, &map_b, kb * BK, pos.n0, full_bar + 8 * stage);
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1;
-                }
-            }
-        }
+        produce_tiles<Cfg, TA, TB>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
         return;
     }
 
@@ -198,7 +157,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         int stage = 0, prev_stage = 0;
         uint32_t phase = 0;
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-            const ProbePos pos = probe_tile_at<Cfg>(tile, num_m, num_n);
+            const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
             for (int kb = 0; kb < num_k; ++kb) {
                 if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
                     wgmma_wait<0>();
@@ -242,7 +201,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     int i = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++i) {
         if (i % 2 != consumer) continue;
-        const ProbePos pos = probe_tile_at<Cfg>(tile, num_m, num_n);
+        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
         if (i > 0) {
             if (!mbar_wait(order_bar + 8 * consumer, order_phase, err, KERNEL_ORDER_TIMEOUT)) return;
             order_phase ^= 1;
@@ -408,13 +367,10 @@ int main(int argc, char **argv) {
     for (const Shape &s : tests) size_for(s);
     for (const Timed &t : timed) size_for(t.s);
     const size_t c_capacity = c_elems + (1 << 16);
-    bf16 *d_A, *d_B, *d_At, *d_Bt, *d_C;
+    bf16 *d_C;
     float *d_ref, *d_sink;
     Run run;
-    CUDA_CHECK(cudaMalloc(&d_A, a_elems * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_B, b_elems * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_At, a_elems * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_Bt, b_elems * sizeof(bf16)));
+    const DeviceOperands dev = alloc_operands(a_elems, b_elems, seed);
     CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&d_sink, sizeof(float)));
@@ -422,27 +378,13 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaMalloc(&run.err, sizeof(int)));
     CUDA_CHECK(cudaMemset(run.err, 0, sizeof(int)));
     run.sink = d_sink;
-    const Operands ops = {d_A, d_B, d_At, d_Bt};
-    fill_random<<<1024, 256>>>(d_A, a_elems, seed);
-    CUDA_CHECK(cudaGetLastError());
-    fill_random<<<1024, 256>>>(d_B, b_elems, seed ^ 0x5DEECE66Dull);
-    CUDA_CHECK(cudaGetLastError());
-    auto make_transposed = [&](const Shape &s) {
-        transpose<<<1024, 256>>>(d_A, d_At, s.M, s.K);
-        CUDA_CHECK(cudaGetLastError());
-        transpose<<<1024, 256>>>(d_B, d_Bt, s.N, s.K);
-        CUDA_CHECK(cudaGetLastError());
-        CUDA_CHECK(cudaDeviceSynchronize());
-    };
+    const Operands ops = {dev.A, dev.B, dev.At, dev.Bt};
 
     int passed = 0, failed = 0;
     printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
     for (const Shape &s : tests) {
-        const dim3 block(REF_BLOCK_N, REF_BLOCK_M);
-        const dim3 grid((s.N + REF_BLOCK_N - 1) / REF_BLOCK_N, (s.M + REF_BLOCK_M - 1) / REF_BLOCK_M);
-        reference_gemm<<<grid, block>>>(d_A, d_B, d_ref, s.M, s.N, s.K);
-        CUDA_CHECK(cudaGetLastError());
-        make_transposed(s);
+        run_reference(dev, d_ref, s);
+        transpose_operands(dev, s);
         for (int it : {0, 16}) {
             (self_test<MODE_COOP, 0, 0>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
             (self_test<MODE_PING, 0, 0>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
@@ -465,7 +407,7 @@ int main(int argc, char **argv) {
     printf("%-14s %5s %5s %5s %5s | %8s %6s %7s | %8s %6s %7s | %7s\n", "case", "M", "N", "K", "iters", "coop ms", "TF/s",
            "epi µs", "ping ms", "TF/s", "epi µs", "ping");
     for (const Timed &t : timed) {
-        make_transposed(t.s);
+        transpose_operands(dev, t.s);
         bool ok;
         if (t.ta)
             ok = time_case<1, 1>(ops, d_C, t, iters, 4, run);
@@ -475,10 +417,7 @@ int main(int argc, char **argv) {
             ok = time_case<0, 0>(ops, d_C, t, iters, 4, run);
         (ok ? passed : failed)++;
     }
-    CUDA_CHECK(cudaFree(d_A));
-    CUDA_CHECK(cudaFree(d_B));
-    CUDA_CHECK(cudaFree(d_At));
-    CUDA_CHECK(cudaFree(d_Bt));
+    free_operands(dev);
     CUDA_CHECK(cudaFree(d_C));
     CUDA_CHECK(cudaFree(d_ref));
     CUDA_CHECK(cudaFree(d_sink));
