@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # run-tests.sh BUILD_DIR — the whole suite: the C tests, the `mok` command's checks, the build's
-# refusal of serialised wgmmas (where nvcc is), and the Python binding's tests when numpy and
-# pytest are importable. Each part ends with its own `N passed, N failed`; this script adds them
-# up and ends with the total in the same form.
+# refusal of serialised wgmmas and the build of every dev/ experiment (both where nvcc is), and
+# the Python binding's tests when numpy and pytest are importable. Each part ends with its own
+# `N passed, N failed`; this script adds them up and ends with the total in the same form.
 set -u
 build=${1:-build}
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,6 +40,7 @@ part() { # part NAME CMD...: run one runner, show its output, count it; a runner
 part "C tests" "$build/mok_tests"
 part "mok command" bash tests/cli.sh "$build"
 part "build guard" bash tests/ptxas_guard.sh
+part "dev experiments build" bash tests/dev_build.sh
 if python3 -c 'import numpy, pytest' 2>/dev/null && [ -d python/tests ]; then
     part "Python binding" env MOK_LIBRARY="$here/$build/libmok.so" PYTHONPATH="$here/python" python3 -m pytest -q python/tests
 else
