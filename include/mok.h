@@ -98,8 +98,9 @@ typedef enum mok_direction { MOK_PULL = 0, MOK_PUSH = 1 } mok_direction;
 typedef struct mok_config {
     size_t size;            /* sizeof(mok_config) */
     int fwd_comm_sms;       /* CTAs that move data in the forward (cuda); 0 = the backend's choice
-                               (mok__comm_ctas: from the layer's bytes per FLOP; at least 8 forward,
-                               12 backward on one rank; across ranks 10 forward, 16 backward) */
+                               (mok__comm_ctas: from the layer's bytes per FLOP; on one rank with
+                               the default directions at least 4 forward, 8 backward, else 8 and
+                               12; across ranks 10 forward, 16 backward) */
     int bwd_comm_sms;       /* the same for the backward */
     int minibatch_rows;     /* comm->compute handover unit; multiple of MOK_ROW_TILE */
     int ring_rows;          /* rows of the ring token buffer (one macrobatch); multiple of
