@@ -164,11 +164,12 @@ def time_cuda(fn, warmup=3, reps=20):
 
 
 def cublas_experts(layer, experts, tokens, device, reps=10, seed=7):
-    """The ceiling of the routed experts' GEMMs: cuBLAS (torch.matmul) on every local expert's own
-    shapes, each expert receiving the average tokens * topk / experts rows. Returns (forward ms,
-    backward ms): forward x·W_gate|up^T and h·W_down^T; backward dy·W_down, d(g|u)·W_gate|up and the
-    three weight gradients. No routing, SwiGLU or data movement: only the matrix products, so their
-    rate is what mok's tiles are measured against."""
+    """The ceiling of the routed experts' GEMMs: cuBLAS's batched GEMM (torch.bmm, one launch per
+    product) on every local expert's own shapes, each expert receiving the average
+    tokens * topk / experts rows. Returns (forward ms, backward ms): forward x·W_gate|up^T and
+    h·W_down^T; backward dy·W_down, d(g|u)·W_gate|up and the three weight gradients. No routing,
+    SwiGLU or data movement: only the matrix products, so their rate is what mok's tiles are
+    measured against."""
     H, I, k = layer["hidden"], layer["inter"], layer["topk"]
     m = max(1, tokens * k // experts)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -177,16 +178,14 @@ def cublas_experts(layer, experts, tokens, device, reps=10, seed=7):
     x, h, dy, dgu = r(experts, m, H), r(experts, m, I), r(experts, m, H), r(experts, m, 2 * I)
 
     def forward():
-        for e in range(experts):
-            x[e] @ w_gu[e].t()
-            h[e] @ w_d[e].t()
+        torch.bmm(x, w_gu.transpose(1, 2))
+        torch.bmm(h, w_d.transpose(1, 2))
 
     def backward():
-        for e in range(experts):
-            dy[e] @ w_d[e]
-            dgu[e] @ w_gu[e]
-            dgu[e].t() @ x[e]
-            dy[e].t() @ h[e]
+        torch.bmm(dy, w_d)
+        torch.bmm(dgu, w_gu)
+        torch.bmm(dgu.transpose(1, 2), x)
+        torch.bmm(dy.transpose(1, 2), h)
 
     return time_cuda(forward, reps=reps), time_cuda(backward, reps=reps)
 

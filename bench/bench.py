@@ -575,7 +575,7 @@ def main():
         plot_peers(peered, os.path.join(a.out, f"peers_ep{a.ranks}.png"))
     ceil = [r for r in rows if "cublas_forward_tflops" in r]
     if ceil:
-        print("\nagainst cuBLAS on every expert's own GEMM shapes (TFLOP/s; ratio = mok / cuBLAS)")
+        print("\nagainst cuBLAS (batched GEMM) on every expert's own GEMM shapes (TFLOP/s; ratio = mok / cuBLAS)")
         for r in ceil:
             print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6}: forward mok {r['forward_tflops']:6.1f} "
                   f"cuBLAS {r['cublas_forward_tflops']:6.1f} ({r['forward_vs_cublas']:.2f}); backward mok "
