@@ -8,6 +8,7 @@ an NCCL all-to-all (``all_to_all_single``) to the experts' owners and back.
 Layouts follow mok's: gate/up ``[E_local, I, H]``, down ``[E_local, H, I]``, bf16.
 """
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -145,8 +146,13 @@ def forward_all_to_all(x, ids, weights, layer, group=None):
     return y.to(torch.bfloat16)
 
 
+SETTLE_S = 0.0  # seconds of idle GPU before a measurement (bench.py's --settle sets it)
+
+
 def time_cuda(fn, warmup=3, reps=20):
     """Median milliseconds of fn() with CUDA events."""
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_S)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

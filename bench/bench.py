@@ -51,6 +51,12 @@ def sync_all(ranks):
             torch.cuda.synchronize(r)
 
 
+# Seconds of idle GPU before each timed measurement (--settle): a measurement that starts right
+# after a long run of heavy work (the baselines, the cuBLAS ceiling) can run at lower clocks than
+# one that starts after the host-side set-up of a new case, so every measurement starts the same way.
+SETTLE_S = 0.5
+
+
 def time_ranks(fn, ranks, reps):
     """Median over reps of the slowest rank's CUDA-event time of fn()."""
     if SMOKE:
@@ -60,6 +66,8 @@ def time_ranks(fn, ranks, reps):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return sorted(times)[len(times) // 2]
+    sync_all(ranks)
+    time.sleep(SETTLE_S)
     for _ in range(2):
         fn()
     sync_all(ranks)
@@ -434,6 +442,7 @@ def plot_peers(rows, path):
 
 
 def main():
+    global SETTLE_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
@@ -456,6 +465,8 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="per case, every kernel's GPU time over 3 forwards and 3 backwards (torch.profiler): "
                          "what the passes spend outside the megakernel (schedule, barriers, epilogue, memsets)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds of idle GPU before each timed measurement (default %(default)s)")
     ap.add_argument("--liger", default=os.environ.get("MOK_BENCH_LIGER", ""), metavar="SITE",
                     help="LigerCute installed in SITE (bench/liger-setup.sh): one-GPU cases also run it as a peer "
                          "(routed experts only), in a process of its own per case (bench/liger_peer.py)")
@@ -463,6 +474,7 @@ def main():
                     help="per case, mok's and PyTorch's host time per call and GPU time per call queued back to "
                          "back (the table times each call from idle GPUs, so host time shows as GPU idle there)")
     a = ap.parse_args()
+    SETTLE_S = B.SETTLE_S = 0.0 if SMOKE else a.settle  # the cpu smoke run times nothing that matters
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
     rows = []
