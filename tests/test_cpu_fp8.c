@@ -680,3 +680,168 @@ MOK_TEST(cpu_fp8_is_the_fp8_function) {
     layer_result_free(&ref16);
     layer_free(&L);
 }
+
+/* ---- argument rules ---------------------------------------------------------------------------- */
+
+static void expect(mok_status got, mok_status want, const char *needle, const char *what) {
+    const char *msg = mok_last_error();
+    CHECK(got == want, "%s: status %s, want %s (message '%s')", what, mok_status_string(got), mok_status_string(want),
+          msg);
+    CHECK(msg && strstr(msg, needle), "%s: message '%s' does not name '%s'", what, msg, needle);
+}
+
+/* Every rule of the FP8 arguments broken once, on a workspace that then still runs a good pass:
+ * fp8_weights required (and checked) iff the workspace is FP8, aligned, written by
+ * mok_quantize_weights for this shape; mok_quantize_weights' own arguments; the layout call. */
+MOK_TEST(cpu_fp8_argument_rules) {
+    const mok_config config = base_config();
+    const mok_shape s = fp8_shape(128, 128, 4, 2, 128);
+    const int64_t t2[] = {24, 17};
+    layer L;
+    if (layer_make(&L, &s, 2, t2, case_seed("fp8 argument rules"), LAYER_ROUTE_UNIFORM) != 0) {
+        CHECK(0, "layer_make failed");
+        layer_free(&L);
+        return;
+    }
+    layer_backend B;
+    layer_result r = {0};
+    mok_status st = layer_backend_open(&B, &L, &config);
+    CHECK(st == MOK_OK, "open: %s", B.message);
+    if (st == MOK_OK) st = layer_backend_run(&B, &L, 0, &r); /* schedule, context, FP8 weights, outputs */
+    CHECK(st == MOK_OK, "forward and backward: %s", r.message);
+    if (st != MOK_OK) {
+        layer_backend_close(&B);
+        layer_result_free(&r);
+        layer_free(&L);
+        return;
+    }
+    mok_fp8_layout layout;
+    expect(mok_workspace_fp8_layout(NULL, &layout), MOK_ERR_INVALID_ARGUMENT, "workspace", "layout of NULL");
+    expect(mok_workspace_fp8_layout(B.workspace, NULL), MOK_ERR_INVALID_ARGUMENT, "layout", "NULL layout");
+    CHECK(mok_workspace_fp8_layout(B.workspace, &layout) == MOK_OK && layout.bytes == r.fp8_bytes, "layout: %s",
+          mok_last_error());
+
+    /* mok_quantize_weights */
+    void *spare = aligned_alloc(64, (layout.bytes + 63) / 64 * 64);
+    uint16_t dummy[64] __attribute__((aligned(16))) = {0};
+    mok_quantize_args q[2];
+    for (int p = 0; p < 2; ++p)
+        q[p] = (mok_quantize_args){L.w[LAYER_GATE][p], L.w[LAYER_UP][p], L.w[LAYER_DOWN][p], L.s[LAYER_GATE],
+                                   L.s[LAYER_UP], L.s[LAYER_DOWN], spare, NULL};
+    expect(mok_quantize_weights(B.workspace, NULL), MOK_ERR_INVALID_ARGUMENT, "args", "quantize: NULL args");
+    expect(mok_quantize_weights(NULL, q), MOK_ERR_INVALID_ARGUMENT, "workspace", "quantize: NULL workspace");
+    q[1].w_down = NULL;
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[1].w_down", "quantize: no w_down");
+    q[1].w_down = L.w[LAYER_DOWN][1];
+    q[0].s_up = NULL;
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[0].s_up", "quantize: no s_up");
+    q[0].s_up = L.s[LAYER_UP];
+    q[1].fp8_weights = NULL;
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[1].fp8_weights", "quantize: no output");
+    q[1].fp8_weights = (char *)spare + 8;
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "aligned", "quantize: misaligned output");
+    q[1].fp8_weights = spare;
+    q[0].w_gate = (const char *)L.w[LAYER_GATE][0] + 2;
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[0].w_gate", "quantize: misaligned w_gate");
+    q[0].w_gate = L.w[LAYER_GATE][0];
+
+    /* the passes */
+    mok_forward_args f[2];
+    mok_backward_args b[2];
+    layer_forward_args(&L, &r, f);
+    f[1].fp8_weights = NULL;
+    expect(mok_forward(B.workspace, f), MOK_ERR_INVALID_ARGUMENT, "args[1].fp8_weights", "forward without FP8 weights");
+    layer_forward_args(&L, &r, f);
+    f[0].fp8_weights = (const char *)r.fp8_weights[0] + 4;
+    expect(mok_forward(B.workspace, f), MOK_ERR_INVALID_ARGUMENT, "args[0].fp8_weights", "forward, misaligned weights");
+    memset(spare, 0, layout.bytes); /* the right size, never quantized */
+    layer_forward_args(&L, &r, f);
+    f[1].fp8_weights = spare;
+    expect(mok_recompute_context(B.workspace, f), MOK_ERR_INVALID_ARGUMENT, "not written by mok_quantize_weights",
+           "recompute with an unwritten buffer");
+    layer_backward_args(&L, &r, 0, b);
+    b[0].fp8_weights = NULL;
+    expect(mok_backward(B.workspace, b), MOK_ERR_INVALID_ARGUMENT, "args[0].fp8_weights", "backward without FP8 weights");
+
+    /* weights quantized for another shape (no shared expert) */
+    {
+        mok_shape other = s;
+        other.shared_intermediate = 0;
+        other.max_tokens = B.shape.max_tokens;
+        mok_group *g = NULL;
+        mok_workspace *ws = NULL;
+        mok_status ost = mok_group_create_local(&g, MOK_BACKEND_CPU, 2, NULL, &config);
+        if (ost == MOK_OK) ost = mok_workspace_create(&ws, g, &other, &config);
+        CHECK(ost == MOK_OK, "the other workspace: %s", mok_last_error());
+        if (ost == MOK_OK) {
+            mok_quantize_args oq[2];
+            for (int p = 0; p < 2; ++p) oq[p] = q[p], oq[p].s_gate = oq[p].s_up = oq[p].s_down = NULL;
+            oq[0].s_gate = dummy;
+            expect(mok_quantize_weights(ws, oq), MOK_ERR_INVALID_ARGUMENT, "args[0].s_gate",
+                   "quantize: shared weights for a layer without a shared expert");
+            oq[0].s_gate = NULL;
+            CHECK(mok_quantize_weights(ws, oq) == MOK_OK, "quantize for the other shape: %s", mok_last_error());
+            layer_forward_args(&L, &r, f);
+            f[1].fp8_weights = spare;
+            expect(mok_forward(B.workspace, f), MOK_ERR_INVALID_ARGUMENT, "not written by mok_quantize_weights",
+                   "forward with weights quantized for another shape");
+        }
+        mok_workspace_destroy(ws);
+        mok_group_destroy(g);
+    }
+    /* a bf16 workspace takes no FP8 weights */
+    {
+        mok_shape bf16 = B.shape;
+        bf16.precision = MOK_PRECISION_BF16;
+        mok_group *g = NULL;
+        mok_workspace *ws = NULL;
+        mok_status bst = mok_group_create_local(&g, MOK_BACKEND_CPU, 2, NULL, &config);
+        if (bst == MOK_OK) bst = mok_workspace_create(&ws, g, &bf16, &config);
+        CHECK(bst == MOK_OK, "the bf16 workspace: %s", mok_last_error());
+        if (bst == MOK_OK) {
+            expect(mok_workspace_fp8_layout(ws, &layout), MOK_ERR_INVALID_ARGUMENT, "precision", "bf16 layout");
+            expect(mok_quantize_weights(ws, q), MOK_ERR_INVALID_ARGUMENT, "precision", "bf16 quantize");
+            layer_forward_args(&L, &r, f);
+            expect(mok_forward(ws, f), MOK_ERR_INVALID_ARGUMENT, "args[0].fp8_weights: must be NULL",
+                   "bf16 forward given FP8 weights");
+        }
+        mok_workspace_destroy(ws);
+        mok_group_destroy(g);
+    }
+    free(spare);
+    /* the FP8 workspace still runs a good pass, right */
+    layer_result good = {0}, ref = {0};
+    st = layer_backend_run(&B, &L, 0, &good);
+    CHECK(st == MOK_OK, "the good run after the rules: %s", good.message);
+    if (st == MOK_OK && layer_run_reference(&L, &ref) == MOK_OK)
+        CHECK(layer_compare(&L, &good, &ref, "fp8 after the argument rules") <= 1.0, "the good run is wrong");
+    layer_result_free(&good);
+    layer_result_free(&ref);
+    layer_result_free(&r);
+    layer_backend_close(&B);
+    layer_free(&L);
+}
+
+/* The cuda backend has no FP8 tiles yet: it refuses an FP8 workspace, by name, at creation. */
+MOK_TEST(cuda_fp8_refused) {
+    if (mok_backend_available(MOK_BACKEND_CUDA) < 1) {
+        mok_test_skip("no cuda backend or no GPU here");
+        return;
+    }
+    const int device = 0;
+    mok_config config = MOK_CONFIG_INIT;
+    mok_group *g = NULL;
+    mok_workspace *ws = (mok_workspace *)&config;
+    mok_shape s = fp8_shape(256, 256, 4, 2, 128);
+    s.max_tokens = 64;
+    mok_status st = mok_group_create_local(&g, MOK_BACKEND_CUDA, 1, &device, &config);
+    CHECK(st == MOK_OK, "cuda group: %s", mok_last_error());
+    if (st == MOK_OK) {
+        expect(mok_workspace_create(&ws, g, &s, &config), MOK_ERR_UNSUPPORTED, "FP8", "cuda FP8 workspace");
+        CHECK(ws == NULL, "the refused workspace handle is not NULL");
+        s.precision = MOK_PRECISION_BF16; /* and the group still serves bf16 */
+        CHECK(mok_workspace_create(&ws, g, &s, &config) == MOK_OK, "cuda bf16 workspace: %s", mok_last_error());
+        mok_workspace_destroy(ws);
+    }
+    mok_group_destroy(g);
+}
