@@ -43,7 +43,8 @@ mok_status mok__check_fp8_weights(const mok_workspace *ws, int r, const void *fp
     mok_status st = mok__check_ptr(fp8_weights, name, 1);
     if (st != MOK_OK) return st;
     /* Host memory on cpu: its header can be read here. (On cuda it is device memory.) */
-    if (ws->group->backend == MOK_BACKEND_CPU && !mok__fp8_header_matches(fp8_weights, &ws->shape, ws->num_local_experts))
+    if (ws->group->backend == MOK_BACKEND_CPU &&
+        !mok__fp8_header_matches(fp8_weights, &ws->shape, ws->num_local_experts))
         return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                          "args[%d].fp8_weights: not written by mok_quantize_weights for this workspace's shape", r);
     return MOK_OK;
@@ -71,9 +72,9 @@ mok_status mok_quantize_weights(mok_workspace *ws, const mok_quantize_args *args
             const void *ptr;
             const char *name;
             int required;
-        } fields[] = {{a->w_gate, "w_gate", 1},        {a->w_up, "w_up", 1},
-                      {a->w_down, "w_down", 1},        {a->s_gate, "s_gate", has_shared},
-                      {a->s_up, "s_up", has_shared},   {a->s_down, "s_down", has_shared},
+        } fields[] = {{a->w_gate, "w_gate", 1},          {a->w_up, "w_up", 1},
+                      {a->w_down, "w_down", 1},          {a->s_gate, "s_gate", has_shared},
+                      {a->s_up, "s_up", has_shared},     {a->s_down, "s_down", has_shared},
                       {a->fp8_weights, "fp8_weights", 1}};
         for (size_t f = 0; f < sizeof fields / sizeof fields[0]; ++f)
             if ((st = check_weight(fields[f].ptr, r, fields[f].name, fields[f].required)) != MOK_OK) return st;

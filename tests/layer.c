@@ -342,9 +342,10 @@ static void fp8_block_values(const uint16_t *v, int64_t rows, int64_t width, int
     while (amax > ldexp(448.0, e)) ++e;
     if (amax == 0.0) e = 0;
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < width; ++c)
-            out[r * stride + c] =
-                ldexp(mok_e4m3_to_float(mok_e4m3_from_float((float)ldexp(mok_bf16_to_float(v[r * stride + c]), -e))), e);
+        for (int64_t c = 0; c < width; ++c) {
+            const float scaled = (float)ldexp(mok_bf16_to_float(v[r * stride + c]), -e);
+            out[r * stride + c] = ldexp(mok_e4m3_to_float(mok_e4m3_from_float(scaled)), e);
+        }
 }
 
 /* A matrix [rows, cols] (count of them) as the GEMMs see it: bf16 widened, or for FP8 its 128 x 128
@@ -562,8 +563,9 @@ mok_status layer_backend_forward(layer_backend *B, const layer *L, layer_result 
                 return MOK_ERR_OUT_OF_MEMORY;
             }
             memset(out->fp8_weights[p], 0xa5, layout.bytes);
-            qargs[p] = (mok_quantize_args){L->w[LAYER_GATE][p], L->w[LAYER_UP][p], L->w[LAYER_DOWN][p], L->s[LAYER_GATE],
-                                           L->s[LAYER_UP], L->s[LAYER_DOWN], out->fp8_weights[p], NULL};
+            qargs[p] = (mok_quantize_args){L->w[LAYER_GATE][p], L->w[LAYER_UP][p], L->w[LAYER_DOWN][p],
+                                           L->s[LAYER_GATE],     L->s[LAYER_UP],     L->s[LAYER_DOWN],
+                                           out->fp8_weights[p],  NULL};
         }
         st = mok_quantize_weights(B->workspace, qargs);
         if (note(out->message, sizeof out->message, st, "mok_quantize_weights") != MOK_OK) return st;
@@ -829,7 +831,8 @@ static void compare_matrix(const tolerance *tolerances, tensor_cmp *c, int tenso
                            int64_t cols, int64_t column_block, const void *got, int got_f32, const float *init,
                            const void *ref) {
     if (column_block <= 0) {
-        compare_block(tolerances, c, tensor, p, first, 1, rows * cols, 0, got, got_f32, init, ref, 1 - (tensor <= T_DX), -1.0);
+        compare_block(tolerances, c, tensor, p, first, 1, rows * cols, 0, got, got_f32, init, ref,
+                      1 - (tensor <= T_DX), -1.0);
         return;
     }
     for (int64_t c0 = 0; c0 < cols; c0 += column_block)
@@ -860,11 +863,13 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
         c.worst_index = -1;
         for (int p = first; p < end; ++p) {
             const int64_t T = L->num_tokens[p];
-            if (tensor == T_Y && T > 0) compare_matrix(tolerances, &c, tensor, p, 0, T, H, column_block, got->y[p], 0, NULL, ref->y[p]);
-            if (tensor == T_DX && T > 0) compare_matrix(tolerances, &c, tensor, p, 0, T, H, column_block, got->dx[p], 0, NULL, ref->dx[p]);
+            if (tensor == T_Y && T > 0)
+                compare_matrix(tolerances, &c, tensor, p, 0, T, H, column_block, got->y[p], 0, NULL, ref->y[p]);
+            if (tensor == T_DX && T > 0)
+                compare_matrix(tolerances, &c, tensor, p, 0, T, H, column_block, got->dx[p], 0, NULL, ref->dx[p]);
             if (tensor == T_DRW && T > 0) {
-                compare_block(tolerances, &c, tensor, p, 0, 1, T * k, 0, got->d_router_w[p], 1, NULL, ref->d_router_w[p], 1,
-                              drw_scale);
+                compare_block(tolerances, &c, tensor, p, 0, 1, T * k, 0, got->d_router_w[p], 1, NULL,
+                              ref->d_router_w[p], 1, drw_scale);
                 for (int64_t s = 0; s < T * k; ++s)
                     if (L->topk_ids[p][s] < 0 && got->d_router_w[p][s] != 0.0f) ++c.empty_slot;
             }
@@ -876,8 +881,8 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
             }
             if (tensor >= T_DS_GATE) {
                 const int m = tensor - T_DS_GATE;
-                compare_matrix(tolerances, &c, tensor, p, 0, m == LAYER_DOWN ? H : Is, m == LAYER_DOWN ? Is : H, column_block,
-                               got->ds[m][p], got->grads_f32, got->ds_init[m][p], ref->ds[m][p]);
+                compare_matrix(tolerances, &c, tensor, p, 0, m == LAYER_DOWN ? H : Is, m == LAYER_DOWN ? Is : H,
+                               column_block, got->ds[m][p], got->grads_f32, got->ds_init[m][p], ref->ds[m][p]);
             }
         }
         double error = c.worst;

@@ -56,8 +56,10 @@ static void check_empty_experts(const char *tag, const layer *L, const layer_res
                 for (int64_t s = 0; s < L->num_tokens[q] * L->shape.topk; ++s) rows += L->topk_ids[q][s] == p * El + e;
             for (int m = 0; rows == 0 && m < 3; ++m) {
                 if (r->grads_f32) {
-                    CHECK(memcmp((const float *)r->dw[m][p] + e * per, r->dw_init[m][p] + e * per, (size_t)per * 4) == 0,
-                          "%s: expert %lld has no rows but its fp32 gradient %d changed", tag, (long long)(p * El + e), m);
+                    CHECK(memcmp((const float *)r->dw[m][p] + e * per, r->dw_init[m][p] + e * per, (size_t)per * 4) ==
+                              0,
+                          "%s: expert %lld has no rows but its fp32 gradient %d changed", tag, (long long)(p * El + e),
+                          m);
                 } else {
                     int64_t bad = 0;
                     for (int64_t i = 0; i < per; ++i) bad += ((const uint16_t *)r->dw[m][p])[e * per + i] != 0;
@@ -116,15 +118,15 @@ MOK_TEST(cpu_fp8_routings) {
     run_case("fp8 uniform", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
     run_case("fp8 every slot to one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT, 0.0f, &config, BOTH_MODES);
     run_case("fp8 -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, BOTH_MODES);
-    run_case("fp8 router weights <= 0 and -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f,
-             &config, BF16_GRADS);
+    run_case("fp8 router weights <= 0 and -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &config,
+             BF16_GRADS);
     run_case("fp8 router weights <= 0, one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT | LAYER_SIGNED_WEIGHTS, 0.0f,
              &config, BF16_GRADS);
     run_case("fp8 encoded", &s, 4, t4, LAYER_ROUTE_UNIFORM | LAYER_ENCODED, 0.0f, &config, BF16_GRADS);
     run_case("fp8 encoded, -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_ENCODED, 0.0f, &config, BF16_GRADS);
     const mok_shape even = fp8_shape(128, 128, 12, 3, 0);
-    run_case("fp8 even experts only (odd ones empty), no shared expert", &even, 4, t4, LAYER_ROUTE_EVEN, 0.0f,
-             &config, BOTH_MODES);
+    run_case("fp8 even experts only (odd ones empty), no shared expert", &even, 4, t4, LAYER_ROUTE_EVEN, 0.0f, &config,
+             BOTH_MODES);
     const mok_shape one_local = fp8_shape(128, 128, 4, 2, 128);
     run_case("fp8 one local expert (E = P = 4)", &one_local, 4, t4, LAYER_ROUTE_SKEWED, 0.0f, &config, BF16_GRADS);
     const mok_shape k1 = fp8_shape(128, 256, 8, 1, 0);
@@ -239,9 +241,9 @@ MOK_TEST(cpu_fp8_determinism) {
     } variant;
     const variant all[] = {
         {128, 512, 2, 1, 0, 0}, /* the base; runs three times on one workspace */
-        {256, 512, 2, 1, 0, 0},   {512, 512, 2, 1, 0, 0}, {128, 128, 2, 1, 0, 0}, {128, 16384, 2, 1, 0, 0},
-        {128, 512, 3, 1, 0, 0},   {128, 512, 4, 2, 0, 0}, {128, 512, 2, 1, 128, 0}, {256, 256, 3, 2, 128, 0},
-        {128, 128, 2, 1, 0, 1},   {256, 512, 3, 2, 128, 1},
+        {256, 512, 2, 1, 0, 0}, {512, 512, 2, 1, 0, 0},   {128, 128, 2, 1, 0, 0},   {128, 16384, 2, 1, 0, 0},
+        {128, 512, 3, 1, 0, 0}, {128, 512, 4, 2, 0, 0},   {128, 512, 2, 1, 128, 0}, {256, 256, 3, 2, 128, 0},
+        {128, 128, 2, 1, 0, 1}, {256, 512, 3, 2, 128, 1},
     };
     const variant few[] = {{128, 512, 2, 1, 0, 0}, {256, 512, 3, 2, 0, 0}, {128, 128, 2, 1, 128, 1}};
     const variant *list = quick ? few : all;
@@ -262,7 +264,8 @@ MOK_TEST(cpu_fp8_determinism) {
             c.bwd_dispatch = MOK_PULL;
         }
         char tag[192];
-        snprintf(tag, sizeof tag, "fp8 minibatch %d ring %d threads %d comm %d context_rows %lld turned %d MOK_TEST_SEED=%llu",
+        snprintf(tag, sizeof tag,
+                 "fp8 minibatch %d ring %d threads %d comm %d context_rows %lld turned %d MOK_TEST_SEED=%llu",
                  c.minibatch_rows, c.ring_rows, c.cpu_threads, c.cpu_comm_threads, (long long)c.context_rows,
                  list[v].turned, mok_test_seed());
         layer_backend B;
@@ -282,7 +285,8 @@ MOK_TEST(cpu_fp8_determinism) {
                     }
                     char what[200] = "";
                     CHECK(!(have_first >> accumulate & 1) || layer_equal(&L, &first[accumulate], &r, what, sizeof what),
-                          "%s accumulate=%d run %d: not bitwise equal to the first run: %s", tag, accumulate, rep, what);
+                          "%s accumulate=%d run %d: not bitwise equal to the first run: %s", tag, accumulate, rep,
+                          what);
                     /* the quantized weights too, byte for byte */
                     for (int p = 0; have_first >> accumulate & 1 && p < 4; ++p)
                         CHECK(memcmp(first[accumulate].fp8_weights[p], r.fp8_weights[p], r.fp8_bytes) == 0,
@@ -437,8 +441,10 @@ static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank, in
     layer_result clean = {0}, dirty = {0}, ref = {0};
     mok_status st = layer_run_backend(&L, &config, 0, &clean);
     CHECK(st == MOK_OK, "%s: clean run failed: %s", name, clean.message);
-    if (in_weight) L.w[LAYER_GATE][bad_rank][(bad_expert % El) * per + bad_i * H + bad_col] = bad_bits;
-    else L.x[bad_rank][bad_token * H + bad_col] = bad_bits;
+    if (in_weight)
+        L.w[LAYER_GATE][bad_rank][(bad_expert % El) * per + bad_i * H + bad_col] = bad_bits;
+    else
+        L.x[bad_rank][bad_token * H + bad_col] = bad_bits;
     mok_status dst = layer_run_backend(&L, &config, 0, &dirty);
     CHECK(dst == MOK_OK, "%s: the run with a non-finite value returned %s: %s", name, mok_status_string(dst),
           dirty.message);
@@ -459,7 +465,8 @@ static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank, in
                           (long long)not_nan, p, (long long)t);
                     continue;
                 }
-                CHECK(row_equal(clean.y[p], dirty.y[p], t, H), "%s: y of rank %d token %lld changed", tag, p, (long long)t);
+                CHECK(row_equal(clean.y[p], dirty.y[p], t, H), "%s: y of rank %d token %lld changed", tag, p,
+                      (long long)t);
                 if (!in_weight) { /* a bad weight reaches every token through its expert's dx part */
                     CHECK(row_equal(clean.dx[p], dirty.dx[p], t, H), "%s: dx of rank %d token %lld changed", tag, p,
                           (long long)t);
@@ -469,7 +476,8 @@ static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank, in
             }
             for (int64_t e = 0; e < El; ++e) {
                 int reached = in_weight ? p * El + e == bad_expert : 0;
-                for (int64_t j = 0; !in_weight && j < k; ++j) reached |= L.topk_ids[bad_rank][bad_token * k + j] == p * El + e;
+                for (int64_t j = 0; !in_weight && j < k; ++j)
+                    reached |= L.topk_ids[bad_rank][bad_token * k + j] == p * El + e;
                 if (reached) continue;
                 for (int m = 0; m < 3; ++m)
                     CHECK(memcmp((uint16_t *)clean.dw[m][p] + e * per, (uint16_t *)dirty.dw[m][p] + e * per,
@@ -571,8 +579,10 @@ MOK_TEST(cpu_fp8_memory) {
         int64_t H, I, E, k, Is, T;
         int ring, threads;
     } cases[] = {
-        {128, 128, 4, 2, 0, 1, 128, 2},       {128, 2048, 8, 2, 2048, 3, 128, 16},
-        {2048, 768, 128, 8, 0, 4096, 32768, 0}, {1024, 512, 16, 4, 512, 700, 2048, 5},
+        {128, 128, 4, 2, 0, 1, 128, 2},
+        {128, 2048, 8, 2, 2048, 3, 128, 16},
+        {2048, 768, 128, 8, 0, 4096, 32768, 0},
+        {1024, 512, 16, 4, 512, 700, 2048, 5},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
         mok_config config = base_config();
@@ -621,14 +631,16 @@ static void l1(const void *got, int got_f32, const float *init, const void *ref,
 
 /* Relative L1 distance of got from ref per tensor: y, dx, d_router_w, dw_gate, dw_up, dw_down. */
 static void distances(const layer *L, const layer_result *got, const layer_result *ref, double *out) {
-    const int64_t H = L->shape.hidden, k = L->shape.topk, n = L->shape.num_experts / L->nranks * L->shape.intermediate * H;
+    const int64_t H = L->shape.hidden, k = L->shape.topk,
+                  n = L->shape.num_experts / L->nranks * L->shape.intermediate * H;
     double err[6] = {0}, mass[6] = {0};
     for (int p = 0; p < L->nranks; ++p) {
         const int64_t T = L->num_tokens[p];
         l1(got->y[p], 0, NULL, ref->y[p], 0, T * H, &err[0], &mass[0]);
         l1(got->dx[p], 0, NULL, ref->dx[p], 0, T * H, &err[1], &mass[1]);
         l1(got->d_router_w[p], 1, NULL, ref->d_router_w[p], 1, T * k, &err[2], &mass[2]);
-        for (int m = 0; m < 3; ++m) l1(got->dw[m][p], 1, got->dw_init[m][p], ref->dw[m][p], 1, n, &err[3 + m], &mass[3 + m]);
+        for (int m = 0; m < 3; ++m)
+            l1(got->dw[m][p], 1, got->dw_init[m][p], ref->dw[m][p], 1, n, &err[3 + m], &mass[3 + m]);
     }
     for (int t = 0; t < 6; ++t) out[t] = err[t] / mass[t];
 }
@@ -668,8 +680,9 @@ MOK_TEST(cpu_fp8_is_the_fp8_function) {
         printf("     relative L1 distance of the FP8 backend from the FP8 reference / from the bf16 function:\n");
         for (int t = 0; t < 6; ++t) {
             printf("       %-10s %.2e / %.2e\n", names[t], d8[t], d16[t]);
-            CHECK(d8[t] * 8.0 < d16[t], "%s: %s is %.3g from the FP8 reference and %.3g from the bf16 function: "
-                                        "not the FP8 function (MOK_TEST_SEED=%llu)",
+            CHECK(d8[t] * 8.0 < d16[t],
+                  "%s: %s is %.3g from the FP8 reference and %.3g from the bf16 function: "
+                  "not the FP8 function (MOK_TEST_SEED=%llu)",
                   name, names[t], d8[t], d16[t], mok_test_seed());
             CHECK(d16[t] > 4e-3, "%s: %s is only %.3g from the bf16 function: is anything quantized?", name, names[t],
                   d16[t]);
@@ -726,8 +739,14 @@ MOK_TEST(cpu_fp8_argument_rules) {
     uint16_t dummy[64] __attribute__((aligned(16))) = {0};
     mok_quantize_args q[2];
     for (int p = 0; p < 2; ++p)
-        q[p] = (mok_quantize_args){L.w[LAYER_GATE][p], L.w[LAYER_UP][p], L.w[LAYER_DOWN][p], L.s[LAYER_GATE],
-                                   L.s[LAYER_UP], L.s[LAYER_DOWN], spare, NULL};
+        q[p] = (mok_quantize_args){L.w[LAYER_GATE][p],
+                                   L.w[LAYER_UP][p],
+                                   L.w[LAYER_DOWN][p],
+                                   L.s[LAYER_GATE],
+                                   L.s[LAYER_UP],
+                                   L.s[LAYER_DOWN],
+                                   spare,
+                                   NULL};
     expect(mok_quantize_weights(B.workspace, NULL), MOK_ERR_INVALID_ARGUMENT, "args", "quantize: NULL args");
     expect(mok_quantize_weights(NULL, q), MOK_ERR_INVALID_ARGUMENT, "workspace", "quantize: NULL workspace");
     q[1].w_down = NULL;
@@ -737,12 +756,14 @@ MOK_TEST(cpu_fp8_argument_rules) {
     expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[0].s_up", "quantize: no s_up");
     q[0].s_up = L.s[LAYER_UP];
     q[1].fp8_weights = NULL;
-    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[1].fp8_weights", "quantize: no output");
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[1].fp8_weights",
+           "quantize: no output");
     q[1].fp8_weights = (char *)spare + 8;
     expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "aligned", "quantize: misaligned output");
     q[1].fp8_weights = spare;
     q[0].w_gate = (const char *)L.w[LAYER_GATE][0] + 2;
-    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[0].w_gate", "quantize: misaligned w_gate");
+    expect(mok_quantize_weights(B.workspace, q), MOK_ERR_INVALID_ARGUMENT, "args[0].w_gate",
+           "quantize: misaligned w_gate");
     q[0].w_gate = L.w[LAYER_GATE][0];
 
     /* the passes */
@@ -761,7 +782,8 @@ MOK_TEST(cpu_fp8_argument_rules) {
            "recompute with an unwritten buffer");
     layer_backward_args(&L, &r, 0, b);
     b[0].fp8_weights = NULL;
-    expect(mok_backward(B.workspace, b), MOK_ERR_INVALID_ARGUMENT, "args[0].fp8_weights", "backward without FP8 weights");
+    expect(mok_backward(B.workspace, b), MOK_ERR_INVALID_ARGUMENT, "args[0].fp8_weights",
+           "backward without FP8 weights");
 
     /* weights quantized for another shape (no shared expert) */
     {

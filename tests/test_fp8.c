@@ -137,7 +137,9 @@ MOK_TEST(fp8_e4m3_rounding_boundaries) {
             const int got_mid = mok_e4m3_from_float(mid), got_a = mok_e4m3_from_float(toward_a),
                       got_b = mok_e4m3_from_float(toward_b);
             if ((got_mid != even || got_a != lo || got_b != hi) && bad++ < 4)
-                CHECK(0, "between %#04x (%g) and %#04x (%g): midpoint %.9g -> %#04x (want %#04x), %.9g -> %#04x, %.9g -> %#04x",
+                CHECK(0,
+                      "between %#04x (%g) and %#04x (%g): midpoint %.9g -> %#04x (want %#04x), %.9g -> %#04x, %.9g -> "
+                      "%#04x",
                       lo, a, hi, b, mid, got_mid, even, toward_a, got_a, toward_b, got_b);
         }
     CHECK(bad == 0, "%lld boundaries round the wrong way", (long long)bad);
@@ -186,8 +188,7 @@ MOK_TEST(fp8_scale_rule) {
         const float amax = (float)ldexp(fabs(rnd_uniform()) + 0x1p-30, (int)(rnd() % 240) - 120);
         bad += mok__fp8_scale_exp(amax) != scale_exponent(amax);
     }
-    CHECK(bad == 0, "%lld amax values get another scale than the smallest power of two >= amax / 448",
-          (long long)bad);
+    CHECK(bad == 0, "%lld amax values get another scale than the smallest power of two >= amax / 448", (long long)bad);
     CHECK(mok__fp8_scale_exp(0.0f) == 0, "amax 0: scale 1");
     CHECK(mok__fp8_scale_exp(448.0f) == 0 && mok__fp8_scale_exp(nextafterf(448.0f, 500.0f)) == 1,
           "448 fits scale 1, anything above needs 2");
@@ -225,8 +226,10 @@ MOK_TEST(fp8_block_nan_inf_rules) {
         mok__cpu_rows_quantize(qd, &sd, dirty, 1, N);
         CHECK(sc == sd, "case %d: the scale changed (%g -> %g) for a non-finite value", k, sc, sd);
         for (int i = 0; i < N; ++i) {
-            if (i == at) CHECK(isnan(qd[i]), "case %d: the non-finite value became %g, not NaN", k, qd[i]);
-            else CHECK(qd[i] == qc[i], "case %d: element %d changed (%g -> %g)", k, i, qc[i], qd[i]);
+            if (i == at)
+                CHECK(isnan(qd[i]), "case %d: the non-finite value became %g, not NaN", k, qd[i]);
+            else
+                CHECK(qd[i] == qc[i], "case %d: element %d changed (%g -> %g)", k, i, qc[i], qd[i]);
         }
         /* the clean block against this file's rule: s from its amax, q the nearest code of v / s */
         double amax = 0.0;
@@ -312,8 +315,8 @@ static int64_t check_matrix(const char *tag, const uint8_t *codes, const float *
                 const float scale = scales[m * br_n * bc_n + br * bc_n + bc];
                 const float scale_t = scales_t[m * br_n * bc_n + bc * br_n + br];
                 if ((scale != (float)ldexp(1.0, e) || scale_t != scale) && bad++ < 3)
-                    CHECK(0, "%s: matrix %lld block (%lld, %lld): scale %g, transposed %g, want 2^%d", tag, (long long)m,
-                          (long long)br, (long long)bc, scale, scale_t, e);
+                    CHECK(0, "%s: matrix %lld block (%lld, %lld): scale %g, transposed %g, want 2^%d", tag,
+                          (long long)m, (long long)br, (long long)bc, scale, scale_t, e);
                 for (int64_t r = br * MOK_FP8_BLOCK; r < (br + 1) * MOK_FP8_BLOCK; ++r)
                     for (int64_t c = bc * MOK_FP8_BLOCK; c < (bc + 1) * MOK_FP8_BLOCK; ++c) {
                         const int want = e4m3_nearest(ldexp(mok_bf16_to_float(w[m * rows * cols + r * cols + c]), -e));
@@ -355,7 +358,8 @@ MOK_TEST(fp8_quantize_weights_layout_and_determinism) {
         const int64_t inter = shared ? Is : I, count = shared ? 1 : El;
         const int64_t rows = (base == MOK_FP8_W_GATE || base == MOK_FP8_W_UP || base == MOK_FP8_W_DOWN_T) ? inter : H;
         const int64_t cols = rows == H ? inter : H;
-        const size_t code_bytes = (size_t)(count * rows * cols), scale_bytes = (size_t)(count * rows * cols) / 16384 * 4;
+        const size_t code_bytes = (size_t)(count * rows * cols),
+                     scale_bytes = (size_t)(count * rows * cols) / 16384 * 4;
         CHECK(layout.codes[m] % 256 == 0 && layout.scales[m] % 256 == 0, "matrix %d: offsets not 256-aligned", m);
         CHECK(layout.codes[m] >= end && layout.scales[m] >= layout.codes[m] + code_bytes &&
                   layout.scales[m] + scale_bytes <= layout.bytes,
@@ -444,7 +448,8 @@ static void quantize_rows(double *v, int64_t rows, int64_t cols) {
 
 static void quantize_matrix(double *v, int64_t rows, int64_t cols) {
     for (int64_t r = 0; r < rows; r += MOK_FP8_BLOCK)
-        for (int64_t c = 0; c < cols; c += MOK_FP8_BLOCK) quantize_block(v + r * cols + c, MOK_FP8_BLOCK, MOK_FP8_BLOCK, cols);
+        for (int64_t c = 0; c < cols; c += MOK_FP8_BLOCK)
+            quantize_block(v + r * cols + c, MOK_FP8_BLOCK, MOK_FP8_BLOCK, cols);
 }
 
 static double *widen(const uint16_t *v, int64_t n) {
@@ -553,7 +558,8 @@ MOK_TEST(fp8_reference_matches_straight_line) {
           *dsds[1] = {dsd};
     mok_status st = mok_ref_forward(&layer, ys);
     CHECK(st == MOK_OK, "mok_ref_forward: %s", mok_last_error());
-    if (st == MOK_OK) st = mok_ref_backward(&layer, (const void *const *)dys, dxs, drws, dwgs, dwus, dwds, dsgs, dsus, dsds);
+    if (st == MOK_OK)
+        st = mok_ref_backward(&layer, (const void *const *)dys, dxs, drws, dwgs, dwus, dwds, dsgs, dsus, dsds);
     CHECK(st == MOK_OK, "mok_ref_backward: %s", mok_last_error());
     /* the same here */
     double *Wg = widen(wg, E * I * H), *Wu = widen(wu, E * I * H), *Wd = widen(wd, E * I * H);
@@ -580,9 +586,9 @@ MOK_TEST(fp8_reference_matches_straight_line) {
             const int32_t e = ids[t * k + j];
             want_drw[t * k + j] = 0.0;
             if (e < 0) continue;
-            want_drw[t * k + j] = expert_pass(Wg + e * I * H, Wu + e * I * H, Wd + e * I * H, H, I, xq, dyt, dyq,
-                                              rw[t * k + j], out, part, want_dwg + e * I * H, want_dwu + e * I * H,
-                                              want_dwd + e * I * H);
+            want_drw[t * k + j] =
+                expert_pass(Wg + e * I * H, Wu + e * I * H, Wd + e * I * H, H, I, xq, dyt, dyq, rw[t * k + j], out,
+                            part, want_dwg + e * I * H, want_dwu + e * I * H, want_dwd + e * I * H);
             for (int64_t o = 0; o < H; ++o) sum_y[o] += rw[t * k + j] * bf16_round(out[o]), sum_dx[o] += part[o];
         }
         for (int64_t o = 0; o < H; ++o) {
@@ -608,7 +614,7 @@ MOK_TEST(fp8_reference_matches_straight_line) {
             int64_t n;
         } grads[] = {{"dw_gate", want_dwg, dwg, E * I * H}, {"dw_up", want_dwu, dwu, E * I * H},
                      {"dw_down", want_dwd, dwd, E * I * H}, {"ds_gate", want_dsg, dsg, Is * H},
-                     {"ds_up", want_dsu, dsu, Is * H},     {"ds_down", want_dsd, dsd, Is * H}};
+                     {"ds_up", want_dsu, dsu, Is * H},      {"ds_down", want_dsd, dsd, Is * H}};
         for (size_t g = 0; g < sizeof grads / sizeof grads[0]; ++g) {
             const double d = max_abs_diff(grads[g].want, grads[g].got, grads[g].n, &scale);
             /* the reference returns fp32: its rounding, 2^-24 relative, is the difference */
@@ -642,8 +648,10 @@ MOK_TEST(fp8_reference_distance_from_bf16) {
     if (st == MOK_OK) st = layer_run_reference(&Lb, &r16);
     CHECK(st == MOK_OK, "references: %s %s", r8.message, r16.message);
     if (st == MOK_OK) {
-        const int64_t H = shape.hidden, k = shape.topk, n = 8 * shape.intermediate * H, ns = shape.shared_intermediate * H;
-        static const char *names[] = {"y", "dx", "d_router_w", "dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down"};
+        const int64_t H = shape.hidden, k = shape.topk, n = 8 * shape.intermediate * H,
+                      ns = shape.shared_intermediate * H;
+        static const char *names[] = {"y",       "dx",      "d_router_w", "dw_gate", "dw_up",
+                                      "dw_down", "ds_gate", "ds_up",      "ds_down"};
         printf("     FP8 function against bf16 (reference, H 512 I 256 E 16 k 4 I_s 256, 2 ranks): "
                "relative L1, max|diff| / max|bf16|\n");
         for (int t = 0; t < 9; ++t) {

@@ -27,8 +27,8 @@ MOK_INLINE uint8_t mok__e4m3_from_f32(float value) {
     const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
     const uint32_t mag = bits & 0x7fffffffu;
     if (mag > 0x43e80000u) return (uint8_t)(sign | MOK_E4M3_NAN); /* NaN, ±Inf, > 464 */
-    if (mag < 0x3c800000u) {                                       /* below 2^-6: m · 2^-9 */
-        if (mag < 0x00800000u) return sign;                        /* below 2^-126: 0 */
+    if (mag < 0x3c800000u) {                                      /* below 2^-6: m · 2^-9 */
+        if (mag < 0x00800000u) return sign;                       /* below 2^-126: 0 */
         /* |v| · 2^9 = M · 2^-shift with M the 24-bit significand; round M >> shift to even */
         const int shift = 141 - (int)(mag >> 23);
         if (shift > 24) return sign; /* below 2^-10, half the smallest subnormal */

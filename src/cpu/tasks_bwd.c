@@ -102,8 +102,9 @@ static void shared_dh(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
 /* dx part = dg · W_gate + du · W_up: one K loop over [dg | du] against [W_gate ; W_up]. FP8: dg^,
  * du^ (the rows quantized per 128 of I as they load) against the transposed copies, K-major
  * [H, inter]; expert: the local expert, or -1 for the shared one. */
-static void dx_tile(const cpu_pass *pass, const uint16_t *dgu, int rows, int64_t inter, int expert, const uint16_t *w_gate,
-                    const uint16_t *w_up, int64_t n0, float *scratch, uint16_t *out, int64_t ld_out) {
+static void dx_tile(const cpu_pass *pass, const uint16_t *dgu, int rows, int64_t inter, int expert,
+                    const uint16_t *w_gate, const uint16_t *w_up, int64_t n0, float *scratch, uint16_t *out,
+                    int64_t ld_out) {
     const int64_t H = pass->ws->shape.hidden;
     float *a = scratch, *bt = scratch_bt(pass, scratch, 0), *acc = scratch_acc(pass, scratch, 0);
     if (is_fp8(pass)) {

@@ -120,8 +120,9 @@ void mok__cpu_gateup(const cpu_pass *pass, const cpu_tile *tile, int64_t n0, flo
     const int64_t H = s->hidden, I = s->intermediate;
     if (is_fp8(pass)) {
         const cpu_rank *R = pass->R;
-        mok__cpu_rows_from_e4m3(scratch_a(scratch), mok__cpu_scratch_a_scale(pass, scratch), R->ring_x8 + tile->ring0 * H,
-                                R->ring_x_scale + tile->ring0 * (H / MOK_FP8_BLOCK), tile->nreal, H);
+        mok__cpu_rows_from_e4m3(scratch_a(scratch), mok__cpu_scratch_a_scale(pass, scratch),
+                                R->ring_x8 + tile->ring0 * H, R->ring_x_scale + tile->ring0 * (H / MOK_FP8_BLOCK),
+                                tile->nreal, H);
         mok__cpu_gemm_fp8_weight(pass, scratch, g, tile->nreal, H, MOK_FP8_W_GATE, tile->expert, I, n0);
         mok__cpu_gemm_fp8_weight(pass, scratch, u, tile->nreal, H, MOK_FP8_W_UP, tile->expert, I, n0);
     } else {
@@ -149,8 +150,9 @@ static void shared_up(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
     float *g = scratch_acc(pass, scratch, 0), *u = scratch_acc(pass, scratch, 1);
     if (is_fp8(pass)) { /* this rank's own x, as staged */
         const char *region = pass->R->region;
-        mok__cpu_rows_from_e4m3(a, mok__cpu_scratch_a_scale(pass, scratch), (const uint8_t *)(region + pass->cw->sym.x) + t0 * H,
-                                (const float *)(region + pass->cw->sym.x_scale) + t0 * (H / MOK_FP8_BLOCK), rows, H);
+        const uint8_t *x = (const uint8_t *)(region + pass->cw->sym.x) + t0 * H;
+        const float *x_scale = (const float *)(region + pass->cw->sym.x_scale) + t0 * (H / MOK_FP8_BLOCK);
+        mok__cpu_rows_from_e4m3(a, mok__cpu_scratch_a_scale(pass, scratch), x, x_scale, rows, H);
         mok__cpu_gemm_fp8_weight(pass, scratch, g, rows, H, MOK_FP8_S_GATE, 0, Is, n0);
         mok__cpu_gemm_fp8_weight(pass, scratch, u, rows, H, MOK_FP8_S_UP, 0, Is, n0);
     } else {
@@ -229,7 +231,8 @@ static void down(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     if (tile.nreal == 0) return;
     float *a = scratch_a(scratch), *bt = scratch_bt(pass, scratch, 0), *acc = scratch_acc(pass, scratch, 0);
     if (is_fp8(pass)) { /* h^: the tile's bf16 h rows quantized per 128 of I */
-        mok__cpu_rows_quantize(a, mok__cpu_scratch_a_scale(pass, scratch), pass->R->ring_h + tile.ring0 * I, tile.nreal, I);
+        mok__cpu_rows_quantize(a, mok__cpu_scratch_a_scale(pass, scratch), pass->R->ring_h + tile.ring0 * I,
+                               tile.nreal, I);
         mok__cpu_gemm_fp8_weight(pass, scratch, acc, tile.nreal, I, MOK_FP8_W_DOWN, tile.expert, H, n0);
     } else {
         mok__cpu_rows_to_f32(a, pass->R->ring_h + tile.ring0 * I, I, tile.nreal, I);
