@@ -377,6 +377,7 @@ static mok_status check_forward_args(mok_workspace *ws, const mok_forward_args *
         if (!recompute) CHECK_SHARED(s_down);
         CHECK_ARG(y, !recompute && a->num_tokens > 0);
         CHECK_ARG(context, 1);
+        TRY(mok__check_fp8_weights(ws, r, a->fp8_weights));
     }
     return MOK_OK;
 }
@@ -440,6 +441,7 @@ static mok_status check_backward_args(mok_workspace *ws, const mok_backward_args
         CHECK_SHARED(ds_gate);
         CHECK_SHARED(ds_up);
         CHECK_SHARED(ds_down);
+        TRY(mok__check_fp8_weights(ws, r, a->fp8_weights));
     }
     return MOK_OK;
 }

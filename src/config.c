@@ -98,9 +98,19 @@ mok_status mok_shape_validate(const mok_shape *s, int nranks) {
         return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                          "shape.max_tokens: P * max_tokens * topk = %lld routed slots exceed the 2^30 row limit",
                          (long long)nranks * s->max_tokens * s->topk);
-    if (s->precision == MOK_PRECISION_FP8)
-        return mok__fail(MOK_ERR_UNSUPPORTED, "shape.precision: MOK_PRECISION_FP8 is not supported yet");
-    if (s->precision != MOK_PRECISION_BF16)
+    if (s->precision != MOK_PRECISION_BF16 && s->precision != MOK_PRECISION_FP8)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "shape.precision: %d is not a mok_precision", s->precision);
+    /* FP8 scales cover blocks of MOK_FP8_BLOCK along every GEMM's K (H, I, I_s) */
+    const struct {
+        const char *name;
+        int64_t value;
+    } fp8_dims[] = {{"hidden", s->hidden}, {"intermediate", s->intermediate},
+                    {"shared_intermediate", s->shared_intermediate}};
+    for (int d = 0; s->precision == MOK_PRECISION_FP8 && d < 3; ++d)
+        if (fp8_dims[d].value % MOK_FP8_BLOCK != 0)
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                             "shape.%s: %lld is not a multiple of MOK_FP8_BLOCK = %d, which FP8 needs (its scales "
+                             "cover blocks of %d)",
+                             fp8_dims[d].name, (long long)fp8_dims[d].value, MOK_FP8_BLOCK, MOK_FP8_BLOCK);
     return MOK_OK;
 }

@@ -58,6 +58,11 @@ mok_status mok__trace_write_json(const char *path, const mok_trace_event *const 
 
 /* Validation shared by every backend (api.c). */
 mok_status mok__check_ptr(const void *ptr, const char *name, int required);
+/* fp8.c: args[r].fp8_weights of a pass: NULL for bf16; for FP8 set, aligned and (cpu) written by
+ * mok_quantize_weights for the workspace's shape. */
+mok_status mok__check_fp8_weights(const mok_workspace *ws, int r, const void *fp8_weights);
+/* cpu/quantize.c: mok_quantize_weights on validated arguments. */
+mok_status mok__cpu_quantize_weights(mok_workspace *ws, const mok_quantize_args *args);
 
 /* The worst case of a pass's plan on a workspace, for the bounds of its task list and counters
  * (the backend's tile widths). */

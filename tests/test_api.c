@@ -163,7 +163,7 @@ static void sched_args(mok_schedule_args a[TP], const tiny *L, tiny_out *o) {
 static void fwd_args(mok_forward_args a[TP], const tiny *L, tiny_out *o) {
     for (int p = 0; p < TP; ++p)
         a[p] = (mok_forward_args){L->T[p], o->sched[p], L->x[p], L->rw[p], L->w[0][p], L->w[1][p], L->w[2][p],
-                                  L->s[0], L->s[1], L->s[2], o->y[p], o->ctx[p], NULL};
+                                  L->s[0], L->s[1], L->s[2], o->y[p], o->ctx[p], NULL, NULL};
 }
 
 static void bwd_args(mok_backward_args a[TP], const tiny *L, tiny_out *o) {
@@ -392,7 +392,10 @@ MOK_TEST(api_shape_rules) {
         {"E = 0", {64, 64, 0, 1, 64, 40, 0}, MOK_ERR_INVALID_ARGUMENT, "shape.num_experts"},
         {"max_tokens < 1", {64, 64, 4, 2, 64, 0, 0}, MOK_ERR_INVALID_ARGUMENT, "shape.max_tokens"},
         {"max_tokens negative", {64, 64, 4, 2, 64, -3, 0}, MOK_ERR_INVALID_ARGUMENT, "shape.max_tokens"},
-        {"fp8", {64, 64, 4, 2, 64, 40, MOK_PRECISION_FP8}, MOK_ERR_UNSUPPORTED, "shape.precision"},
+        {"fp8, H = 64", {64, 128, 4, 2, 128, 40, MOK_PRECISION_FP8}, MOK_ERR_INVALID_ARGUMENT, "shape.hidden"},
+        {"fp8, I = 192", {128, 192, 4, 2, 128, 40, MOK_PRECISION_FP8}, MOK_ERR_INVALID_ARGUMENT, "shape.intermediate"},
+        {"fp8, I_s = 64", {128, 128, 4, 2, 64, 40, MOK_PRECISION_FP8}, MOK_ERR_INVALID_ARGUMENT,
+         "shape.shared_intermediate"},
         {"precision 7", {64, 64, 4, 2, 64, 40, 7}, MOK_ERR_INVALID_ARGUMENT, "shape.precision"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {

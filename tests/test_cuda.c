@@ -102,7 +102,8 @@ static mok_status gpu_issue(gpu_run *G, const layer *L, int recompute, void *str
     for (int p = 0; p < L->nranks; ++p) {
         sa[p] = (mok_schedule_args){L->num_tokens[p], G->ids[p], G->schedule[p], stream};
         fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p], G->rw[p], G->w[0][p], G->w[1][p],
-                                   G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream};
+                                   G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream,
+                                   NULL};
     }
     mok_status st = mok_schedule_build(G->ws, sa);
     if (st == MOK_OK) st = recompute ? mok_recompute_context(G->ws, fa) : mok_forward(G->ws, fa);
@@ -767,7 +768,7 @@ static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer
         ba[p] = (mok_backward_args){(int64_t)T, G->schedule[p], G->context[p], dev[p][0], G->x[p], G->rw[p],
                                     G->w[0][p], G->w[1][p], G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p],
                                     dev[p][1], dev[p][2], accumulate, dev[p][3], dev[p][4], dev[p][5],
-                                    dev[p][6], dev[p][7], dev[p][8], NULL};
+                                    dev[p][6], dev[p][7], dev[p][8], NULL, NULL};
     }
     if (st == MOK_OK) st = mok_backward(G->ws, ba);
     if (st == MOK_OK) st = mok_synchronize(G->ws);
@@ -1242,7 +1243,7 @@ MOK_TEST(cuda_bad_inputs) {
           "misaligned ids: %s", mok_last_error());
     CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "good run: %s", G.message);
     mok_forward_args fa = {100, G.schedule[0], NULL, G.rw[0], G.w[0][0], G.w[1][0], G.w[2][0], G.s[0][0],
-                           G.s[1][0], G.s[2][0], G.y[0], G.context[0], NULL};
+                           G.s[1][0], G.s[2][0], G.y[0], G.context[0], NULL, NULL};
     CHECK(mok_forward(G.ws, &fa) == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "x"), "NULL x: %s",
           mok_last_error());
     fa.x = G.x[0];

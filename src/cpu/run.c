@@ -261,7 +261,7 @@ static mok_status run_pass(rank_job *job) {
         T = pass.ba->num_tokens;
         st = prepare(&pass, T, pass.ba->schedule, pass.ba->accumulate);
         if (st == MOK_OK) {
-            stage(R->region + cw->sym.x, pass.ba->x, (size_t)T * H * 2);
+            mok__cpu_stage_x(&pass, pass.ba->x, T);
             stage(R->region + cw->sym.dy, pass.ba->dy, (size_t)T * H * 2);
             stage(R->region + cw->sym.router_w, pass.ba->router_w, (size_t)T * k * 4);
         }
@@ -270,7 +270,7 @@ static mok_status run_pass(rank_job *job) {
         T = pass.fa->num_tokens;
         st = prepare(&pass, T, pass.fa->schedule, 0);
         if (st == MOK_OK) {
-            stage(R->region + cw->sym.x, pass.fa->x, (size_t)T * H * 2);
+            mok__cpu_stage_x(&pass, pass.fa->x, T);
             stage(R->region + cw->sym.router_w, pass.fa->router_w, (size_t)T * k * 4);
         }
     }

@@ -18,15 +18,20 @@ static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
     const mok_plan worst = worst_plan(ws);
     const size_t counters = (size_t)mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    /* FP8: x travels as E4M3 codes (1 byte) plus a scale per 128 of H */
+    const int fp8 = s->precision == MOK_PRECISION_FP8;
+    const size_t x_elem = fp8 ? 1 : 2, x_scales = fp8 ? H / MOK_FP8_BLOCK * 4 : 0;
     L->tokens = off; off = align64(off + sizeof(int64_t));
-    L->x = off; off = align64(off + T * H * 2);
+    L->x = off; off = align64(off + T * H * x_elem);
+    L->x_scale = off; off = align64(off + T * x_scales);
     L->router_w = off; off = align64(off + T * k * 4);
     L->ids = off; off = align64(off + T * k * 4);
     L->comb = off; off = align64(off + T * k * H * 2);
     L->dy = off; off = align64(off + T * H * 2);
     L->dxbuf = off; off = align64(off + T * k * H * 2);
     L->drw = off; off = align64(off + T * k * 4);
-    L->ring_x = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
+    L->ring_x = off; off = align64(off + (size_t)ws->config.ring_rows * H * x_elem);
+    L->ring_x_scale = off; off = align64(off + (size_t)ws->config.ring_rows * x_scales);
     L->ring_y = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
     L->ring_dy = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
     L->ring_w = off; off = align64(off + (size_t)ws->config.ring_rows * 4);
@@ -91,7 +96,10 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->ring_y = (uint16_t *)(R->region + cw->sym.ring_y);
     R->counters = (_Atomic int64_t *)(R->region + cw->sym.counters);
     R->ring_rdot = (float *)(R->region + cw->sym.ring_rdot);
-    R->ring_x = (uint16_t *)(R->region + cw->sym.ring_x);
+    const int fp8 = ws->shape.precision == MOK_PRECISION_FP8;
+    R->ring_x = fp8 ? NULL : (uint16_t *)(R->region + cw->sym.ring_x);
+    R->ring_x8 = fp8 ? (uint8_t *)(R->region + cw->sym.ring_x) : NULL;
+    R->ring_x_scale = fp8 ? (float *)(R->region + cw->sym.ring_x_scale) : NULL;
     R->ring_dy = (uint16_t *)(R->region + cw->sym.ring_dy);
     R->ring_w = (float *)(R->region + cw->sym.ring_w);
     return MOK_OK;
