@@ -163,9 +163,10 @@ class MokMoELayer(MoELayer):
     count); apply() turns a built MoELayer into one."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, mok_config=None,
-                 backend="auto", max_tokens=None):
+                 backend="auto", max_tokens=None, **mcore_kwargs):
+        # mcore_kwargs: what newer MoELayers also take (is_mtp_layer, name), passed through
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, **mcore_kwargs)
         _attach(self, _check_layer(self), mok_config, backend, max_tokens)
 
     def _mok_experts(self, num_tokens):
