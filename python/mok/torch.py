@@ -109,8 +109,10 @@ def inside_checkpoint():
     """Whether the caller runs inside torch.utils.checkpoint (non-reentrant: HF's gradient
     checkpointing, Megatron's and most stacks'), in its forward or its recomputation: the
     checkpoint's saved-tensor hooks are the innermost ones then."""
-    torch = _torch()
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = getattr(_torch()._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # a PyTorch without the query: treated as outside (the context is kept)
+        return False
+    hooks = top(False)
     return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
 
 
