@@ -378,9 +378,9 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     return MOK_OK;
 }
 
-extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
+extern "C" mok_status mok__cuda_workspace_destroy(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    if (!cw) return;
+    if (!cw) return MOK_OK;
     cuda_group *cg = (cuda_group *)ws->group->impl;
     int previous = 0;
     cudaGetDevice(&previous);
@@ -407,6 +407,7 @@ extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
     cudaSetDevice(previous);
     free(cw);
     ws->impl = NULL;
+    return MOK_OK;
 }
 
 /* ---- memory for callers ------------------------------------------------------------------- */
