@@ -284,8 +284,7 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
             char message[1024];
             snprintf(message, sizeof message, "%s", mok_last_error());
             const mok_call call = {MOK_CALL_WORKSPACE_CREATE, 0, index, 0, 0, 0};
-            if (mok__cpu_barrier(g, 0, &call, 0) == MOK_ERR_TIMEOUT) return MOK_ERR_TIMEOUT;
-            mok__fail(st, "%s", message);
+            st = mok__cpu_settle(st, message, mok__cpu_barrier(g, 0, &call, 0));
         }
         return st;
     }
@@ -374,8 +373,7 @@ static mok_status reject(mok_workspace *ws, mok_status status) {
         snprintf(message, sizeof message, "%s", mok_last_error());
         mok_call call = ws->call;
         call.build = ws->call_build[0];
-        if (mok__cpu_barrier(g, 0, &call, 0) == MOK_ERR_TIMEOUT) return MOK_ERR_TIMEOUT;
-        return mok__fail(status, "%s", message);
+        return mok__cpu_settle(status, message, mok__cpu_barrier(g, 0, &call, 0));
     }
     return status;
 }
@@ -422,7 +420,10 @@ mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) 
     mok__clear_error();
     TRY(check_usable(ws));
     begin_call(ws, MOK_CALL_SCHEDULE_BUILD);
-    const int64_t build = ++ws->builds;
+    /* NOTE: a build is named by its call's number, not by a count of builds: every rank counts
+       every collective call, so the names stay equal across ranks even after a call that some
+       ranks made as a build and others as something else. */
+    const int64_t build = ws->calls;
     for (int r = 0; r < ws->group->num_local_ranks; ++r) ws->call_build[r] = build;
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_schedule_args(ws, args));

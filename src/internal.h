@@ -35,8 +35,9 @@ typedef struct mok_call {
     int64_t workspace; /* the workspace's index in its group (creation order, from 0) */
     int64_t seq;       /* the call's number on its workspace (collective calls, from 1) */
     uint64_t digest;   /* the workspace's shape, group size and protocol config (mok__protocol_digest) */
-    int64_t build;     /* the schedule build the call writes (schedule) or reads (passes); 0: none or
-                          unknown (a schedule the workspace's ledger does not know, e.g. a copy) */
+    int64_t build;     /* the schedule build the call writes (schedule) or reads (passes), named by
+                          its call's number; 0: none or unknown (a schedule the workspace's ledger
+                          does not know, e.g. a copy) */
 } mok_call;
 
 /* The call's name and number for messages: "mok_forward #3 (schedule build #2)". */
@@ -85,8 +86,8 @@ struct mok_workspace {
     int failed;
     int64_t index;          /* creation order in the group, equal on every rank */
     uint64_t digest;        /* mok__protocol_digest of its shape and config */
-    int64_t calls;          /* collective calls made on it so far */
-    int64_t builds;         /* schedule builds made on it so far (one number for all local ranks) */
+    int64_t calls;          /* collective calls made on it so far (a schedule build is named by its
+                               call's number) */
     mok_call call;          /* the call in progress (its build is per local rank: call_build) */
     int64_t call_build[MOK_MAX_RANKS]; /* the schedule build each local rank's part of the call uses */
     mok_ledger *ledgers;    /* [num_local_ranks] */
@@ -144,6 +145,10 @@ mok_status mok__cpu_barrier(mok_group *group, int local_rank, const mok_call *ca
 int mok__cpu_poisoned(const mok_group *group);
 /* The MOK_ERR_STATE a call gets in a poisoned group, naming who poisoned it and why. */
 mok_status mok__cpu_poisoned_error(const mok_group *group, int rank);
+/* The status of a call this rank refused or failed (own, own_message) after the barrier where it
+ * told its peers: the barrier's timeout or MOK_ERR_STATE, which leave the group unusable, win over
+ * an argument error (the message keeps both); else the rank's own error. */
+mok_status mok__cpu_settle(mok_status own, const char *own_message, mok_status barrier);
 
 /* Backend entry points. The cpu backend is always built; the cuda one when MOK_HAVE_CUDA. */
 #define MOK_BACKEND_FUNCS(prefix)                                                                  \

@@ -7,8 +7,9 @@
  * layouts stay as mok.h describes them, and no call waits for the device to read a tag. Each local
  * rank of a workspace keeps the MOK_LEDGER_ENTRIES schedules and contexts it used last; a buffer
  * the ledger does not know (an older one, or a copy) is let through unchecked, never refused.
- * Builds are numbered per workspace (every local rank's part of one mok_schedule_build has the same
- * number), so a pass's build number also travels with its call to the peers (mok_call.build). */
+ * A build is named by the number of its mok_schedule_build call on the workspace (every local
+ * rank's part of one call has the same), so a pass's build also travels with its call to the peers
+ * (mok_call.build). */
 #include <stdio.h>
 
 #include "internal.h"

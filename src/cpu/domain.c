@@ -183,6 +183,16 @@ void mok__cpu_bury(mok_group *g, void *region) {
     /* Without a node the region is leaked for good rather than freed under a peer. */
 }
 
+mok_status mok__cpu_settle(mok_status own, const char *own_message, mok_status barrier) {
+    const int own_fatal = own == MOK_ERR_TIMEOUT || own == MOK_ERR_STATE;
+    if (!own_fatal && (barrier == MOK_ERR_TIMEOUT || barrier == MOK_ERR_STATE)) {
+        char theirs[1024];
+        snprintf(theirs, sizeof theirs, "%s", mok_last_error());
+        return mok__fail(barrier, "%s (this rank had refused the call: %s)", theirs, own_message);
+    }
+    return mok__fail(own, "%s", own_message);
+}
+
 static int calls_agree(const mok_call *a, const mok_call *b) {
     return a->kind == b->kind && a->step == b->step && a->workspace == b->workspace && a->seq == b->seq &&
            a->digest == b->digest && (a->build == 0 || b->build == 0 || a->build == b->build);

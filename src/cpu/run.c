@@ -379,7 +379,7 @@ static mok_status run_pass(rank_job *job) {
     char message[1024] = "";
     if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
     mok_status bst = barrier(job, 0, st == MOK_OK);
-    if (st != MOK_OK) return mok__fail(st, "%s", message);
+    if (st != MOK_OK) return mok__cpu_settle(st, message, bst);
     if (bst != MOK_OK) return bst;
     if (mok__plan_names_peers(&pass.plan)) {
         st = build_list(&pass);
@@ -391,7 +391,7 @@ static mok_status run_pass(rank_job *job) {
     /* End barrier: every push into this rank's buffers has landed, and no peer still reads from
        this rank's region. */
     bst = barrier(job, 1, st == MOK_OK);
-    if (st != MOK_OK) return mok__fail(st, "%s", message);
+    if (st != MOK_OK) return mok__cpu_settle(st, message, bst);
     if (bst != MOK_OK) return bst;
     if (job->kind == CPU_PASS_FORWARD) mok__cpu_forward_epilogue(&pass, 0, T);
     else if (job->kind == CPU_PASS_BACKWARD) mok__cpu_backward_epilogue(&pass, 0, T);

@@ -178,8 +178,7 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
         if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
         const mok_call call = {MOK_CALL_WORKSPACE_CREATE, 0, ws->index, 0, 0, 0};
         mok_status bst = mok__cpu_barrier(g, 0, &call, st == MOK_OK);
-        if (st != MOK_OK) mok__fail(st, "%s", message);
-        else st = bst;
+        st = st != MOK_OK ? mok__cpu_settle(st, message, bst) : bst;
     }
     for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
         cpu_rank *R = &cw->ranks[lr];
