@@ -46,6 +46,10 @@
  * peers; a rank that meets a peer in another call fails, as does the peer, at once and with a
  * message naming both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in
  * mok_forward #3 ..."). Such a failure touches nothing: the ranks may go on with matching calls.
+ * On cuda the device barrier finds it, neither pass runs, and the error word reports it at the
+ * rank's next call or mok_synchronize, as for any error found on the device; so does a rank whose
+ * peer's part of the call failed. Workspace creation compares the ranks' shapes and configs there
+ * too (one process per rank).
  *
  * After a timeout (and after a rank destroyed a workspace while a peer was in another call) the
  * group is unusable on every rank: each rank's next call fails at once with MOK_ERR_STATE, naming
