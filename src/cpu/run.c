@@ -19,7 +19,6 @@ typedef struct rank_job {
     char message[1024];
 } rank_job;
 
-
 /* ---- task execution ------------------------------------------------------------------------ */
 
 /* The counters a task's wait[0] / done[0] names: this rank's, or peer q's (in q's region). */
