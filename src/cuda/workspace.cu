@@ -195,7 +195,7 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
             code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
             char theirs[160] = "", mine[160] = "";
             const int peer = mirror[MIRROR_PEER];
-            if (code == MOK_KERR_MISMATCH) {
+            if (code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
                 describe_word((unsigned long long)(unsigned)mirror[MIRROR_THEIRS] |
                                   (unsigned long long)(unsigned)mirror[MIRROR_THEIRS + 1] << 32,
                               theirs, sizeof theirs);
