@@ -38,7 +38,30 @@
  *
  * Errors: every call returns a mok_status; on failure mok_last_error() (thread-local) names the
  * argument and the rule it broke. The library never exits, aborts or traps, and no wait on a peer
- * lasts longer than the configured timeout.
+ * lasts longer than config.peer_timeout_ms: a barrier, or a pass's wait on a peer's counter (on
+ * cpu a wait on the rank's own counters gives up when the rank has made no progress for that long;
+ * its own work, however long, is not a hang).
+ *
+ * Collective calls (workspace create and destroy, schedule build, forward, recompute, backward):
+ * every rank of a group makes the same ones in the same order, on workspaces created in the same
+ * order, and a pass on every rank reads the same schedule build. Each call carries what it is (its
+ * kind, its number on the workspace, the workspace's shape and config, the schedule build) to the
+ * peers; a rank that meets a peer in another call fails, as does the peer, at once and with a
+ * message naming both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in
+ * mok_forward #3 ..."). Such a failure touches nothing: the ranks may go on with matching calls.
+ * On cuda the device barrier finds it, neither pass runs, and the error word reports it at the
+ * rank's next call or mok_synchronize, as for any error found on the device; so does a rank whose
+ * peer's part of the call failed. Workspace creation compares the ranks' shapes and configs there
+ * too (one process per rank).
+ *
+ * After a timeout (and after a rank destroyed a workspace while a peer was in another call) the
+ * group is unusable on every rank: each rank's next call fails at once with MOK_ERR_STATE, naming
+ * the rank that failed. Destroy its workspaces and the group. A peer may then still be inside a
+ * pass that reads or writes this rank's symmetric memory, so that memory is not freed under it:
+ * on cpu it is kept until the last rank of the group has destroyed its group; on cuda, in a group
+ * of one process per rank, it stays allocated for the life of the process (the communicator is
+ * aborted, not destroyed). In local mode (one handle drives every rank) every call has ended on
+ * every rank when it returns, and everything is freed.
  */
 #ifndef MOK_H
 #define MOK_H
@@ -115,10 +138,11 @@ typedef struct mok_config {
                                rows past it are replayed (recomputed) in the backward.
                                0 = all rows the worst case can route to a rank */
     float swiglu_limit;     /* > 0: clamp limit; 0: no clamp */
-    double peer_timeout_ms; /* longest wait on a peer before MOK_ERR_TIMEOUT; > 0 */
+    double peer_timeout_ms; /* longest wait on a peer before MOK_ERR_TIMEOUT; in (0, 1e9] */
     int cpu_threads;        /* cpu backend: worker threads per rank, movers included (0 = one
-                               compute thread per core plus cpu_comm_threads movers; else >= 2) */
-    int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; >= 1 */
+                               compute thread per core plus cpu_comm_threads movers; else in
+                               [2, 1024]) */
+    int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; in [1, 1024] */
     /* The transfers' directions (mok_direction), each either way on every backend with the same
        results bit for bit; the defaults are the faster ones measured (docs/perf.md). */
     int fwd_dispatch;       /* MOK_PULL; MOK_PUSH: each rank writes its x rows into the peers'
@@ -250,13 +274,16 @@ mok_status mok_unique_id_create(mok_backend backend, mok_unique_id *id);
 
 /* One process (or thread, on cpu) per rank. Collective: every rank calls it with the same id
  * and nranks; a rank that does not join within config->peer_timeout_ms makes the others fail
- * with MOK_ERR_TIMEOUT. device: the GPU of this rank (cuda), ignored on cpu. */
+ * with MOK_ERR_TIMEOUT. Each rank joins once: on cpu a second handle for a rank that a handle of
+ * the same id holds is refused. device: the GPU of this rank (cuda), ignored on cpu. */
 mok_status mok_group_create(mok_group **group, mok_backend backend, int nranks, int rank,
                             const mok_unique_id *id, int device, const mok_config *config);
 
 /* One process drives all nranks ranks. devices: nranks GPU ordinals (cuda), NULL on cpu. */
 mok_status mok_group_create_local(mok_group **group, mok_backend backend, int nranks,
                                   const int *devices, const mok_config *config);
+/* Workspaces first: it refuses (and keeps the group) while a workspace made on it lives. Calls on
+ * one group handle and its workspaces come from one thread at a time. */
 mok_status mok_group_destroy(mok_group *group);
 
 /* nranks, local ranks driven by this handle, the first local rank's index, the backend. */
@@ -264,15 +291,28 @@ mok_status mok_group_info(const mok_group *group, int *nranks, int *num_local_ra
                           int *first_rank, mok_backend *backend);
 
 /* ---- workspace ---------------------------------------------------------------------------- */
-/* Collective: every rank creates its workspace with the same shape and config; all buffers are
- * allocated here, none per call. config may be NULL (defaults). */
+/* Collective: every rank creates its workspace with the same shape and the same minibatch_rows,
+ * ring_rows, context_rows, swiglu_limit and transfer directions (the other fields are each rank's
+ * own); a difference is refused on every rank, naming the field. All buffers are allocated here,
+ * none per call. config may be NULL (the group's). */
 mok_status mok_workspace_create(mok_workspace **workspace, mok_group *group,
                                 const mok_shape *shape, const mok_config *config);
+/* Collective too: every rank destroys its workspaces in the same order. The handle is gone
+ * whatever it returns; a destroy that met a peer in another call returns that error and makes the
+ * group unusable (the memory rule above). */
 mok_status mok_workspace_destroy(mok_workspace *workspace);
 mok_status mok_workspace_sizes(const mok_workspace *workspace, mok_sizes *sizes);
 
-/* ---- passes (collective; args has one entry per local rank) ------------------------------- */
+/* ---- passes (collective; args has one entry per local rank) -------------------------------
+ * A schedule serves the workspace and local rank that built it, until it is built again. A backward
+ * reads the context that a forward or recompute wrote with the same schedule build. Each local rank
+ * of a workspace remembers the last 256 schedule and context buffers its calls wrote, and refuses a
+ * schedule or context that another workspace of the group wrote, a backward whose schedule build no
+ * forward ran with, and a context written with another build; a buffer it does not remember (an
+ * older one, a copy) is not checked. On cpu a schedule whose contents were changed after its build
+ * is refused. */
 mok_status mok_schedule_build(mok_workspace *workspace, const mok_schedule_args *args);
+/* The schedule must be local_rank's. */
 mok_status mok_schedule_read(mok_workspace *workspace, const void *schedule, int local_rank,
                              mok_schedule_info *info);
 mok_status mok_forward(mok_workspace *workspace, const mok_forward_args *args);
@@ -389,7 +429,7 @@ float mok_e4m3_to_float(uint8_t value);
 
 /* ---- memory and synchronisation, for callers without an allocator of their own -----------
  * Memory where a local rank's backend wants it: device memory of its GPU (cuda) or host memory
- * (cpu), MOK_ALIGN-aligned. mok_memory_copy is synchronous. */
+ * (cpu), MOK_ALIGN-aligned; bytes <= PTRDIFF_MAX. mok_memory_copy is synchronous. */
 typedef enum mok_copy_kind {
     MOK_COPY_HOST_TO_RANK = 0,
     MOK_COPY_RANK_TO_HOST = 1,

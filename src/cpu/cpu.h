@@ -21,23 +21,45 @@
 /* What ranks of one group share: the rendezvous, the cross-rank barrier, and the table of
  * each workspace's symmetric regions. In one-process-per-rank mode it is found by unique id in
  * a process-wide registry; in local mode it belongs to the one group handle. */
+/* NOTE (failures): a rank that gives up on a peer (a barrier timeout) or leaves a workspace out of
+ * step (its destroy met a peer in another call) poisons the domain: every rank's next barrier, and
+ * every wait of a pass in progress, fails at once. A peer may still be inside a pass that reads and
+ * writes the poisoning rank's region (it passed the barrier the poisoning rank timed out at), so
+ * after a poisoning no region of a per-rank group is freed while any handle is attached: a workspace
+ * destroyed then hands its regions to the graveyard, freed with the domain. */
+typedef struct cpu_grave {
+    void *region;
+    struct cpu_grave *next;
+} cpu_grave;
+
+enum { CPU_POISON_TIMEOUT = 1, CPU_POISON_DESTROY = 2 };
+
 typedef struct cpu_domain {
     mok_unique_id id;
     int nranks;
     int registered;                              /* in the registry (per-rank mode) */
     int refs;                                    /* handles attached; guarded by the registry lock */
+    int claimed[MOK_MAX_RANKS];                  /* per-rank mode: a handle holds this rank (registry lock) */
     _Atomic int joined;
     _Atomic uint64_t arrived[MOK_MAX_RANKS];     /* barrier epoch each rank has reached */
     _Atomic uint64_t rejected[MOK_MAX_RANKS];    /* epoch at which a rank rejected its arguments */
+    /* The call each rank is in at its latest barrier, by the epoch's parity: a rank writes its slot
+       before it publishes its arrival at epoch e, peers read it after they see that arrival, and
+       the rank can reach epoch e + 2 (this slot again) only once every peer has arrived at e + 1,
+       after it read the slot of e. */
+    mok_call calls[2][MOK_MAX_RANKS];
+    _Atomic int poisoned;                        /* 0, or 1 + the rank that poisoned the domain */
+    _Atomic int poison_reason;                   /* CPU_POISON_* */
+    cpu_grave *graveyard;                        /* regions kept until the domain goes (registry lock) */
     _Atomic(char *) regions[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
     mok_shape shapes[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
+    mok_config configs[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
     struct cpu_domain *next;
 } cpu_domain;
 
 typedef struct cpu_group {
     cpu_domain *domain;
     uint64_t epoch[MOK_MAX_RANKS];  /* barriers passed by each local rank */
-    int workspaces[MOK_MAX_RANKS];  /* workspaces created by each local rank (collective order) */
 } cpu_group;
 
 /* Byte offsets inside a symmetric region (equal on every rank). */
@@ -96,6 +118,11 @@ typedef struct cpu_rank {
     int64_t counters_cap;
     _Atomic int64_t cursor[2];
     _Atomic int abort;            /* a worker failed: the others stop waiting */
+    _Atomic int wait_failed;      /* why: CPU_WAIT_* of the first wait that gave up */
+    _Atomic int64_t wait_counter, wait_peer; /* and on which counter of which rank (-1: this one) */
+    _Atomic int64_t progress_ns;  /* when a task of the pass last finished (run.c's wait_counter) */
+    pthread_t *threads;           /* [workers]: the pass's worker threads (thread 0 is the rank's own) */
+    struct cpu_worker *jobs;      /* [workers] */
     float *scratch;               /* [workers, scratch_floats] */
     size_t scratch_floats;
     mok_trace_event *trace;       /* [trace_cap] */
@@ -112,6 +139,10 @@ typedef struct cpu_workspace {
 
 /* domain.c */
 int64_t mok__cpu_now_ns(void);
+/* Makes the group unusable for every rank (the NOTE above); `reason` is a CPU_POISON_*. */
+void mok__cpu_poison(mok_group *group, int rank, int reason);
+/* Keeps `region` allocated until the domain is freed (the NOTE above). */
+void mok__cpu_bury(mok_group *group, void *region);
 
 /* Everything one pass needs on one rank, shared by its workers. */
 typedef struct cpu_pass {
@@ -129,6 +160,15 @@ typedef struct cpu_pass {
 } cpu_pass;
 
 enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };
+
+/* Why a counter wait of a pass gave up (cpu_rank.wait_failed). */
+enum { CPU_WAIT_OK = 0, CPU_WAIT_TIMEOUT, CPU_WAIT_PEER_FAILED, CPU_WAIT_POISONED };
+
+/* One worker of a pass: its role (MOK_ROLE_*) and index. */
+typedef struct cpu_worker {
+    cpu_pass *pass;
+    int worker, role;
+} cpu_worker;
 
 /* tasks_fwd.c / tasks_bwd.c: run one task on one worker. */
 void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *task, float *scratch);
