@@ -1341,13 +1341,13 @@ static mok_status rank_op(gpu_rank_run *r, int op, int arg) {
     }
     case G_FORWARD: {
         mok_forward_args a = {T, r->schedule[arg], r->x, r->rw, r->w[0], r->w[1], r->w[2], r->s[0], r->s[1], r->s[2],
-                              r->y, r->context, NULL};
+                              r->y, r->context, NULL, NULL};
         return mok_forward(r->ws, &a);
     }
     case G_BACKWARD: {
         mok_backward_args a = {T, r->schedule[arg], r->context, r->dy, r->x, r->rw, r->w[0], r->w[1], r->w[2],
                                r->s[0], r->s[1], r->s[2], r->dx, r->drw, 0, r->dw[0], r->dw[1], r->dw[2],
-                               r->ds[0], r->ds[1], r->ds[2], NULL};
+                               r->ds[0], r->ds[1], r->ds[2], NULL, NULL};
         return mok_backward(r->ws, &a);
     }
     case G_SYNC: return mok_synchronize(r->ws);
