@@ -45,14 +45,14 @@ MP_OBJ   := $(MP_C:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/tests/layer.o
 .PHONY: all test sanitize run clean
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok $(BUILD)/mok_mp_rank
 
-$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
+$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
 # ptxas's report (-v) is kept beside each object (.ptxas); a "Potential Performance Loss" in it
 # (wgmma serialised: C7512-C7515) fails the build, since it slows every GEMM by ~20% while the
 # results stay right.
-$(BUILD)/obj/%.o: %.cu include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.c src/cuda/*.h src/cuda/*.cuh)
+$(BUILD)/obj/%.o: %.cu include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cuda/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Xptxas -v -c $< -o $@ 2>$@.ptxas || { cat $@.ptxas >&2; exit 1; }
 	@grep -vE '^ptxas info|bytes stack frame|^$$' $@.ptxas >&2 || true

@@ -40,30 +40,41 @@
 
 enum mok_role { MOK_ROLE_COMM = 0, MOK_ROLE_COMPUTE = 1 };
 
+/* The task kinds, one row each: the name after MOK_TASK_, the name traces and tools print, the
+ * role whose workers run it, and what one task does (a, b: its tile indices). The enum,
+ * mok__task_kind_name and mok__task_kind_role come from this table; scripts/tasks_dump prints it
+ * (for scripts/sim_pass.py). */
+#define MOK_TASK_KINDS(X)                                                                                        \
+    /* forward */                                                                                                \
+    X(SHARED_UP, "shared_up", COMPUTE, "shared expert gate/up + SwiGLU for (token tile a, I_s tile b)")         \
+    X(SHARED_DOWN, "shared_down", COMPUTE, "shared expert down for (token tile a, H tile b)")                     \
+    X(DISPATCH, "dispatch", COMM, "pull the routed rows of row tile a into the ring")                            \
+    X(GATEUP, "gateup", COMPUTE, "gate/up GEMM + SwiGLU for (row tile a, I tile b)")                              \
+    X(DOWN, "down", COMPUTE, "down GEMM for (row tile a, H tile b)")                                             \
+    X(COMBINE, "combine", COMM, "push the expert outputs of row tile a to their owners")                         \
+    /* backward */                                                                                               \
+    X(SHARED_DH, "shared_dh", COMPUTE, "dy.S_down + SwiGLU backward for (token tile a, I_s tile b)")              \
+    X(SHARED_DX, "shared_dx", COMPUTE, "shared dx part for (token tile a, H tile b)")                            \
+    X(PULL, "pull", COMM, "pull dy, router weight and x rows of row tile a into the ring")                       \
+    X(DH, "dh", COMPUTE, "dy.W_down (+ replay of g/u) + SwiGLU backward + router dot, (row tile a, I tile b)")    \
+    X(DX, "dx", COMPUTE, "dx part of row tile a, H tile b")                                                      \
+    X(PUSH, "push", COMM, "push dx parts and router gradients of row tile a to their owners")                    \
+    X(WGRAD, "wgrad", COMPUTE, "one weight-gradient tile of a local expert over a macrobatch's rows")            \
+    X(SHARED_WGRAD, "shared_wgrad", COMPUTE, "one weight-gradient tile of the shared expert over all tokens")    \
+    X(WGRAD_ZERO, "wgrad_zero", COMPUTE, "zero the gradients of an expert that received no rows (bf16 mode)")    \
+    /* turned transfers (either pass) */                                                                         \
+    X(GATHER, "gather", COMM,                                                                                    \
+      "this rank's rows of peer `peer`'s row tile a: expert outputs (forward, combine_pull), dx parts and "      \
+      "router-weight gradients (backward, dispatch_pull)")                                                       \
+    X(SCATTER, "scatter", COMM,                                                                                  \
+      "this rank's rows into peer `peer`'s row tile a: x (forward, dispatch_push); dy, x and the router "        \
+      "weight (backward, combine_push)")                                                                         \
+    X(OPEN, "open", COMM, "backward, combine_push: a minibatch's ring slots free for the senders")
+
 enum mok_task_kind {
-    /* forward */
-    MOK_TASK_SHARED_UP = 0, /* shared expert gate/up + SwiGLU for (token tile a, I_s tile b) */
-    MOK_TASK_SHARED_DOWN,   /* shared expert down for (token tile a, H tile b) */
-    MOK_TASK_DISPATCH,      /* pull the routed rows of row tile a into the ring */
-    MOK_TASK_GATEUP,        /* gate/up GEMM + SwiGLU for (row tile a, I tile b) */
-    MOK_TASK_DOWN,          /* down GEMM for (row tile a, H tile b) */
-    MOK_TASK_COMBINE,       /* push the expert outputs of row tile a to their owners */
-    /* backward */
-    MOK_TASK_SHARED_DH,     /* dy·S_down + SwiGLU backward for (token tile a, I_s tile b) */
-    MOK_TASK_SHARED_DX,     /* shared dx part for (token tile a, H tile b) */
-    MOK_TASK_PULL,          /* pull dy, router weight and x rows of row tile a into the ring */
-    MOK_TASK_DH,            /* dy·W_down (+ replay of g/u) + SwiGLU backward + router dot, (a, I tile b) */
-    MOK_TASK_DX,            /* dx part of row tile a, H tile b */
-    MOK_TASK_PUSH,          /* push dx parts and router gradients of row tile a to their owners */
-    MOK_TASK_WGRAD,         /* one weight-gradient tile of a local expert over a macrobatch's rows */
-    MOK_TASK_SHARED_WGRAD,  /* one weight-gradient tile of the shared expert over all local tokens */
-    MOK_TASK_WGRAD_ZERO,    /* zero the gradients of an expert that received no rows (bf16 mode) */
-    MOK_TASK_GATHER,        /* this rank's rows of peer `peer`'s row tile a: expert outputs (forward,
-                               combine_pull), dx parts and router-weight gradients (backward,
-                               dispatch_pull) */
-    MOK_TASK_SCATTER,       /* this rank's rows into peer `peer`'s row tile a: x (forward, dispatch_push);
-                               dy, x and the router weight (backward, combine_push) */
-    MOK_TASK_OPEN,          /* backward, combine_push: minibatch's ring slots free for the senders */
+#define MOK_X_KIND(name, text, role, what) MOK_TASK_##name,
+    MOK_TASK_KINDS(MOK_X_KIND)
+#undef MOK_X_KIND
     MOK_TASK_NUM_KINDS
 };
 
@@ -197,8 +208,10 @@ int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const i
                                void (*on_run)(void *ctx, int rank, int64_t index), void *ctx);
 #endif
 
-/* The task kind's name, for traces. */
+/* The task kind's name (for traces) and role (enum mok_role), from MOK_TASK_KINDS; "?" and -1 for
+ * a value that is not a kind. */
 MOK_CORE const char *mok__task_kind_name(int kind);
+MOK_CORE int mok__task_kind_role(int kind);
 
 /* Whether the plan turns a transfer around, so that its list waits on or bumps peers' counters
  * (combine_pull, dispatch_pull, dispatch_push, combine_push). */

@@ -23,9 +23,7 @@ extern "C" {
 #include "cuda/task_cols.h"
 #include "internal.h"
 }
-/* The portable core, compiled into this translation unit for host and device. */
-#include "core/schedule.c"
-#include "core/tasks.c"
+#include "cuda/core.cuh"
 
 #define CUDA_TRY(call)                                                                                   \
     do {                                                                                                 \
