@@ -15,7 +15,8 @@ NVFLAGS  ?= -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -gencode=arch=compute_9
             -Iinclude -Isrc --expt-relaxed-constexpr -fmad=true -diag-suppress 177,550
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
 
-LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c)
+# src/cuda/tuning.c is plain C, in every build: the cuda backend's tuning table and mok_workspace_tuning.
+LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c) src/cuda/tuning.c
 LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu),)
 TOOL_C   := $(wildcard tools/*.c)
 # tests/mp_rank.c is a program of its own (one rank of a multi-process group), not part of the suite.
@@ -45,7 +46,7 @@ MP_OBJ   := $(MP_C:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/tests/layer.o
 .PHONY: all test sanitize run clean
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok $(BUILD)/mok_mp_rank
 
-$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
+$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cuda/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 

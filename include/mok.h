@@ -263,6 +263,12 @@ mok_status mok_workspace_create(mok_workspace **workspace, mok_group *group,
                                 const mok_shape *shape, const mok_config *config);
 mok_status mok_workspace_destroy(mok_workspace *workspace);
 mok_status mok_workspace_sizes(const mok_workspace *workspace, mok_sizes *sizes);
+/* The workspace's tuning as its backend resolved it at creation, as "name=value" pairs separated
+ * by single spaces (the cuda backend's knobs, with their defaults, environment variables and what
+ * each does: src/cuda/tuning.h; a cpu workspace has none and gets ""). size: the bytes of text,
+ * the NUL included; a text that does not fit is MOK_ERR_INVALID_ARGUMENT, with the size it needs
+ * in the message. */
+mok_status mok_workspace_tuning(const mok_workspace *workspace, char *text, size_t size);
 
 /* ---- passes (collective; args has one entry per local rank) ------------------------------- */
 mok_status mok_schedule_build(mok_workspace *workspace, const mok_schedule_args *args);

@@ -31,7 +31,7 @@ dump() {
     mkdir -p "$out/sass" "$out/regs"
     find "$dir" -name '*.o' | sort | while read -r obj; do
         local tag=${obj//[^A-Za-z0-9_.]/_}
-        cuobjdump -sass "$obj" | awk -v out="$out/sass" -v tag="$tag" -v renames="$renames" '
+        cuobjdump -sass "$obj" 2>/dev/null | awk -v out="$out/sass" -v tag="$tag" -v renames="$renames" '
             BEGIN { n = split(renames, pairs, " "); for (i = 1; i <= n; ++i) { split(pairs[i], kv, "="); map[kv[1]] = kv[2] } }
             /Function : / {
                 mangled = $3

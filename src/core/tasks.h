@@ -217,44 +217,6 @@ MOK_CORE int mok__task_kind_role(int kind);
  * (combine_pull, dispatch_pull, dispatch_push, combine_push). */
 MOK_CORE int mok__plan_names_peers(const mok_plan *plan);
 
-/* The comm workers of a pass whose transfers name peers (mok__plan_names_peers; else `balanced`):
- * `balanced`, the count for a balanced load (every rank receives as many rows as its tokens send,
- * own_rows = T·k), scaled by the rows this rank's comm tasks move per FLOP of its compute against
- * that case, within [1, max]. A pulled transfer moves the rows this rank receives (routed_rows),
- * a pushed or gathered one the rows of its own tokens (own_rows), whatever rank their experts are
- * on; the backward moves two rows (x, dy) per reverse-combined row; a recompute pass pulls.
- * Compute: routed_rows·I plus T·I_s. With the default directions a rank's moves follow its
- * compute, so `balanced` stays; with transfers turned around, the rank whose experts get most
- * rows gives workers to compute while the others take on its rows' moves. */
-MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int64_t own_rows, int64_t routed_rows);
-
-/* A pass's comm workers when the config leaves them to the backend (measured on 2x H200,
- * docs/perf.md). A worker copies rows at ~35-45 GB/s whatever the method, so the workers a pass
- * needs grow with the bytes its rows move per FLOP: 4·H bytes (in and out) against 6·H·I_eff
- * FLOPs, I_eff = I + I_s / k counting the shared expert's work per routed row;
- * ceil(12288 / I_eff) gives 16 for Qwen3-30B-A3B (I = 768; 16 beat 8, 12 and 24) and 6 for
- * DeepSeek-V3. Raised to a floor: 8 in the one-rank forward (8 beat 4, 12, 16 and 24); across
- * ranks 10 in the forward (DeepSeek-V3 EP2: 10 beat 12 and 16 by 2-6% once a comm task loaded
- * its tile's row sources at once) and 16 in the backward (16 beat 10 and 24, and 24, 32, 48
- * before). The one-rank backward takes ceil(15360 / I_eff) with a floor of 12: its comm tasks
- * bounded the dh / dx phases (trace: compute idle 22-28% there with 8), and 12 beat 8, 16, 20
- * and 24 on DeepSeek-V3 (-3%), 20 beat 12, 16 and 24 on Qwen3 (-3.6%).
- * direct: one rank whose down (dx) tiles store their rows into the (token, slot) rows themselves,
- * so that its comm tasks move rows one way only (dispatch; pull): ceil(6144 / I_eff) with a floor
- * of 4 in the forward, ceil(12288 / I_eff) with a floor of 8 in the backward (the pass simulator's
- * best counts for both layers, scripts/sim_pass.py; on 2x H200 the direct one-rank passes came
- * out -1.4% / 0.0% (DeepSeek-V3, fwd / bwd) and -0.4% / -6.6% (Qwen3); other counts unmeasured).
- * At most a quarter of the SMs, and at least one SM left to compute. */
-MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
-                           int direct, int num_sms);
-
-/* The GEMM groups' walk when the backend chooses it (mok__group_tile; measured on 2x H200,
- * docs/perf.md, sixth session): runs of 8 row tiles for hidden >= 6144, where CTAs running
- * neighbouring tickets then share a sub-tile's block of weights (256 columns x H, 3.7 MB at
- * H = 7168) in L2: EP2 backward -3% to -10% on the four layers with H of 6144 and 7168;
- * tile-major (1) below, where the shared activation tile is worth more (H = 4096: +4% with 8). */
-MOK_CORE int mok__raster(int64_t hidden);
-
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

@@ -702,6 +702,7 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
+    if (!R->tuning.tma) return 0;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 64) << MAP_RING_DY;
@@ -770,8 +771,8 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
         p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
-        p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms, 1);
+        p.n_tile = R->tuning.cols_dh;
+        pass_params_comm(&p, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
         p.router_w = a->router_w;

@@ -20,7 +20,7 @@
 #include <stdlib.h>
 
 extern "C" {
-#include "cuda/task_cols.h"
+#include "cuda/tuning.h"
 #include "internal.h"
 }
 #include "cuda/core.cuh"
@@ -47,11 +47,9 @@ extern "C" {
     } while (0)
 
 /* GPU tile constants (the tile is 128 x 256, tile_operands.cuh). Column counts are picked per
- * pass from the shape (task_cols.h): gate/up tasks cover n_tile columns of gate and of up (128
- * or 64); SwiGLU-backward tasks n_tile columns of I (256, 128 or 64); down and dx tasks n_tile_h
- * columns of H (256, 128 or 64). CUDA_N_TILE is the smallest, which
- * sizes the task lists. Weight-gradient tiles are CUDA_WGRAD_M x CUDA_WGRAD_N (the last ones may
- * be narrower, in steps of 64). */
+ * workspace from the shape (the tuning's cols_gateup, cols_dh, cols_h: 256, 128 or 64);
+ * CUDA_N_TILE is the smallest, which sizes the task lists. Weight-gradient tiles are CUDA_WGRAD_M
+ * x CUDA_WGRAD_N (the last ones may be narrower, in steps of 64). */
 #define CUDA_N_TILE 64
 #define CUDA_WGRAD_M 128
 #define CUDA_WGRAD_N 256
@@ -126,6 +124,7 @@ typedef struct cuda_sched_scratch {
 
 typedef struct cuda_rank {
     int device, rank, num_sms;
+    mok_cuda_tuning tuning;    /* the tuning table, resolved when the workspace was created */
     char *sym;             /* ncclMemAlloc'd, registered as window `win` */
     ncclWindow_t win;
     char **peers;          /* device [P]: every rank's symmetric region */

@@ -311,6 +311,7 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
+    if (!R->tuning.tma) return 0;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
@@ -364,8 +365,8 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
             p.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
         }
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
-        p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.fwd_comm_sms, 0);
+        p.n_tile = R->tuning.cols_gateup;
+        pass_params_comm(&p, R, ws->config.fwd_comm_sms, 0);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
         if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */

@@ -17,8 +17,8 @@ struct pass_params {
     mok_sched_layout layout;
     const void *schedule;
     int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h;
-    /* comm CTAs: the shape's count (comm_ctas()); with comm_auto (config 0) groups_kernel scales it
-       by the rows this rank's comm tasks move per FLOP of its compute (mok__comm_workers), up to
+    /* comm CTAs: the tuning's count; with comm_auto (config 0) groups_kernel scales it by the rows
+       this rank's comm tasks move per FLOP of its compute (mok__cuda_comm_workers), up to
        comm_max, and every CTA reads the pass's count from comm_dev at its start (pass_start) */
     int comm_ctas, comm_auto, comm_max;
     int *comm_dev;
@@ -46,7 +46,7 @@ struct pass_params {
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, cuda_common.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
-    int raster;        /* GEMM groups' walk (mok__group_tile): mok__raster or MOK_CUDA_RASTER */
+    int raster;        /* GEMM groups' walk (mok__group_tile): the tuning's raster */
     mok_task_group *groups; /* built by groups_kernel */
     long long groups_cap;
     long long *num_groups;
@@ -245,7 +245,7 @@ static __global__ void groups_kernel(pass_params p) {
     }
     *p.num_groups = n;
     if (p.comm_auto) /* scaled by the rows this rank moves per FLOP, with turned transfers */
-        *p.comm_dev = mok__comm_workers(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
+        *p.comm_dev = mok__cuda_comm_workers(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
 }
 
 /* Where a role's tickets stand in the group list: group g holds tickets [g_first, g_first + g_size). */
@@ -366,7 +366,7 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->topk = (int)s->topk;
     p->rank = R->rank;
     p->backward = backward;
-    p->n_tile_h = mok_cuda_cols_h(s->hidden);
+    p->n_tile_h = R->tuning.cols_h;
     p->hidden = s->hidden;
     p->inter = s->intermediate;
     p->shared_inter = s->shared_intermediate;
@@ -415,28 +415,13 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace = R->trace;
     p->trace_cap = R->trace_cap;
     p->trace_count = R->trace_count;
-    /* tiles per run of the GEMM groups' walk: the shape's choice (mok__raster), or an
-       experiment's switch read at every pass (MOK_CUDA_RASTER, 1..64; other values: the choice) */
-    const char *raster = getenv("MOK_CUDA_RASTER");
-    p->raster = raster ? atoi(raster) : 0;
-    if (p->raster < 1 || p->raster > 64) p->raster = mok__raster(s->hidden);
+    p->raster = R->tuning.raster;
 }
 
-/* Comm CTAs of a pass: the config's count, or for 0 the measured choice (mok__comm_ctas,
- * core/tasks.h). With one rank and the default combine (forward) or reverse-dispatch (backward)
- * direction the down / dx tiles store their rows themselves (fwd_epilogue, bwd_epilogue). */
-static int comm_ctas(const mok_workspace *ws, const cuda_rank *R, int configured, int backward) {
-    if (configured > 0) return configured < R->num_sms - 1 ? configured : R->num_sms - 1;
-    const int direct = backward ? ws->config.bwd_dispatch == MOK_PUSH : ws->config.fwd_combine == MOK_PUSH;
-    return mok__comm_ctas(ws->shape.intermediate, ws->shape.shared_intermediate, ws->shape.topk, ws->group->nranks,
-                          backward, direct, R->num_sms);
-}
-
-/* A pass's comm CTAs (pass_params): the shape's count, and with configured = 0 the bounds of the
+/* A pass's comm CTAs (pass_params): the tuning's count, and with configured = 0 the bounds of the
  * count groups_kernel picks per pass from the routing. */
-static void pass_params_comm(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int configured,
-                             int backward) {
-    p->comm_ctas = comm_ctas(ws, R, configured, backward);
+static void pass_params_comm(pass_params *p, const cuda_rank *R, int configured, int backward) {
+    p->comm_ctas = backward ? R->tuning.bwd_comm_ctas : R->tuning.fwd_comm_ctas;
     p->comm_auto = configured <= 0;
     const int cap = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
     p->comm_max = cap < R->num_sms - 1 ? cap : R->num_sms - 1;

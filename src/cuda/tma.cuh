@@ -7,8 +7,8 @@
  * parameter (the TMA unit reads them from parameter space).
  *
  * The encoder comes from the driver through the runtime (cudaGetDriverEntryPoint), so the
- * library does not link libcuda. MOK_CUDA_TMA=0 in the environment turns TMA off (every operand
- * then goes through the producer warpgroup's cp.async). */
+ * library does not link libcuda. The tuning knob `tma` (tuning.h) turns TMA off: every operand
+ * then goes through the producer warpgroup's cp.async. */
 #ifndef MOK_CUDA_TMA_CUH
 #define MOK_CUDA_TMA_CUH
 
@@ -79,12 +79,10 @@ static void tma_load_encoder(void) {
     else cudaGetLastError();
 }
 
-/* Whether a pass may use TMA: the encoder was found and MOK_CUDA_TMA is not 0 (read at every
- * pass, so a test can compare both paths in one process). */
-static int tma_available(void) {
+/* Whether the driver gave the tensor-map encoder. */
+static int tma_encoder_found(void) {
     pthread_once(&tma_once, tma_load_encoder);
-    const char *env = getenv("MOK_CUDA_TMA");
-    return tma_encode_fn != NULL && !(env && env[0] == '0');
+    return tma_encode_fn != NULL;
 }
 
 /* Encodes `map` for bf16 [rows, cols] at ptr with boxes of box_rows x 64. Returns 1 when the map
@@ -92,7 +90,7 @@ static int tma_available(void) {
  * refused it: the tasks reading it then take the cp.async path. */
 static int tma_encode(CUtensorMap *map, const void *ptr, long long rows, long long cols, int box_rows) {
     memset(map, 0, sizeof *map);
-    if (!tma_available() || !ptr || rows <= 0 || ((uintptr_t)ptr & 15) || (cols * 2) % 16) return 0;
+    if (!tma_encoder_found() || !ptr || rows <= 0 || ((uintptr_t)ptr & 15) || (cols * 2) % 16) return 0;
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
     const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
     const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};

@@ -8,6 +8,7 @@
 #include <nccl_device.h>
 
 #include "cuda_common.cuh"
+#include "tma.cuh"
 
 static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
 
@@ -298,6 +299,12 @@ static void window_buffers(const cuda_workspace *cw, cuda_rank *R) {
     R->ring_rdot = (float *)(R->sym + cw->sym.ring_rdot);
 }
 
+static const char *environment(const char *name) { return getenv(name); }
+
+extern "C" const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws) {
+    return &((const cuda_workspace *)ws->impl)->ranks[0].tuning;
+}
+
 extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     mok_group *g = ws->group;
     cuda_group *cg = (cuda_group *)g->impl;
@@ -323,6 +330,8 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         R->device = cg->device[lr];
         R->rank = g->first_rank + lr;
         R->num_sms = cg->num_sms[lr];
+        mok__cuda_tuning_resolve(&R->tuning, &ws->shape, &ws->config, g->nranks, R->num_sms, tma_encoder_found(),
+                                 environment);
         cudaSetDevice(R->device);
         ncclTeam_t lsa = ncclTeamLsa(cg->comm[lr]);
         if (lsa.nRanks != g->nranks) {
