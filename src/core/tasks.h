@@ -111,7 +111,7 @@ typedef struct mok_plan {
     int n_tile_h;       /* columns of H per down, dx task */
     int wgrad_tile;     /* rows of a weight-gradient tile (and its columns when wgrad_tile_n is 0) */
     int wgrad_tile_n;   /* columns of a weight-gradient tile; 0: wgrad_tile */
-    int raster;         /* GEMM groups walk their tiles in runs of `raster` (mok__group_tile); 0, 1: tile-major */
+    int raster;         /* GEMM spans walk their tiles in runs of `raster` (mok__span_tile); 0, 1: tile-major */
     const int64_t *expert_start; /* [E_local + 1] padded row offsets */
     const int64_t *expert_rows;  /* [E_local] */
     /* Transfer directions other than the default (zero: pull dispatch, push combine, pull
@@ -140,12 +140,12 @@ typedef struct mok_counters_layout {
 
 MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *layout);
 
-/* The list is built as groups: a group is one kind of task for one minibatch (or all token
+/* The list is built as spans: a span is one kind of task for one minibatch (or all token
  * tiles of the shared expert, or one expert of a macrobatch's weight gradients), its tasks
  * (tile, sub-tile) in tile-major order, all with the same waits (or wait[0] per tile) and the
- * same counters to bump (or done[0] per tile). A GPU CTA walks its role's groups with a ticket;
+ * same counters to bump (or done[0] per tile). A GPU CTA walks its role's spans with a ticket;
  * the cpu backend expands them into tasks. */
-typedef struct mok_task_group {
+typedef struct mok_task_span {
     int16_t kind, role;
     int32_t minibatch;             /* minibatch; WGRAD: macrobatch; else -1 */
     int32_t first_tile, num_tiles; /* row or token tiles; WGRAD, WGRAD_ZERO: the expert, 1 */
@@ -154,17 +154,17 @@ typedef struct mok_task_group {
     int32_t done[2];               /* counters bumped per task (-1 none) */
     int8_t wait_per_tile;          /* wait[0] + (tile - first_tile) */
     int8_t done_per_tile;          /* done[0] + (tile - first_tile) */
-    int16_t raster;                /* tiles per run of the walk (mok__group_tile); 0, 1: tile-major */
+    int16_t raster;                /* tiles per run of the walk (mok__span_tile); 0, 1: tile-major */
     int8_t peer, wait_peer, done_peer; /* as in mok_task; -1 none / this rank */
     int8_t reserved;
-} mok_task_group;
+} mok_task_span;
 
-/* Task t of a group: its tile and sub-tile. Tile-major by default (all sub-tiles of a tile, then the
+/* Task t of a span: its tile and sub-tile. Tile-major by default (all sub-tiles of a tile, then the
  * next tile). With raster r > 1 the tiles go in runs of r, and within a run each sub-tile visits
  * every tile of the run before the next sub-tile: the CTAs that run neighbouring tickets at once
  * then share a sub-tile's operand (a block of weights) in L2 instead of each streaming its own.
- * Any order within a group is deadlock-free: a task waits only on counters of earlier groups. */
-static inline MOK_HD void mok__group_tile(const mok_task_group *g, int64_t t, int64_t *tile, int64_t *sub) {
+ * Any order within a span is deadlock-free: a task waits only on counters of earlier spans. */
+static inline MOK_HD void mok__span_tile(const mok_task_span *g, int64_t t, int64_t *tile, int64_t *sub) {
     if (g->raster <= 1) {
         *tile = g->first_tile + t / g->n_tiles;
         *sub = t % g->n_tiles;
@@ -178,14 +178,14 @@ static inline MOK_HD void mok__group_tile(const mok_task_group *g, int64_t t, in
 
 /* Upper bounds, for sizing buffers at workspace creation. */
 MOK_CORE int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
-MOK_CORE int64_t mok__groups_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+MOK_CORE int64_t mok__spans_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 MOK_CORE int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 
-/* The groups in the global order (capacity cap); returns the count, or -1 if cap is too small. */
-MOK_CORE int64_t mok__groups_build(const mok_plan *plan, mok_task_group *groups, int64_t cap);
-/* Task t of a group. */
-MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *group, int64_t t, mok_task *task);
-/* The tasks in the global order (the groups expanded); returns the count, or -1. */
+/* The spans in the global order (capacity cap); returns the count, or -1 if cap is too small. */
+MOK_CORE int64_t mok__spans_build(const mok_plan *plan, mok_task_span *spans, int64_t cap);
+/* Task t of a span. */
+MOK_CORE void mok__span_task(const mok_plan *plan, const mok_task_span *span, int64_t t, mok_task *task);
+/* The tasks in the global order (the spans expanded); returns the count, or -1. */
 MOK_CORE int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap);
 
 /* Weight-gradient tiles of one expert: tile t -> matrix and output tile (row, col) indices;

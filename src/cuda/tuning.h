@@ -5,7 +5,7 @@
  * mok_workspace_tuning shows it. The rules behind the defaults follow the table.
  *
  * Plain C (host and CUDA units alike, and the tests, which count a pass's tasks by the same
- * rules); only mok__cuda_comm_workers also runs on the device (groups_kernel). */
+ * rules); only mok__cuda_comm_ctas_scaled also runs on the device (spans_kernel). */
 #ifndef MOK_CUDA_TUNING_H
 #define MOK_CUDA_TUNING_H
 
@@ -22,7 +22,7 @@
       "GEMM operands load through TMA where the operand allows; 0 (the variable set to 0): every load through "    \
       "cp.async, a comparison path that computes the same bits")                                                  \
     X(raster, "MOK_CUDA_RASTER", "8 for H >= 6144, else 1 (mok__cuda_raster)",                                   \
-      "the GEMM groups walk their row tiles in runs of this many (1..64; mok__group_tile), so that the CTAs on "  \
+      "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \
       "neighbouring tickets share a block of weights in L2; 1: tile-major, where the shared activation tile "     \
       "is worth more")                                                                                            \
     X(cols_gateup, NULL, "the widest of 128, 64 that divides I and I_s",                                         \
@@ -34,7 +34,7 @@
       "columns of H per down and dx task; the variable caps it at 128 or 64")                                     \
     X(fwd_comm_ctas, NULL, "config.fwd_comm_sms, or for 0 mok__cuda_comm_ctas",                                   \
       "CTAs that move rows in the forward; with config 0, a pass whose transfers are turned scales it by its "    \
-      "routing (mok__cuda_comm_workers)")                                                                         \
+      "routing (mok__cuda_comm_ctas_scaled)")                                                                         \
     X(bwd_comm_ctas, NULL, "config.bwd_comm_sms, or for 0 mok__cuda_comm_ctas",                                   \
       "the same for the backward")
 
@@ -61,7 +61,7 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
 /* ---- the rules behind the defaults ----------------------------------------------------------- */
 
 /* A pass's comm CTAs when the config leaves them to the backend. A CTA copies scattered rows at a
- * rate that hardly depends on how it copies (comm_rows.cuh), so the CTAs a pass needs grow with
+ * rate that hardly depends on how it copies (megakernel/comm_walk.cuh), so the CTAs a pass needs grow with
  * the bytes its rows move per FLOP: 4·H bytes (in and out) against 6·H·I_eff FLOPs, I_eff = I +
  * I_s / k counting the shared expert's work per routed row, so ceil(bytes_term / I_eff) with a
  * floor:
@@ -77,7 +77,7 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
                         int direct, int num_sms);
 
-/* Tiles per run of the GEMM groups' walk: 8 where H >= 6144, whose CTAs then share a sub-tile's
+/* Tiles per run of the GEMM spans' walk: 8 where H >= 6144, whose CTAs then share a sub-tile's
  * block of weights (256 columns x H) in L2; 1 (tile-major) for narrower layers. */
 int mok__cuda_raster(int64_t hidden);
 
@@ -93,7 +93,7 @@ int mok__cuda_cols(int64_t a, int64_t b, int widest);
  * Compute: routed_rows·I plus T·I_s. With the default directions a rank's moves follow its
  * compute, so `balanced` stays; with transfers turned around, the rank whose experts get most
  * rows gives CTAs to compute while the others take on its rows' moves. */
-MOK_INLINE int mok__cuda_comm_workers(const mok_plan *plan, int balanced, int max, int64_t own_rows,
+MOK_INLINE int mok__cuda_comm_ctas_scaled(const mok_plan *plan, int balanced, int max, int64_t own_rows,
                                       int64_t routed_rows) {
     const double S = (double)own_rows, R = (double)routed_rows;
     if (!mok__plan_names_peers(plan) || S <= 0 || R <= 0) return balanced;

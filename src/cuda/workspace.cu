@@ -1,167 +1,14 @@
-/* workspace.cu — the cuda backend's memory per rank: the symmetric region (ncclMemAlloc,
- * registered once as a window; peer pointers fetched once into a device table), the ring, the
- * shared expert's buffers, counters, the barrier epoch, the schedule build's scratch and the
- * error word with its mapped host mirror; and the cross-GPU barrier kernel. */
+/* workspace.cu — the cuda backend's workspace: every rank's memory, allocated once when the
+ * workspace is created (the rings, the shared expert's buffers, the counters, the barrier epoch,
+ * the task list, the schedule build's scratch, the weight-gradient carry, the trace; the
+ * symmetric region through symmetric.cu, the error word through error_word.cu) with its tuning
+ * resolved (tuning.h); and the calls that serve a workspace's caller: memory, synchronize, trace. */
 #include <string.h>
-#include <time.h>
 
-#include <nccl_device.h>
+#include <nccl_device.h> /* ncclTeamLsa */
 
-#include "cuda_common.cuh"
-#include "tma.cuh"
-
-static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
-
-/* Whether a transfer runs in other than its default direction: then the rings, counters and the
- * schedule's copy go into the window (cuda_sym_layout). */
-static int turned(const mok_config *c) {
-    return c->fwd_dispatch != MOK_PULL || c->fwd_combine != MOK_PUSH || c->bwd_combine != MOK_PULL ||
-           c->bwd_dispatch != MOK_PUSH;
-}
-
-static void sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t counters_cap) {
-    const mok_shape *s = &ws->shape;
-    size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
-    const size_t ring = (size_t)ws->config.ring_rows, I = (size_t)s->intermediate;
-    L->flags = off; off = align256(off + 8 * MOK_MAX_RANKS);
-    L->tokens = off; off = align256(off + 8);
-    L->x = off; off = align256(off + T * H * 2);
-    L->router_w = off; off = align256(off + T * k * 4);
-    L->ids = off; off = align256(off + T * k * 4);
-    L->comb = off; off = align256(off + T * k * H * 2);
-    L->dy = off; off = align256(off + T * H * 2);
-    L->dxbuf = off; off = align256(off + T * k * H * 2);
-    L->drw = off; off = align256(off + T * k * 4);
-    L->turned = turned(&ws->config);
-    L->sched = L->counters = L->ring_x = L->ring_y = L->ring_dy = L->ring_dyw = L->ring_w = L->ring_rdot = 0;
-    if (L->turned) {
-        L->sched = off; off = align256(off + ws->sched_layout.bytes);
-        L->counters = off; off = align256(off + sizeof(unsigned long long) * (size_t)(counters_cap + 8));
-        L->ring_x = off; off = align256(off + ring * H * 2);
-        L->ring_y = off; off = align256(off + ring * H * 2);
-        L->ring_dy = off; off = align256(off + ring * H * 2);
-        L->ring_dyw = off; off = align256(off + ring * H * 2);
-        L->ring_w = off; off = align256(off + ring * 4);
-        L->ring_rdot = off; off = align256(off + ring * (I / 64) * 4);
-    }
-    L->bytes = off;
-}
-
-__global__ void peer_table_kernel(ncclWindow_t win, int nranks, char **peers) {
-    int p = threadIdx.x;
-    if (p < nranks) peers[p] = (char *)ncclGetLsaPointer(win, 0, p);
-}
-
-/* NOTE: every rank runs the same sequence of barriers, so the epochs agree. The epoch lives in
- * device memory and is bumped by the kernel itself, so a captured CUDA graph replays correctly. */
-__global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_tokens, int rank, int nranks,
-                               unsigned long long *epoch, long long tokens, int publish_tokens, int *error,
-                               long long timeout_ns) {
-    __shared__ unsigned long long e;
-    __threadfence_system();
-    if (threadIdx.x == 0) {
-        if (publish_tokens) *(volatile long long *)(peers[rank] + off_tokens) = tokens;
-        e = *epoch + 1;
-        *epoch = e;
-        __threadfence_system();
-    }
-    __syncthreads();
-    for (int p = threadIdx.x; p < nranks; p += blockDim.x)
-        st_release_sys((unsigned long long *)(peers[p] + off_flags) + rank, e);
-    const unsigned long long *mine = (const unsigned long long *)(peers[rank] + off_flags);
-    long long start = globaltimer_ns();
-    for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
-        while (ld_acquire_sys(mine + p) < e) {
-            if (*(volatile int *)error) break; /* the device word (cuda_error_word's first member) */
-            if (globaltimer_ns() - start > timeout_ns) {
-                set_error(error, MOK_KERR_TIMEOUT);
-                __threadfence_system();
-                break;
-            }
-        }
-    }
-    __syncthreads();
-}
-
-mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish) {
-    cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    cuda_rank *R = &cw->ranks[lr];
-    LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.tokens, R->rank,
-                                                      ws->group->nranks, R->epoch, (long long)tokens_to_publish,
-                                                      tokens_to_publish >= 0, (int *)R->error_word,
-                                                      (long long)(ws->config.peer_timeout_ms * 1e6)));
-    return MOK_OK;
-}
-
-/* Reports the first error word set on a local rank, as its host mirror shows it (no
- * synchronisation). Argument errors found on the device (a bad expert id, a schedule that does not
- * fit the pass) are cleared once reported: the mirrors here, each device word by the next call on
- * its rank (mok__cuda_error_word_clear), so the next pass with good arguments works. A timeout or
- * a stall leaves the group unusable (and the words set). */
-mok_status mok__cuda_check_error_word(mok_workspace *ws) {
-    cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    for (int lr = 0; lr < cw->num_local; ++lr) {
-        int code = *(volatile int *)cw->ranks[lr].error_mirror;
-        if (!code) continue;
-        const int rank = cw->ranks[lr].rank;
-        if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE) {
-            for (int other = 0; other < cw->num_local; ++other) {
-                *(volatile int *)cw->ranks[other].error_mirror = 0;
-                cw->ranks[other].error_clear_pending = 1;
-            }
-            if (code == MOK_KERR_EXPERT_ID)
-                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                                 "topk_ids: rank %d's kernel found an expert id outside [-1, E = %lld)", rank,
-                                 (long long)ws->shape.num_experts);
-            if (code == MOK_KERR_TOKENS)
-                return mok__fail(MOK_ERR_INVALID_ARGUMENT, "num_tokens: a peer of rank %d published T outside [0, T_max]",
-                                 rank);
-            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                             "schedule: rank %d's pass got a schedule that was not built (successfully) for this "
-                             "rank and num_tokens",
-                             rank);
-        }
-        ws->failed = 1;
-        if (code == MOK_KERR_TIMEOUT) {
-            ws->group->failed = 1;
-            return mok__fail(MOK_ERR_TIMEOUT, "rank %d: a peer did not reach a barrier within peer_timeout_ms = %.0f",
-                             rank, ws->config.peer_timeout_ms);
-        }
-        return mok__fail(MOK_ERR_DEVICE_FAULT, "rank %d: the kernel reported error %d (a counter wait timed out)", rank,
-                         code);
-    }
-    return MOK_OK;
-}
-
-mok_status mok__cuda_error_word_clear(mok_workspace *ws, int lr, cudaStream_t stream) {
-    cuda_rank *R = &((cuda_workspace *)ws->impl)->ranks[lr];
-    if (!R->error_clear_pending) return MOK_OK;
-    CUDA_TRY(cudaMemsetAsync(&R->error_word->word, 0, sizeof(int), stream));
-    R->error_clear_pending = 0;
-    return MOK_OK;
-}
-
-/* Communicators made one process per rank are non-blocking (so a missing peer is a timeout):
- * their collective calls may answer "in progress". Waits until every local communicator is done,
- * bounded by the peer timeout. */
-static ncclResult_t nccl_finish(mok_workspace *ws, ncclResult_t r) {
-    if (r != ncclInProgress && r != ncclSuccess) return r;
-    cuda_group *cg = (cuda_group *)ws->group->impl;
-    double waited_ms = 0;
-    for (int lr = 0; lr < ws->group->num_local_ranks; ++lr) {
-        for (;;) {
-            ncclResult_t async = ncclSuccess;
-            ncclCommGetAsyncError(cg->comm[lr], &async);
-            if (async == ncclSuccess) break;
-            if (async != ncclInProgress) return async;
-            if (waited_ms > ws->config.peer_timeout_ms) return ncclInProgress;
-            struct timespec ts = {0, 200000};
-            nanosleep(&ts, NULL);
-            waited_ms += 0.2;
-        }
-    }
-    return ncclSuccess;
-}
+#include "cuda/backend.cuh"
+#include "cuda/sm90/tma.cuh"
 
 static void rank_release(cuda_rank *R) {
     cudaFree(R->peers);
@@ -192,20 +39,16 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->sched_mem);
     R->sched_mem = NULL;
     memset(&R->sched, 0, sizeof R->sched);
-    cudaFree(R->groups);
-    cudaFree(R->num_groups);
+    cudaFree(R->spans);
+    cudaFree(R->num_spans);
     cudaFree(R->comm_dev);
     R->comm_dev = NULL;
-    R->groups = NULL;
-    R->num_groups = NULL;
-    cudaFree(R->error_word);
-    if (R->error_mirror) cudaFreeHost(R->error_mirror);
+    R->spans = NULL;
+    R->num_spans = NULL;
+    mok__cuda_error_word_release(R);
     R->peers = NULL;
     R->ring_x = R->ring_h = R->ring_y = R->sh_h = R->sh_out = NULL;
     R->counters = R->epoch = NULL;
-    R->error_word = NULL;
-    R->error_mirror = NULL;
-    R->error_clear_pending = 0;
 }
 
 #define ALLOC(ptr, bytes)                                               \
@@ -249,54 +92,12 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->epoch, sizeof(unsigned long long));
     ALLOC(R->sched_mem, mok__cuda_sched_scratch(ws, R->num_sms, NULL, &R->sched));
     mok__cuda_sched_scratch(ws, R->num_sms, R->sched_mem, &R->sched);
-    R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
-    ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
-    ALLOC(R->num_groups, sizeof(long long));
+    R->spans_cap = mok__spans_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    ALLOC(R->spans, sizeof(mok_task_span) * (size_t)R->spans_cap);
+    ALLOC(R->num_spans, sizeof(long long));
     ALLOC(R->comm_dev, sizeof(int));
     CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
-    /* NOTE (the error word): who writes it, who reads it, who clears it, in which order.
-     * - Set: only set_error, on the device: atomicCAS(word, 0, code) at device scope; the one
-     *   thread whose CAS succeeds then stores the code into the mirror (st.relaxed.sys + a system
-     *   fence). So between two clears the mirror is written at most once, with the first code.
-     * - Read on the device: the device word, never the mirror (kernels skip their work while it
-     *   is set; waits give up). Read on the host: the mirror only, without synchronising
-     *   (mok__cuda_check_error_word at the start of every call, and after mok_synchronize).
-     * - Clear, for argument errors only (a timeout or a stall leaves the group unusable): the host
-     *   first zeroes the mirror when it reports the error and marks the rank; the next call on
-     *   the rank then zeroes the word with a cudaMemsetAsync on that call's stream, before any of
-     *   its kernels (mok__cuda_error_word_clear, from launch_pass and the schedule build). In
-     *   between, the word stays set, so kernels still in flight from the failed calls lose the
-     *   CAS and cannot write the mirror again; after the memset, in stream order, the next error
-     *   wins the CAS and writes the mirror anew. A word is never zeroed on every call: a call
-     *   issued behind a failed one (a forward behind a schedule with a bad id) must see the
-     *   earlier error, not clear it. A workspace serves one pass at a time (the caller orders its
-     *   passes, on one stream or through events), so the memset cannot overtake a kernel of an
-     *   earlier pass. One window is left: when a process drives several ranks, one report clears
-     *   every rank's mirror, and a rank whose winning store is still on its way shows its code
-     *   again later; mok_synchronize, which waits for the kernels before it reads, has none.
-     * - Graphs: a call captured while a clear is pending records the memset as a node, and every
-     *   replay then starts with a cleared word, as such a call would; other captures hold none. */
-    CUDA_TRY(cudaHostAlloc((void **)&R->error_mirror, sizeof(int), cudaHostAllocMapped));
-    *R->error_mirror = 0;
-    cuda_error_word word = {0, 0, NULL};
-    CUDA_TRY(cudaHostGetDevicePointer((void **)&word.mirror, R->error_mirror, 0));
-    ALLOC(R->error_word, sizeof(cuda_error_word));
-    CUDA_TRY(cudaMemcpy(R->error_word, &word, sizeof word, cudaMemcpyHostToDevice));
-    R->error_clear_pending = 0;
-    return MOK_OK;
-}
-
-/* With a turned transfer, the buffers peers reach are parts of the rank's window. */
-static void window_buffers(const cuda_workspace *cw, cuda_rank *R) {
-    if (!cw->sym.turned) return;
-    R->in_window = 1;
-    R->counters = (unsigned long long *)(R->sym + cw->sym.counters);
-    R->ring_x = (uint16_t *)(R->sym + cw->sym.ring_x);
-    R->ring_y = (uint16_t *)(R->sym + cw->sym.ring_y);
-    R->ring_dy = (uint16_t *)(R->sym + cw->sym.ring_dy);
-    R->ring_dyw = (uint16_t *)(R->sym + cw->sym.ring_dyw);
-    R->ring_w = (float *)(R->sym + cw->sym.ring_w);
-    R->ring_rdot = (float *)(R->sym + cw->sym.ring_rdot);
+    return mok__cuda_error_word_create(R, total);
 }
 
 static const char *environment(const char *name) { return getenv(name); }
@@ -318,7 +119,7 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
         cw->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, ws->shape.max_tokens);
     }
-    sym_layout(&cw->sym, ws, cw->counters_cap);
+    mok__cuda_sym_layout(&cw->sym, ws, cw->counters_cap);
     cw->num_local = g->num_local_ranks;
     ws->impl = cw;
     int previous = 0;
@@ -344,39 +145,9 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         size_t mine = 0;
         st = rank_alloc(ws, cw, R, &mine);
         total = mine;
-        if (st == MOK_OK) {
-            ncclResult_t r = ncclMemAlloc((void **)&R->sym, cw->sym.bytes);
-            if (r != ncclSuccess) st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: ncclMemAlloc(%zu): %s",
-                                                 cw->sym.bytes, ncclGetErrorString(r));
-            else if (cudaMemset(R->sym, 0, cw->sym.bytes) != cudaSuccess)
-                st = mok__fail(MOK_ERR_BACKEND, "workspace: clearing the symmetric region failed");
-            else
-                window_buffers(cw, R);
-        }
+        if (st == MOK_OK) st = mok__cuda_sym_alloc(cw, R);
     }
-    /* Collective: every rank registers its region (one group call for all local ranks). */
-    if (st == MOK_OK) {
-        ncclResult_t r = ncclGroupStart();
-        for (int lr = 0; lr < cw->num_local && r == ncclSuccess; ++lr) {
-            cudaSetDevice(cw->ranks[lr].device);
-            r = ncclCommWindowRegister(cg->comm[lr], cw->ranks[lr].sym, cw->sym.bytes, &cw->ranks[lr].win,
-                                       NCCL_WIN_COLL_SYMMETRIC);
-        }
-        ncclResult_t r2 = ncclGroupEnd();
-        if (r == ncclSuccess || r == ncclInProgress) r = r2;
-        r = nccl_finish(ws, r);
-        if (r == ncclInProgress)
-            st = mok__fail(MOK_ERR_TIMEOUT, "workspace: window registration did not finish within peer_timeout_ms");
-        else if (r != ncclSuccess)
-            st = mok__fail(MOK_ERR_BACKEND, "workspace: ncclCommWindowRegister: %s", ncclGetErrorString(r));
-    }
-    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
-        cuda_rank *R = &cw->ranks[lr];
-        cudaSetDevice(R->device);
-        peer_table_kernel<<<1, MOK_MAX_RANKS>>>(R->win, g->nranks, R->peers);
-        if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
-            st = mok__fail(MOK_ERR_BACKEND, "workspace: fetching the peer pointers failed on rank %d", R->rank);
-    }
+    if (st == MOK_OK) st = mok__cuda_sym_register(ws);
     ws->sizes.symmetric_bytes = cw->sym.bytes;
     ws->sizes.workspace_bytes = total + cw->sym.bytes;
     cudaSetDevice(previous);
@@ -390,7 +161,6 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
 extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     if (!cw) return;
-    cuda_group *cg = (cuda_group *)ws->group->impl;
     int previous = 0;
     cudaGetDevice(&previous);
     /* No kernel may still use this memory, on this rank or (through the barrier) a peer. */
@@ -398,19 +168,10 @@ extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
         cudaSetDevice(cw->ranks[lr].device);
         cudaDeviceSynchronize();
     }
-    if (!ws->group->failed) {
-        ncclGroupStart();
-        for (int lr = 0; lr < cw->num_local; ++lr)
-            if (cw->ranks[lr].win) {
-                cudaSetDevice(cw->ranks[lr].device);
-                ncclCommWindowDeregister(cg->comm[lr], cw->ranks[lr].win);
-            }
-        nccl_finish(ws, ncclGroupEnd());
-    }
+    mok__cuda_sym_release(ws);
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         cudaSetDevice(R->device);
-        if (R->sym) ncclMemFree(R->sym);
         rank_release(R);
     }
     cudaSetDevice(previous);

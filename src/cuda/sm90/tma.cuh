@@ -16,7 +16,7 @@
 #include <cudaTypedefs.h>
 #include <pthread.h>
 
-#include "cuda_common.cuh"
+#include "cuda/backend.cuh"
 
 /* The maps of a pass: activations (read K-major as A, or M/N-major by the weight gradients) and
  * the weights (K-major in the forward, N-major in the dgrad), with 64 x 64 boxes; and the bf16
