@@ -1,5 +1,7 @@
 /* tasks.h — the task list of one pass on one rank: every unit of work in the one global order,
- * each with the counters it waits on and the counter it bumps when done.
+ * each with the counters it waits on and the counter it bumps when done. A worker runs tasks of
+ * one role (comm: moves rows; compute: GEMM tiles): a CTA on the cuda backend, a thread on the
+ * cpu backend.
  *
  * Deadlock freedom (DESIGN 2.4): a task only waits on counters bumped by tasks that come earlier
  * in the order, and every worker of a role takes its role's tasks in that order. Then the first
@@ -23,7 +25,7 @@
  * SCATTER from every rank per tile. plan.combine_push does the same for the backward's
  * reverse-combine (dy, x and the router weight of each row): the expert rank first opens the
  * minibatch's ring slots with an OPEN task (its own refill waits, which senders cannot see),
- * and the senders' SCATTERs wait on its `opened` counter. Deadlock freedom then spans the ranks: every rank lays its list
+ * and the senders' SCATTERs wait on its `opened` counter. Deadlock freedom then covers the ranks: every rank lays its list
  * out by minibatch index over the largest minibatch count of any rank, so that all lists
  * project one global order; mok__tasks_check_ranks simulates the lists together. Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */

@@ -1,8 +1,8 @@
-/* compute_walk.cuh — the compute CTAs' task loop in warp-specialised form (COMPUTE_THREADS threads): the
- * producer warpgroup claims the role's tickets, waits on their counters and streams each task's
- * GEMM operands into the stage ring (gemm_tile.cuh); the two consumer warpgroups run the GEMMs
- * and the epilogues, then bump the done counters. The producer is already loading the next task
- * while the consumers finish this one, so short-K tiles no longer start cold.
+/* compute_walk.cuh — the compute CTAs' task loop in warp-specialised form (COMPUTE_THREADS
+ * threads): the producer warpgroup claims the role's tickets, waits on their counters and streams
+ * each task's GEMM operands into the stage ring (gemm_tile.cuh); the two consumer warpgroups run
+ * the GEMMs and the epilogues, then bump the done counters. The producer is already loading the
+ * next task while the consumers finish this one, so a short-K tile does not start cold.
  *
  * A Runner says what a compute task is, and both sides ask it the same questions:
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
@@ -20,8 +20,8 @@
  *                                      for before the region is written again and at the end
  *   VAR is GEMM i's layout (2 A_MN + B_MN): each layout's consumer path is compiled apart (its
  *   own accumulators), so an epilogue needs only the task kinds whose GEMMs have that layout.
- *   Every other kind's code is dead there, and copies of it fill the instruction cache (the
- *   backward kernel was 1.9 MB of code with three copies of every epilogue).
+ *   Every other kind's code would be dead there, and its copies (one per layout) would fill the
+ *   instruction cache.
  *   plain(p, span, rt, nt, tp): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
@@ -82,8 +82,8 @@ static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SM
 #define SMEM_PREP_OFF ((SMEM_DONE_QUEUE_OFF + DONE_QUEUE * (int)sizeof(done_task) + 15) / 16 * 16)
 /* The schedule's expert_start [E + 1] and expert_rows [E] (int64), copied at the CTA's start when
  * E <= SMEM_EXPERTS_MAX: the producer's row_tile and weight-gradient prep search and read them for
- * every task, and from global memory each step of that search missed L1 (the counter acquire
- * before it empties L1), ~7 dependent L2 round trips per task on its way to posting the task. */
+ * every task, and from global memory each step of that search would miss L1 (the counter acquire
+ * before it empties L1): a dependent L2 round trip per step, on its way to posting the task. */
 #define SMEM_EXPERTS_MAX 512
 #define SMEM_EXPERTS_OFF (SMEM_PREP_OFF + 2 * (int)sizeof(task_prep))
 #define COMPUTE_SMEM_BYTES (1024 + SMEM_EXPERTS_OFF + (2 * SMEM_EXPERTS_MAX + 1) * 8)

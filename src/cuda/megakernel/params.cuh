@@ -67,13 +67,13 @@ static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view 
     return t;
 }
 
-/* What producer thread 0 works out once per compute task, before it posts the task (compute_walk.cuh),
- * for the loaders and the consumers alike: a routed row tile (a binary search over the experts'
- * starts, each step a dependent global load, and a 64-bit remainder), or a weight-gradient tile's
- * matrix, tile indices and rows. Each role used to work these out for itself, the consumers two
- * or three times per task (gemm, preset, epilogue), in front of their main loop and in their
- * epilogue. compute_walk.cuh fills span; the runner's prepare() fills the fields its task kind uses,
- * the rest stay zero. */
+/* What producer thread 0 works out once per compute task, before it posts the task
+ * (compute_walk.cuh), for the loaders and the consumers alike: a routed row tile (a binary search
+ * over the experts' starts, each step a dependent global load, and a 64-bit remainder), or a
+ * weight-gradient tile's matrix, tile indices and rows. Worked out here, it stays off the
+ * consumers' path, which would need it two or three times per task (gemm, preset, epilogue), in
+ * front of their main loop and in their epilogue. compute_walk.cuh fills span; the runner's
+ * prepare() fills the fields its task kind uses, the rest stay zero. */
 struct task_prep {
     mok_task_span span;       /* the task's span, a copy of p.spans[g] */
     tile_info tile;           /* routed row tiles */
@@ -87,13 +87,7 @@ struct task_prep {
 
 /* At a megakernel's start: whether the rank's error word is set (the pass must not run), and the
  * pass's comm CTA count into *comm (CTAs below it move rows). One read of each per CTA, broadcast
- * through shared memory (when the word was mapped host memory, a read per thread cost ~1.1 ms of
- * PCIe reads at the kernel's start). */
-
-/* At a megakernel's start: whether the rank's error word is set (the pass must not run), and the
- * pass's comm CTA count into *comm (CTAs below it move rows). One read of each per CTA, broadcast
- * through shared memory (when the word was mapped host memory, a read per thread cost ~1.1 ms of
- * PCIe reads at the kernel's start). */
+ * through shared memory, instead of a read per thread of every CTA at once. */
 static __device__ __forceinline__ bool pass_start(const pass_params &p, int *comm) {
     __shared__ int s_error, s_comm;
     if (threadIdx.x == 0) {

@@ -94,7 +94,7 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[TILE_ACC]
  * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
  * each thread's column pairs into a [128][F32_STAGING_LD] fp32 tile, then one warp per row in 16-byte
  * chunks. From registers, the fragment's pattern wrote 32 bytes into each of 8 rows per warp store
- * (the bf16 one, half that, reached ~5.5 GB/s per SM with every SM storing: docs/perf.md). Row
+ * (slow with every SM storing at once). Row
  * stride 136 floats: the 8-byte writes of a half-warp (rows r..r+3, 8 columns each) fall on
  * distinct banks. rows, cols: the valid part (cols a multiple of 64); out 16-byte aligned, ld a
  * multiple of 4. */

@@ -63,10 +63,10 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
  * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
  * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (compute_walk.cuh);
  * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
- * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
- * epilogue ~13,400 instructions of straight-line code). The rows' router weights come into the
+ * bytes and the loop's code is small (a copy per 16-column slice of the accumulators would make
+ * this epilogue thousands of instructions of straight-line code). The rows' router weights come into the
  * scratch once per tile, with the first chunk: read from global memory in the row loop, each
- * row waited a global load's latency (~45 µs per 256-column tile on the H200). The partial of a
+ * row would wait a global load's latency. The partial of a
  * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
  * chunks in order, in the scratch's per-row sums: a fixed order. */
 static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[TILE_ACC], int rows, int n_valid, const uint16_t *gu,

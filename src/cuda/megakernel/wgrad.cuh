@@ -132,8 +132,8 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros.
  * One path for both, every load predicated: an early branch to zeros, or starting the first
- * wgmma with scale-d 0 on the zero path, made ptxas serialise the wgmmas (C7515; the backward's
- * main loops ~20% slower on the H200, docs/perf.md), which the build now refuses. */
+ * wgmma with scale-d 0 on the zero path, made ptxas serialise the wgmmas (C7515, which
+ * slows every main loop), which the build refuses. */
 template <int VAR>
 static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_span &span, const task_prep &tp,
                                   float (&acc)[TILE_ACC]) {
@@ -144,8 +144,8 @@ static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mo
      * (both off without an init) and no column predicate: a column past n_valid reads at the
      * last valid pair's address instead (a value no epilogue stores: they store the valid part
      * only), so every load stays inside the matrix. Bounds per register (64 predicates, more than
-     * a thread has, so spilled to registers) cost ~1,100 instructions per GEMM phase, 15% of the
-     * backward's executed instructions (ncu). */
+     * a thread has, so spilled to registers) would cost about a thousand instructions per GEMM
+     * phase. */
     int row0, col0;
     acc_position(0, &row0, &col0);
     const bool on0 = w.init && row0 < w.m_valid, on8 = w.init && row0 + 8 < w.m_valid;

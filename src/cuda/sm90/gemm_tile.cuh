@@ -46,9 +46,9 @@
    168 x 384 = 64,512 (launch bounds 384, 1), and the roles share at most that: 128 * 80 +
    256 * 208 = 63,488. More would leave setmaxnreg.inc waiting for registers no warp releases.
    The consumers hold 128 accumulators; the producer addresses, counters and the schedule's
-   cursor. At 72 / 216 the producer spilled (forward 216 / 236 bytes, backward 372 / 544) right
-   after its counter acquires, which invalidate L1, so a reload could go to L2; at 80 / 208:
-   forward 136 / 136, backward 324 / 456, and no spill in the wgmma loop either way. */
+   cursor. With fewer registers the producer spills more, right after its counter acquires,
+   which invalidate L1, so a reload may go to L2; the consumers' share keeps their wgmma loop
+   free of spills. */
 #define PRODUCER_REGS 80
 #define CONSUMER_REGS 208
 
