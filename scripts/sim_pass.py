@@ -6,18 +6,17 @@ duration (compute tasks plus a gap), then bumps its counters. It answers questio
 count ("does this task order, or this many comm CTAs, shorten the pass?") before a GPU run.
 
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --comm 8,12,16
-    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.c
+    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.inc
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
 
-It builds scripts/tasks_dump.c against build/libmok.a (run `make` first); --tasks-c compiles
-another core/tasks.c in its place (`git show BRANCH:src/core/tasks.c > F`), to simulate a
-branch's order beside main's. The durations (µs per task) are those of the sixth session's
-traces on one H200 (docs/perf.md, "2026-11-30 (sixth session)", job 1: next2, with main's dh
-tasks); the fifth session's check against the traced passes: DeepSeek-V3's forward 10.7 ms
-simulated against 11.0 measured (idle 2.6% against 2.8%), its backward 23.6 against 24.9 (idle
-13.3% against 14.7%); Qwen3's forward 3.0 against 3.4 (idle 14.7% against 19.7%). A comm task's duration does not change with the number of comm
-CTAs here, which the GPU does not promise: more CTAs moving rows at once share the memory
-system. The model has no claim-ahead, no per-task "before" beyond the gap, and equal experts.
+It builds scripts/tasks_dump.c against build/libmok.a (run `make` first), and takes the task
+kinds (names, roles) from the library through it; --tasks-c compiles another core/tasks.inc in
+its place (`git show BRANCH:src/core/tasks.inc > F`, for a branch whose tasks.h is this tree's),
+to simulate a branch's order beside main's. The durations (µs per task) were traced
+on one H200 (docs/perf.md, which also compares the simulation with traced passes). A comm task's
+duration does not change with the number of comm CTAs here, which the GPU does not promise: more
+CTAs moving rows at once share the memory system. The model has no claim-ahead, no per-task
+"before" beyond the gap, and equal experts.
 """
 import argparse
 import collections
@@ -29,29 +28,24 @@ import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
-# task kinds (core/tasks.h)
-SHARED_UP, SHARED_DOWN, DISPATCH, GATEUP, DOWN, COMBINE, SHARED_DH, SHARED_DX, PULL, DH, DX, PUSH, WGRAD, \
-    SHARED_WGRAD = range(14)
-COMPUTE_KINDS = {SHARED_UP, SHARED_DOWN, GATEUP, DOWN, SHARED_DH, SHARED_DX, DH, DX, WGRAD, SHARED_WGRAD}
-
 # E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
 # EP1 cases: tokens x top-k rows over the local experts), and the traced durations in µs.
 LAYERS = {
     "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256),
-                        fwd={SHARED_UP: 89.0, SHARED_DOWN: 25.1, DISPATCH: 64.9, GATEUP: 93.1, DOWN: 27.0,
-                             COMBINE: 64.9},
-                        bwd={SHARED_DH: 112.5, SHARED_DX: 52.4, PULL: 155.4, DH: 114.7, DX: 53.5, PUSH: 71.2,
-                             WGRAD: 23.8, SHARED_WGRAD: 92.0}),
+                        fwd={"shared_up": 89.0, "shared_down": 25.1, "dispatch": 64.9, "gateup": 93.1, "down": 27.0,
+                             "combine": 64.9},
+                        bwd={"shared_dh": 112.5, "shared_dx": 52.4, "pull": 155.4, "dh": 114.7, "dx": 53.5,
+                             "push": 71.2, "wgrad": 23.8, "shared_wgrad": 92.0}),
     "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128),
-                          fwd={DISPATCH: 19.8, GATEUP: 34.6, DOWN: 10.6, COMBINE: 19.7},
-                          bwd={PULL: 44.4, DH: 38.4, DX: 20.8, PUSH: 26.4, WGRAD: 12.7}),
+                          fwd={"dispatch": 19.8, "gateup": 34.6, "down": 10.6, "combine": 19.7},
+                          bwd={"pull": 44.4, "dh": 38.4, "dx": 20.8, "push": 26.4, "wgrad": 12.7}),
 }
 
 
-def simulate(tasks, workers, dur, gap=0.9):
+def simulate(tasks, workers, dur, compute_kinds, gap=0.9):
     """tasks: (kind, role, wait0, target0, wait1, target1, done0, done1) in list order; workers:
-    {role: count}; dur: {kind: µs}. Returns (span µs, {role: busy µs}, tasks left unstarted or
-    waiting when nothing more can happen)."""
+    {role: count}; dur: {kind: µs}; compute_kinds: the kinds a gap follows. Returns (span µs,
+    {role: busy µs}, tasks left unstarted or waiting when nothing more can happen)."""
     by_role = collections.defaultdict(list)
     for i, t in enumerate(tasks):
         by_role[t[1]].append(i)
@@ -72,7 +66,7 @@ def simulate(tasks, workers, dur, gap=0.9):
                 waiting[c].append((target, worker, task))
                 return
         busy[worker[0]] += dur[kind]
-        post(now + dur[kind] + (gap if kind in COMPUTE_KINDS else 0.0), "done", worker, task)
+        post(now + dur[kind] + (gap if kind in compute_kinds else 0.0), "done", worker, task)
 
     for role, n in workers.items():
         for i in range(n):
@@ -99,17 +93,32 @@ def simulate(tasks, workers, dur, gap=0.9):
     return span, busy, left
 
 
-def task_list(layer, backward, ring, minibatch, tasks_c=None):
+def build_dump(tmp, tasks_c=None):
+    """scripts/tasks_dump.c built against build/libmok.a (with another tasks.inc or tasks.c)."""
+    exe = os.path.join(tmp, "tasks_dump")
+    srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")]
+    if tasks_c:
+        wrapper = os.path.join(tmp, "tasks_alt.c")
+        with open(wrapper, "w") as f:
+            f.write('#include "core/tasks.h"\n#include "%s"\n' % os.path.abspath(tasks_c))
+        srcs.append(wrapper)
+    subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
+                    "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
+                    "-lpthread", "-o", exe], check=True)
+    return exe
+
+
+def task_kinds(exe):
+    """{name: (value, role)} of the library's task kinds (core/tasks.h's table, via tasks_dump)."""
+    out = subprocess.run([exe, "kinds"], check=True, capture_output=True, text=True).stdout
+    return {name: (int(value), role) for value, name, role in (line.split() for line in out.splitlines())}
+
+
+def task_list(exe, layer, backward, ring, minibatch):
     L = LAYERS[layer]
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "tasks_dump")
-        srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")] + ([tasks_c] if tasks_c else [])
-        subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
-                        "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
-                        "-lpthread", "-o", exe], check=True)
-        out = subprocess.run([exe, str(L["E"]), str(L["rows"]), str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
-                              str(ring), str(minibatch), str(int(backward)), str(L["n_tile"][int(backward)])],
-                             check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([exe, str(L["E"]), str(L["rows"]), str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
+                          str(ring), str(minibatch), str(int(backward)), str(L["n_tile"][int(backward)])],
+                         check=True, capture_output=True, text=True).stdout
     return [tuple(map(int, line.split())) for line in out.splitlines()]
 
 
@@ -122,28 +131,33 @@ def main():
     ap.add_argument("--ring", type=int, default=32768)
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--gap", type=float, default=0.9, help="µs between a compute CTA's tasks")
-    ap.add_argument("--tasks-c", help="another core/tasks.c to build the list with (a branch's order)")
+    ap.add_argument("--tasks-c", help="another core/tasks.inc to build the list with (a branch's order)")
     ap.add_argument("--free", default="",
                     help="task kinds that move nothing (comma-separated names: combine, push, dispatch, pull): "
                          "they keep their place and counters and take no time")
     a = ap.parse_args()
     backward = a.which == "bwd"
-    tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
-    dur = dict(LAYERS[a.layer]["bwd" if backward else "fwd"])
-    names = {"combine": COMBINE, "push": PUSH, "dispatch": DISPATCH, "pull": PULL}
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build_dump(tmp, a.tasks_c)
+        kinds = task_kinds(exe)
+        tasks = task_list(exe, a.layer, backward, a.ring, a.minibatch)
+    value = {name: v for name, (v, _) in kinds.items()}
+    compute_kinds = {v for v, role in kinds.values() if role == "compute"}
+    dur = {value[name]: us for name, us in LAYERS[a.layer]["bwd" if backward else "fwd"].items()}
+    movers = {"combine", "push", "dispatch", "pull"}
     for name in filter(None, a.free.split(",")):
-        if name not in names:
-            sys.exit(f"sim_pass: --free takes {sorted(names)}, not {name!r}")
-        dur[names[name]] = 0.0
-    kinds = sorted({t[0] for t in tasks})
-    missing = [k for k in kinds if k not in dur]
+        if name not in movers:
+            sys.exit(f"sim_pass: --free takes {sorted(movers)}, not {name!r}")
+        dur[value[name]] = 0.0
+    names = {v: name for name, v in value.items()}
+    missing = sorted({names[t[0]] for t in tasks if t[0] not in dur})
     if missing:
         sys.exit(f"sim_pass: no duration for task kinds {missing}")
-    compute_role = next(t[1] for t in tasks if t[0] in COMPUTE_KINDS)
+    compute_role = next(t[1] for t in tasks if t[0] in compute_kinds)
     print(f"{a.layer} {a.which}: {len(tasks)} tasks" + (f" ({a.tasks_c})" if a.tasks_c else ""))
     for comm in (int(c) for c in a.comm.split(",")):
         comp = a.sms - comm
-        span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap)
+        span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, compute_kinds, a.gap)
         print(f"  comm {comm:3d}: span {span / 1e3:7.3f} ms, compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
               f", comm busy {100 * busy[1 - compute_role] / (span * comm):5.1f}%" + (f", {left} tasks stuck" if left else ""))
 

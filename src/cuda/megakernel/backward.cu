@@ -320,7 +320,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
 #pragma unroll
             for (int j = 0; j < TILE_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
-            fence_proxy_async_smem();
+            fence_proxy_async();
             consumer_sync();
             if (tid == 0) {
 #pragma unroll

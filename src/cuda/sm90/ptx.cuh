@@ -1,10 +1,12 @@
 /* ptx.cuh — thin wrappers of the sm_90a instructions the GEMM tile and the compute CTAs use:
- * mbarriers, the async-proxy fence, cp.async, wgmma (m64n256k16, bf16 in, fp32 accumulators) with
- * its shared-memory descriptors, setmaxnreg and stmatrix. Each wrapper is one instruction (or a
+ * mbarriers, the async-proxy fence, cp.async, TMA tensor loads and stores with their bulk groups,
+ * wgmma (m64n256k16, bf16 in, fp32 accumulators) with its shared-memory descriptors, setmaxnreg
+ * and stmatrix. Each wrapper is one instruction (or a
  * fixed few); what they are used for, and in which order, is gemm_tile.cuh's and the walks'. */
 #ifndef MOK_CUDA_SM90_PTX_CUH
 #define MOK_CUDA_SM90_PTX_CUH
 
+#include <cuda.h> /* CUtensorMap only */
 #include <stdint.h>
 
 #define WGMMA_N256_ACC 128 /* fp32 accumulators per thread of an m64n256 wgmma */
@@ -47,6 +49,34 @@ static __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+/* ---- TMA: tensor loads and stores (the maps: tma.cuh) ---------------------------------------- */
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+/* One box (c0 along the columns, c1 along the rows) into shared memory; completes its bytes on bar. */
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+/* Stores (the weight gradients). The threads that wrote the box to shared memory fence it for
+ * the async proxy and sync; then one thread issues the stores and commits them as a bulk group.
+ * Before the shared memory is written again, that thread waits until its groups have read it
+ * (wait_group.read); before the kernel ends, until they are done (wait_group). Bulk groups
+ * belong to the thread that issued them. */
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, int c0, int c1, uint32_t src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map),
+                 "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+static __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+static __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+static __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 /* ---- wgmma -------------------------------------------------------------------------------- */
 static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -1,5 +1,6 @@
-/* tma.cuh — tensor-memory-accelerator loads of K-major GEMM operands (sm_90a): the 2-D tensor maps
- * a pass hands its kernel, their encoding on the host, and the device-side copy.
+/* tma.cuh — the tensor maps of the tensor memory accelerator (sm_90a): the 2-D maps a pass hands
+ * its kernel and their encoding on the host (the device's loads and stores through them:
+ * ptx.cuh).
  *
  * A map views a row-major bf16 matrix [rows, cols] and moves boxes of 64 columns (128 bytes, the
  * 128B swizzle's row) by box_rows rows straight into the swizzled layout of tile_operands.cuh.
@@ -33,36 +34,6 @@ enum {
 struct pass_maps {
     CUtensorMap m[NUM_MAPS];
 };
-
-#ifdef __CUDACC__
-static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-/* One box (c0 along the columns, c1 along the rows) into shared memory; completes its bytes on bar. */
-static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-
-/* Stores (the weight gradients). The threads that wrote the box to shared memory fence it for
- * the async proxy and sync; then one thread issues the stores and commits them as a bulk group.
- * Before the shared memory is written again, that thread waits until its groups have read it
- * (wait_group.read); before the kernel ends, until they are done (wait_group). Bulk groups
- * belong to the thread that issued them. */
-static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, int c0, int c1, uint32_t src) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"((uint64_t)map),
-                 "r"(c0), "r"(c1), "r"(src)
-                 : "memory");
-}
-static __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-static __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-static __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-static __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-#endif
 
 static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn;
 static pthread_once_t tma_once = PTHREAD_ONCE_INIT;
