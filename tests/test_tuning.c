@@ -9,7 +9,7 @@
 #include "mok.h"
 #include "test.h"
 
-/* The comm CTAs a pass with turned transfers takes (mok__cuda_comm_workers), on EP2 DeepSeek-V3 at
+/* The comm CTAs a pass with turned transfers takes (mok__cuda_comm_ctas_scaled), on EP2 DeepSeek-V3 at
  * skew 1.5 (the benchmark's routing: 111,184 and 19,888 routed rows, 8192 tokens × 8 slots per
  * rank) and at balance. */
 MOK_TEST(tuning_comm_workers) {
@@ -21,27 +21,27 @@ MOK_TEST(tuning_comm_workers) {
     p.nranks = 2;
     const int64_t own = 8192 * 8;
     /* default directions: the balanced count whatever the routing */
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 111184) == 16, "default, heavy rank");
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 19888) == 16, "default, light rank");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 111184) == 16, "default, heavy rank");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 19888) == 16, "default, light rank");
     /* every transfer turned, forward and backward: the heavy rank gives workers to compute
        (16 x 73728 / 119376 = 9.9), the light one takes them up to the cap */
     p.dispatch_push = p.combine_pull = 1;
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 111184) == 10, "turned forward, heavy: %d",
-          mok__cuda_comm_workers(&p, 16, 33, own, 111184));
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 19888) == 33, "turned forward, light: capped");
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, own) == 16, "turned forward, balanced");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 111184) == 10, "turned forward, heavy: %d",
+          mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 111184));
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 19888) == 33, "turned forward, light: capped");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, own) == 16, "turned forward, balanced");
     p.dispatch_push = p.combine_pull = 0;
     p.backward = 1;
     p.combine_push = p.dispatch_pull = 1;
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 111184) == 10, "turned backward, heavy");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 111184) == 10, "turned backward, heavy");
     /* one direction turned: the pulled half still follows the rank's own rows */
     p.dispatch_pull = 0; /* moved = 2 S + R: (2 + 1.697) / 3 x 0.6176 = 0.761 */
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 111184) == 12, "backward, reverse-combine pushed, heavy: %d",
-          mok__cuda_comm_workers(&p, 16, 33, own, 111184));
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 111184) == 12, "backward, reverse-combine pushed, heavy: %d",
+          mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 111184));
     /* no tokens or no rows: the balanced count; never below 1 */
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, 0, 111184) == 16, "no tokens");
-    CHECK(mok__cuda_comm_workers(&p, 16, 33, own, 0) == 16, "no rows");
-    CHECK(mok__cuda_comm_workers(&p, 1, 33, own, 10 * own) >= 1, "at least one");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, 0, 111184) == 16, "no tokens");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 16, 33, own, 0) == 16, "no rows");
+    CHECK(mok__cuda_comm_ctas_scaled(&p, 1, 33, own, 10 * own) >= 1, "at least one");
 }
 
 /* The comm CTAs a pass gets when the config leaves them to the backend. */
