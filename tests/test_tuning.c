@@ -12,7 +12,7 @@
 /* The comm CTAs a pass with turned transfers takes (mok__cuda_comm_ctas_scaled), on EP2 DeepSeek-V3 at
  * skew 1.5 (the benchmark's routing: 111,184 and 19,888 routed rows, 8192 tokens × 8 slots per
  * rank) and at balance. */
-MOK_TEST(tuning_comm_workers) {
+MOK_TEST(tuning_comm_ctas_scaled) {
     mok_plan p;
     memset(&p, 0, sizeof p);
     p.num_tokens = 8192;

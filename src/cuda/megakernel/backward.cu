@@ -467,9 +467,9 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         }
         pass_maps maps;
         p.tma_mask = backward_maps(R, &p, &maps);
-        if ((st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)backward_kernel, COMPUTE_THREADS, smem, stream, a->num_tokens,
-                              &maps)) != MOK_OK)
-            return st;
+        st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)backward_kernel, COMPUTE_THREADS, smem, stream,
+                                   a->num_tokens, &maps);
+        if (st != MOK_OK) return st;
         if (T > 0)
             st = mok__cuda_backward_slot_sums(p, R->num_sms, (uint16_t *)a->dx, a->d_router_w, R->sym, cw->sym.dxbuf,
                                               cw->sym.drw, stream);

@@ -301,11 +301,12 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                      cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;
         p.tma_mask = forward_maps(R, &p, &maps);
-        if ((st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)forward_kernel, COMPUTE_THREADS, smem, stream, a->num_tokens,
-                              &maps)) != MOK_OK)
-            return st;
+        st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)forward_kernel, COMPUTE_THREADS, smem, stream,
+                                   a->num_tokens, &maps);
+        if (st != MOK_OK) return st;
         if (!recompute && a->num_tokens > 0)
-            st = mok__cuda_forward_slot_sums(p, R->num_sms, a->router_w, (uint16_t *)a->y, R->sym + cw->sym.comb, stream);
+            st = mok__cuda_forward_slot_sums(p, R->num_sms, a->router_w, (uint16_t *)a->y, R->sym + cw->sym.comb,
+                                             stream);
         if (st != MOK_OK) return st;
     }
     cudaSetDevice(previous);

@@ -71,8 +71,7 @@ __global__ void sched_publish_kernel(mok_sched_layout layout, const char *schedu
  * barrier (every push into this rank has landed, no peer reads its rings any more). `maps`: the
  * kernel's tensor maps (its second parameter), or NULL for a kernel that takes none. */
 mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
-                              int threads, size_t smem, cudaStream_t stream, int64_t num_tokens,
-                              const void *maps) {
+                                 int threads, size_t smem, cudaStream_t stream, int64_t num_tokens, const void *maps) {
     mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
