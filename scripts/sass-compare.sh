@@ -7,10 +7,13 @@
 # out the same in each. OLD_NAME=NEW_NAME pairs compare a renamed kernel under its new name (names
 # as c++filt prints them, up to the opening parenthesis).
 #
-# Typical use: build main, `cp -r build/obj/src/cuda /tmp/old`, build the branch, then
+# Typical use: build main, `cp -r build/obj/src/cuda /tmp/old`, build the branch in a clean build
+# folder (objects of moved sources would otherwise linger there), then
 #   scripts/sass-compare.sh /tmp/old build/obj/src/cuda
 # Prints one line per kernel (same / DIFFERENT / only in old / only in new) and ends with
-# `N passed, N failed`; exits 1 on any difference. Needs cuobjdump and nvdisasm (CUDA toolkit).
+# `N passed, N failed`; exits 1 on any difference. Needs cuobjdump, nvdisasm (CUDA toolkit; where
+# it lacks them, the PyPI packages nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm hold both) and
+# c++filt.
 set -u
 if [ $# -lt 2 ]; then
     echo "usage: $0 OLD_DIR NEW_DIR [OLD_NAME=NEW_NAME ...]" >&2
