@@ -51,8 +51,8 @@ $(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.i
 	$(CC) $(CFLAGS) -c $< -o $@
 
 # ptxas's report (-v) is kept beside each object (.ptxas); a "Potential Performance Loss" in it
-# (wgmma serialised: C7512-C7515) fails the build, since it slows every GEMM by ~20% while the
-# results stay right.
+# (wgmma serialised: C7512-C7515) fails the build, since it slows every GEMM while the results
+# stay right.
 $(BUILD)/obj/%.o: %.cu include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cuda/*.h src/cuda/*.cuh src/cuda/*/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Xptxas -v -c $< -o $@ 2>$@.ptxas || { cat $@.ptxas >&2; exit 1; }
