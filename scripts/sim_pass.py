@@ -9,8 +9,9 @@ count ("does this task order, or this many comm CTAs, shorten the pass?") before
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.inc
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
 
-It builds scripts/tasks_dump.c against build/libmok.a (run `make` first), and takes the task
-kinds (names, roles) from the library through it; --tasks-c compiles another core/tasks.inc in
+The task kinds (values, names, roles) come from the library's one table, MOK_TASK_KINDS in
+src/core/tasks.h, read when this module loads. It builds scripts/tasks_dump.c against
+build/libmok.a (run `make` first) for the task list; --tasks-c compiles another core/tasks.inc in
 its place (`git show BRANCH:src/core/tasks.inc > F`, for a branch whose tasks.h is this tree's),
 to simulate a branch's order beside main's. The durations (µs per task) were traced
 on one H200 (docs/perf.md, which also compares the simulation with traced passes). A comm task's
@@ -22,30 +23,48 @@ import argparse
 import collections
 import heapq
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
+
+def read_kinds(path=os.path.join(ROOT, "src", "core", "tasks.h")):
+    """[(NAME, name, role)] of MOK_TASK_KINDS in table order (the enum's values)."""
+    with open(path) as f:
+        text = f.read()
+    table = text[text.index("#define MOK_TASK_KINDS(X)"):text.index("enum mok_task_kind")]
+    return re.findall(r'\bX\((\w+), "(\w+)", (COMM|COMPUTE),', table)
+
+
+# task kinds: a module constant per kind (DISPATCH, GATEUP, ...), their trace names, and the
+# kinds a compute worker runs
+KINDS = read_kinds()
+for _value, (_name, _text, _role) in enumerate(KINDS):
+    globals()[_name] = _value
+KIND_NAMES = {value: text for value, (_, text, _) in enumerate(KINDS)}
+COMPUTE_KINDS = {value for value, (_, _, role) in enumerate(KINDS) if role == "COMPUTE"}
+
 # E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
 # EP1 cases: tokens x top-k rows over the local experts), and the traced durations in µs.
 LAYERS = {
     "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256),
-                        fwd={"shared_up": 89.0, "shared_down": 25.1, "dispatch": 64.9, "gateup": 93.1, "down": 27.0,
-                             "combine": 64.9},
-                        bwd={"shared_dh": 112.5, "shared_dx": 52.4, "pull": 155.4, "dh": 114.7, "dx": 53.5,
-                             "push": 71.2, "wgrad": 23.8, "shared_wgrad": 92.0}),
+                        fwd={SHARED_UP: 89.0, SHARED_DOWN: 25.1, DISPATCH: 64.9, GATEUP: 93.1, DOWN: 27.0,
+                             COMBINE: 64.9},
+                        bwd={SHARED_DH: 112.5, SHARED_DX: 52.4, PULL: 155.4, DH: 114.7, DX: 53.5, PUSH: 71.2,
+                             WGRAD: 23.8, SHARED_WGRAD: 92.0}),
     "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128),
-                          fwd={"dispatch": 19.8, "gateup": 34.6, "down": 10.6, "combine": 19.7},
-                          bwd={"pull": 44.4, "dh": 38.4, "dx": 20.8, "push": 26.4, "wgrad": 12.7}),
+                          fwd={DISPATCH: 19.8, GATEUP: 34.6, DOWN: 10.6, COMBINE: 19.7},
+                          bwd={PULL: 44.4, DH: 38.4, DX: 20.8, PUSH: 26.4, WGRAD: 12.7}),
 }
 
 
-def simulate(tasks, workers, dur, compute_kinds, gap=0.9):
+def simulate(tasks, workers, dur, gap=0.9):
     """tasks: (kind, role, wait0, target0, wait1, target1, done0, done1) in list order; workers:
-    {role: count}; dur: {kind: µs}; compute_kinds: the kinds a gap follows. Returns (span µs,
-    {role: busy µs}, tasks left unstarted or waiting when nothing more can happen)."""
+    {role: count}; dur: {kind: µs}. Returns (span µs, {role: busy µs}, tasks left unstarted or
+    waiting when nothing more can happen)."""
     by_role = collections.defaultdict(list)
     for i, t in enumerate(tasks):
         by_role[t[1]].append(i)
@@ -66,7 +85,7 @@ def simulate(tasks, workers, dur, compute_kinds, gap=0.9):
                 waiting[c].append((target, worker, task))
                 return
         busy[worker[0]] += dur[kind]
-        post(now + dur[kind] + (gap if kind in compute_kinds else 0.0), "done", worker, task)
+        post(now + dur[kind] + (gap if kind in COMPUTE_KINDS else 0.0), "done", worker, task)
 
     for role, n in workers.items():
         for i in range(n):
@@ -93,32 +112,24 @@ def simulate(tasks, workers, dur, compute_kinds, gap=0.9):
     return span, busy, left
 
 
-def build_dump(tmp, tasks_c=None):
-    """scripts/tasks_dump.c built against build/libmok.a (with another tasks.inc or tasks.c)."""
-    exe = os.path.join(tmp, "tasks_dump")
-    srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")]
-    if tasks_c:
-        wrapper = os.path.join(tmp, "tasks_alt.c")
-        with open(wrapper, "w") as f:
-            f.write('#include "core/tasks.h"\n#include "%s"\n' % os.path.abspath(tasks_c))
-        srcs.append(wrapper)
-    subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
-                    "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
-                    "-lpthread", "-o", exe], check=True)
-    return exe
-
-
-def task_kinds(exe):
-    """{name: (value, role)} of the library's task kinds (core/tasks.h's table, via tasks_dump)."""
-    out = subprocess.run([exe, "kinds"], check=True, capture_output=True, text=True).stdout
-    return {name: (int(value), role) for value, name, role in (line.split() for line in out.splitlines())}
-
-
-def task_list(exe, layer, backward, ring, minibatch):
+def task_list(layer, backward, ring, minibatch, tasks_c=None):
+    """The library's task list of a one-rank pass (scripts/tasks_dump.c against build/libmok.a, or
+    with another tasks.inc)."""
     L = LAYERS[layer]
-    out = subprocess.run([exe, str(L["E"]), str(L["rows"]), str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
-                          str(ring), str(minibatch), str(int(backward)), str(L["n_tile"][int(backward)])],
-                         check=True, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "tasks_dump")
+        srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")]
+        if tasks_c:
+            wrapper = os.path.join(tmp, "tasks_alt.c")
+            with open(wrapper, "w") as f:
+                f.write('#include "core/tasks.h"\n#include "%s"\n' % os.path.abspath(tasks_c))
+            srcs.append(wrapper)
+        subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
+                        "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
+                        "-lpthread", "-o", exe], check=True)
+        out = subprocess.run([exe, str(L["E"]), str(L["rows"]), str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
+                              str(ring), str(minibatch), str(int(backward)), str(L["n_tile"][int(backward)])],
+                             check=True, capture_output=True, text=True).stdout
     return [tuple(map(int, line.split())) for line in out.splitlines()]
 
 
@@ -137,27 +148,22 @@ def main():
                          "they keep their place and counters and take no time")
     a = ap.parse_args()
     backward = a.which == "bwd"
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = build_dump(tmp, a.tasks_c)
-        kinds = task_kinds(exe)
-        tasks = task_list(exe, a.layer, backward, a.ring, a.minibatch)
-    value = {name: v for name, (v, _) in kinds.items()}
-    compute_kinds = {v for v, role in kinds.values() if role == "compute"}
-    dur = {value[name]: us for name, us in LAYERS[a.layer]["bwd" if backward else "fwd"].items()}
+    tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
+    dur = dict(LAYERS[a.layer]["bwd" if backward else "fwd"])
+    names = {text: value for value, text in KIND_NAMES.items()}
     movers = {"combine", "push", "dispatch", "pull"}
     for name in filter(None, a.free.split(",")):
         if name not in movers:
             sys.exit(f"sim_pass: --free takes {sorted(movers)}, not {name!r}")
-        dur[value[name]] = 0.0
-    names = {v: name for name, v in value.items()}
-    missing = sorted({names[t[0]] for t in tasks if t[0] not in dur})
+        dur[names[name]] = 0.0
+    missing = sorted({KIND_NAMES[t[0]] for t in tasks if t[0] not in dur})
     if missing:
         sys.exit(f"sim_pass: no duration for task kinds {missing}")
-    compute_role = next(t[1] for t in tasks if t[0] in compute_kinds)
+    compute_role = next(t[1] for t in tasks if t[0] in COMPUTE_KINDS)
     print(f"{a.layer} {a.which}: {len(tasks)} tasks" + (f" ({a.tasks_c})" if a.tasks_c else ""))
     for comm in (int(c) for c in a.comm.split(",")):
         comp = a.sms - comm
-        span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, compute_kinds, a.gap)
+        span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap)
         print(f"  comm {comm:3d}: span {span / 1e3:7.3f} ms, compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
               f", comm busy {100 * busy[1 - compute_role] / (span * comm):5.1f}%" + (f", {left} tasks stuck" if left else ""))
 

@@ -1,28 +1,19 @@
-/* tasks_dump.c — prints, for scripts/sim_pass.py, the task kinds (core/tasks.h's MOK_TASK_KINDS,
- * one per line: value name role) or the task list of a one-rank pass, one task per line: kind role
- * wait0 target0 wait1 target1 done0 done1. Every local expert gets the same number of routed rows.
+/* tasks_dump.c — prints the task list of a one-rank pass, one task per line: kind role wait0
+ * target0 wait1 target1 done0 done1 (core/tasks.h), for scripts/sim_pass.py. Every local expert
+ * gets the same number of routed rows.
  *
- *   tasks_dump kinds
  *   tasks_dump E ROWS_PER_EXPERT H I I_S T RING_ROWS MINIBATCH_ROWS BACKWARD N_TILE
  *
- * Built by sim_pass.py against build/libmok.a (or with another tasks.inc, to try a branch's
- * order). */
+ * Built by sim_pass.py against build/libmok.a (or with another tasks.inc, to try a branch's order). */
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "core/tasks.h"
 #include "mok.h"
 
 int main(int argc, char **argv) {
-    if (argc == 2 && strcmp(argv[1], "kinds") == 0) {
-        for (int k = 0; k < MOK_TASK_NUM_KINDS; ++k)
-            printf("%d %s %s\n", k, mok__task_kind_name(k), mok__task_kind_role(k) == MOK_ROLE_COMM ? "comm" : "compute");
-        return 0;
-    }
     if (argc != 11) {
-        fprintf(stderr, "usage: tasks_dump kinds | tasks_dump E ROWS_PER_EXPERT H I I_S T RING_ROWS MINIBATCH_ROWS "
-                        "BACKWARD N_TILE\n");
+        fprintf(stderr, "usage: tasks_dump E ROWS_PER_EXPERT H I I_S T RING_ROWS MINIBATCH_ROWS BACKWARD N_TILE\n");
         return 2;
     }
     const int E = atoi(argv[1]);
