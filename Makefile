@@ -5,7 +5,7 @@
 BUILD    ?= build
 CC       ?= cc
 NVCC     ?= nvcc
-CUDA     ?= $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard src/cuda/forward.cu)),1,0)
+CUDA     ?= $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard src/cuda/megakernel/forward.cu)),1,0)
 SAN      ?=
 OPT      ?= -O2
 CFLAGS   += -std=c11 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -fPIC -pthread -ffp-contract=off \
@@ -15,8 +15,9 @@ NVFLAGS  ?= -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -gencode=arch=compute_9
             -Iinclude -Isrc --expt-relaxed-constexpr -fmad=true -diag-suppress 177,550
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
 
-LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c)
-LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu),)
+# src/cuda/tuning.c is plain C, in every build: the cuda backend's tuning table and mok_workspace_tuning.
+LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c) src/cuda/tuning.c
+LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu src/cuda/*/*.cu),)
 TOOL_C   := $(wildcard tools/*.c)
 # tests/mp_rank.c is a program of its own (one rank of a multi-process group), not part of the suite.
 MP_C     := tests/mp_rank.c
@@ -45,14 +46,14 @@ MP_OBJ   := $(MP_C:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/tests/layer.o
 .PHONY: all test sanitize fuzz run clean
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok $(BUILD)/mok_mp_rank
 
-$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
+$(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cuda/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
 # ptxas's report (-v) is kept beside each object (.ptxas); a "Potential Performance Loss" in it
-# (wgmma serialised: C7512-C7515) fails the build, since it slows every GEMM by ~20% while the
-# results stay right.
-$(BUILD)/obj/%.o: %.cu include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.c src/cuda/*.h src/cuda/*.cuh)
+# (wgmma serialised: C7512-C7515) fails the build, since it slows every GEMM while the results
+# stay right.
+$(BUILD)/obj/%.o: %.cu include/mok.h $(wildcard src/*.h src/core/*.h src/core/*.inc src/cuda/*.h src/cuda/*.cuh src/cuda/*/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Xptxas -v -c $< -o $@ 2>$@.ptxas || { cat $@.ptxas >&2; exit 1; }
 	@grep -vE '^ptxas info|bytes stack frame|^$$' $@.ptxas >&2 || true

@@ -1,8 +1,8 @@
 /* bf16x2_probe.cu — check: does cvt.rn.bf16x2.f32 round every fp32 value to the same bf16 bits as
  * the portable rounding of src/core/portable.h (mok__bf16_from_f32), NaNs aside?
  *
- * Branch `bf16-cvt` (docs/perf.md, 2026-11-30 second session) rounds every epilogue through the
- * instruction; its outputs must keep their bits. This walks all 2^32 bit patterns on the GPU as
+ * The library rounds every epilogue through the instruction (bf16x2_from_f32, src/cuda/device.cuh);
+ * its outputs must keep the bits of the portable rounding. This walks all 2^32 bit patterns on the GPU as
  * the low half of the pair (the high half gets a pseudo-random partner pattern, checked too)
  * and counts the patterns where the two disagree: subnormals, ties, the values that overflow to Inf and the
  * largest finite ones included. For NaN inputs it only checks that the result is a NaN (the

@@ -8,7 +8,7 @@
  *   warp4     each warp copies a row, 4 x 16 bytes per lane in flight (as the library's copy_row)
  *   warp8, warp16  the same with 8 and 16 x 16 bytes per lane in flight
  *   slots     one thread bulk-loads rows into private slots of 11 storing warps, which store them
- *             with 16-byte stores (src/cuda/comm_rows.cuh), fence.proxy.async once per task
+ *             with 16-byte stores (src/cuda/megakernel/comm_walk.cuh), fence.proxy.async once per task
  *   slots-nf  the same without the proxy fence
  *   bulk      one thread bulk-loads rows into a ring of slots and bulk-stores them out again
  * It checks every copied byte, then prints GB/s per CTA (bytes copied once) and the time per task.

@@ -1,30 +1,29 @@
 /* dh_epi_probe.cu — experiment: where the SwiGLU-backward epilogue of a dh task spends its time.
  *
- * The question (docs/perf.md, 2026-11-30 sixth session): the dh epilogue (backward.cu,
- * swiglu_backward_epilogue) takes ~33 µs of a 115 µs DeepSeek-V3 dh task (128 x 256 tile) and
- * ~16–19 µs of a 38–42 µs Qwen3 one, for 128 KB of g|u read and 192 KB of h, dg|du written: ~10
- * GB/s per SM, where the store probe measured 31.7 GB/s per SM for the same store pattern with
- * every SM storing. Two rewrites that staged the stores through shared memory made it slower.
- * Is it the per-chunk g|u round trips, the row loop's dependent chain (shared loads, the
- * sigmoid, a five-level shuffle tree per row pair, two warps per scheduler), or the stores?
+ * The question (docs/perf.md): the dh epilogue (megakernel/swiglu.cuh, swiglu_backward_epilogue)
+ * takes a large share of a dh task and moves its bytes far slower than an SM can store them with
+ * the same pattern (dev/store_probe.cu). Is it the per-chunk g|u round trips, the row loop's
+ * dependent chain (shared loads, the sigmoid, a five-level shuffle tree per row group), or the
+ * stores?
  *
- * The probe runs the epilogue alone: one CTA per SM (and one CTA alone), 256 threads as the
- * kernel's two consumer warpgroups, TASKS epilogues each on fresh accumulators, each timed with
- * %globaltimer between two barriers. The epilogue here is a copy of the library's loop (same
- * layouts: 64-column chunks through a 128 x 136 bf16 staging tile and a 128 x 68 fp32 scratch),
- * in variants that each take one part away:
- *   lib        the library's loop;
+ * The probe runs the epilogue alone: one CTA per SM (and one CTA alone) with the compute CTA's
+ * layout (a producer warpgroup, idle here, and the two consumer warpgroups that run the
+ * epilogue), TASKS epilogues each on fresh accumulators, each timed with %globaltimer between
+ * two barriers. The library's epilogue itself (its header, included) runs beside variants of its
+ * loop (same layouts: 64-column chunks through a 128 x 136 bf16 staging tile and a 128 x 68 fp32
+ * scratch) that each take one part away or change one thing:
+ *   lib        the library's swiglu_backward_epilogue;
  *   nostore    h, dg and du are not stored (their values feed a checksum instead);
  *   noload     g|u are not loaded per chunk (the staging tile keeps what it was given once);
  *   noshfl     no shuffle tree (each lane keeps its own partial);
- *   rows4      four rows per iteration instead of two: the same per-row math and the same tree
- *              (the same bits as lib), twice the independent chains.
- * lib and rows4 are checked against a host replay of the arithmetic (h, dg, du within one bf16
+ *   rows2      two rows per iteration instead of the library's four: the same per-row math and
+ *              the same tree (the same bits as lib), half the independent chains.
+ * lib and rows2 are checked against a host replay of the arithmetic (h, dg, du within one bf16
  * step; the router-weight partials, over the device's h, within 1e-6 of their scale) and against
  * each other (bitwise).
  *
  * Build and run from the repository root (H100/H200):
- *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a dev/dh_epi_probe.cu \
+ *   nvcc -std=c++17 -O3 -Isrc -Iinclude -gencode=arch=compute_90a,code=sm_90a dev/dh_epi_probe.cu \
  *        -o build/dh_epi_probe && ./build/dh_epi_probe
  * It ends with `N passed, N failed`. */
 #include <cuda_runtime.h>
@@ -34,35 +33,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/portable.h"
+#include "cuda/megakernel/swiglu.cuh" /* the library's tile epilogues and the compute CTA's layout */
 #include "try.h"
 
-#define ROWS 128
-#define THREADS 256
-#define BN 256
-#define C_LD 136
-#define DH_LD 68
-#define ACC 128
+#define ROWS TILE_BM
+#define CONSUMERS CONSUMER_THREADS
+#define BN TILE_BN
+#define C_LD TILE_C_LD
+#define DH_LD DH_SCRATCH_LD
+#define ACC TILE_ACC
 #define TASKS 48
 #define INTER 2048 /* DeepSeek-V3's I: g|u rows of 2 I, h rows of I */
 
-enum { LIB, NOSTORE, NOLOAD, NOSHFL, ROWS4, NUM_MODES };
-static const char *mode_name[NUM_MODES] = {"lib", "nostore", "noload", "noshfl", "rows4"};
-
-static __device__ __forceinline__ uint32_t to_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-static __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
-                 : "memory");
-}
-static __device__ __forceinline__ long long gtimer() {
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
+enum { LIB, NOSTORE, NOLOAD, NOSHFL, ROWS2, NUM_MODES };
+static const char *mode_name[NUM_MODES] = {"lib", "nostore", "noload", "noshfl", "rows2"};
 
 /* The accumulators of task `task`, thread t: values in [-2, 2), the same on the host. */
 __host__ __device__ static inline float acc_value(int cta, int task, int t, int i) {
@@ -73,12 +57,13 @@ __host__ __device__ static inline float acc_value(int cta, int task, int t, int 
     return (float)(x >> 8) / (float)(1u << 24) * 4.0f - 2.0f;
 }
 
-/* One 256-column dh tile's epilogue, 64 columns at a time (backward.cu's loop, in variants). */
+/* One 256-column dh tile's epilogue, 64 columns at a time: the library's loop in the variants
+ * that take a part away (lib itself runs the library's function). Consumer threads only. */
 template <int MODE>
-static __device__ __forceinline__ void epilogue(const float (&acc)[ACC], const uint16_t *gu, long long n0, const float *w,
-                                                uint16_t *h_out, uint16_t *dgu_out, float *rdot, uint16_t *c,
-                                                float *dsm, float *rsum, float *wsm, float *keep) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+static __device__ __forceinline__ void variant(const float (&acc)[ACC], const uint16_t *gu, long long n0, const float *w,
+                                               uint16_t *h_out, uint16_t *dgu_out, float *rdot, uint16_t *c, float *dsm,
+                                               float *rsum, float *wsm, float *keep) {
+    const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
     const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
     const long long gu_ld = 2 * INTER, h_ld = INTER, dgu_ld = 2 * INTER, inter = INTER;
     if (t < ROWS) {
@@ -88,9 +73,10 @@ static __device__ __forceinline__ void epilogue(const float (&acc)[ACC], const u
 #pragma unroll
     for (int hc = 0; hc < BN / 64; ++hc) {
         if (MODE != NOLOAD)
-            for (int idx = t; idx < ROWS * 16; idx += THREADS) {
+            for (int idx = t; idx < ROWS * 16; idx += CONSUMERS) {
                 const int r = idx >> 4, c8 = (idx & 15) * 8;
-                cp_async16(c + r * C_LD + c8, gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64));
+                cp_async_16(smem_addr(c + r * C_LD + c8),
+                            gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64), true);
             }
 #pragma unroll
         for (int half = 0; half < 2; ++half)
@@ -99,10 +85,10 @@ static __device__ __forceinline__ void epilogue(const float (&acc)[ACC], const u
                 const int a = 4 * (8 * hc + j) + 2 * half;
                 *(float2 *)(dsm + (row0 + 8 * half) * DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
             }
-        if (MODE != NOLOAD) asm volatile("cp.async.wait_all;" ::: "memory");
-        __syncthreads();
+        if (MODE != NOLOAD) cp_async_wait_all();
+        consumer_sync();
         const long long col = n0 + 64 * hc + 2 * lane;
-        constexpr int R = MODE == ROWS4 ? 4 : 2; /* rows per iteration: rp + 8 k */
+        constexpr int R = MODE == ROWS2 ? 2 : 4; /* rows per iteration: rp + 8 k */
 #pragma unroll 1
         for (int rp = warp; rp < ROWS; rp += R * 8) {
             uint32_t gpair[R], upair[R];
@@ -127,11 +113,11 @@ static __device__ __forceinline__ void epilogue(const float (&acc)[ACC], const u
                                               __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
                                               __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), 0.0f, &h[q],
                                               &dg[q], &du[q]);
-                const uint32_t hb = to_bf16x2(h[0], h[1]);
+                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
                 part[k] = 0.0f;
                 part[k] += d[k].x * __uint_as_float(hb << 16);
                 part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
-                const uint32_t gb = to_bf16x2(dg[0], dg[1]), ub = to_bf16x2(du[0], du[1]);
+                const uint32_t gb = bf16x2_from_f32(dg[0], dg[1]), ub = bf16x2_from_f32(du[0], du[1]);
                 if (MODE == NOSTORE) {
                     *keep += __uint_as_float(hb) + __uint_as_float(gb) + __uint_as_float(ub);
                 } else {
@@ -151,40 +137,48 @@ static __device__ __forceinline__ void epilogue(const float (&acc)[ACC], const u
 #pragma unroll
                 for (int k = 0; k < R; ++k) rsum[rp + 8 * k] += part[k];
         }
-        __syncthreads();
+        consumer_sync();
     }
     if (t < ROWS) rdot[t] = rsum[t];
 }
 
+/* COMPUTE_THREADS threads, as a compute CTA: the producer warpgroup only keeps the barriers. */
 template <int MODE>
-__global__ void __launch_bounds__(THREADS, 1) epi_kernel(const uint16_t *gu_all, const float *w_all, uint16_t *h_all,
-                                                         uint16_t *dgu_all, float *rdot_all, long long *times,
-                                                         float *sink) {
+__global__ void __launch_bounds__(COMPUTE_THREADS, 1) epi_kernel(const uint16_t *gu_all, const float *w_all,
+                                                                 uint16_t *h_all, uint16_t *dgu_all, float *rdot_all,
+                                                                 long long *times, float *sink) {
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t *c = (uint16_t *)smem;
     float *dsm = (float *)(smem + ROWS * C_LD * 2), *rsum = dsm + ROWS * DH_LD, *wsm = rsum + ROWS;
-    const int b = blockIdx.x, t = threadIdx.x;
+    const int b = blockIdx.x, t = threadIdx.x - PRODUCER_THREADS; /* t < 0: the producer warpgroup */
     const uint16_t *gu = gu_all + (long long)b * ROWS * 2 * INTER;
     uint16_t *h = h_all + (long long)b * ROWS * INTER, *dgu = dgu_all + (long long)b * ROWS * 2 * INTER;
-    if (MODE == NOLOAD) /* what the staging tile keeps: chunk 0 of the first tile */
-        for (int idx = t; idx < ROWS * 16; idx += THREADS) {
+    if (MODE == NOLOAD && t >= 0) /* what the staging tile keeps: chunk 0 of the first tile */
+        for (int idx = t; idx < ROWS * 16; idx += CONSUMERS) {
             const int r = idx >> 4, c8 = (idx & 15) * 8;
             *(int4 *)(c + r * C_LD + c8) = *(const int4 *)(gu + r * 2 * INTER + (c8 < 64 ? c8 : INTER + c8 - 64));
         }
     float keep = 0.0f;
     for (int task = 0; task < TASKS; ++task) {
+        const long long n0 = (long long)(task % (INTER / BN)) * BN;
+        const float *w = w_all + (long long)b * ROWS;
+        float *rdot = rdot_all + ((long long)b * TASKS + task) * ROWS;
         float acc[ACC];
 #pragma unroll
-        for (int i = 0; i < ACC; ++i) acc[i] = acc_value(b, task, t, i);
-        const long long n0 = (long long)(task % (INTER / BN)) * BN;
+        for (int i = 0; i < ACC; ++i) acc[i] = t >= 0 ? acc_value(b, task, t, i) : 0.0f;
         __syncthreads();
-        const long long t0 = gtimer();
-        epilogue<MODE>(acc, gu, n0, w_all + (long long)b * ROWS, h, dgu, rdot_all + ((long long)b * TASKS + task) * ROWS,
-                       c, dsm, rsum, wsm, &keep);
+        const long long t0 = globaltimer_ns();
+        if (t >= 0) {
+            if (MODE == LIB)
+                swiglu_backward_epilogue(acc, ROWS, BN, gu, 2 * INTER, INTER, n0, w, 0.0f, h, INTER, dgu, 2 * INTER, rdot,
+                                         1, c, false);
+            else
+                variant<MODE>(acc, gu, n0, w, h, dgu, rdot, c, dsm, rsum, wsm, &keep);
+        }
         __syncthreads();
-        if (t == 0) times[(long long)b * TASKS + task] = gtimer() - t0;
+        if (t == 0) times[(long long)b * TASKS + task] = globaltimer_ns() - t0;
     }
-    if (MODE == NOSTORE) sink[b * THREADS + t] = keep;
+    if (MODE == NOSTORE && t >= 0) sink[b * CONSUMERS + t] = keep;
 }
 
 static float bf16_to_f32(uint16_t v) {
@@ -205,7 +199,7 @@ static uint16_t f32_to_bf16(float f) { /* round to nearest even; no NaNs here */
 static void replay(int b, int task, const uint16_t *gu, const float *w, const uint16_t *h_dev, uint16_t *h,
                    uint16_t *dgu, float *rdot) {
     static float dh0[ROWS][BN];
-    for (int t = 0; t < THREADS; ++t) {
+    for (int t = 0; t < CONSUMERS; ++t) {
         const int warp = t >> 5, lane = t & 31, row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
         for (int blk = 0; blk < 32; ++blk)
             for (int half = 0; half < 2; ++half)
@@ -267,13 +261,13 @@ int main(void) {
     TRY(cudaMalloc(&dgu, n_gu * 2));
     TRY(cudaMalloc(&w, (size_t)sms * ROWS * 4));
     TRY(cudaMalloc(&rdot, (size_t)sms * TASKS * ROWS * 4));
-    TRY(cudaMalloc(&sink, (size_t)sms * THREADS * 4));
+    TRY(cudaMalloc(&sink, (size_t)sms * CONSUMERS * 4));
     TRY(cudaMalloc(&times, (size_t)sms * TASKS * 8));
     TRY(cudaMemcpy(gu, gu_h, n_gu * 2, cudaMemcpyHostToDevice));
     TRY(cudaMemcpy(w, w_h, (size_t)sms * ROWS * 4, cudaMemcpyHostToDevice));
 
     void (*kernels[NUM_MODES])(const uint16_t *, const float *, uint16_t *, uint16_t *, float *, long long *, float *) = {
-        epi_kernel<LIB>, epi_kernel<NOSTORE>, epi_kernel<NOLOAD>, epi_kernel<NOSHFL>, epi_kernel<ROWS4>};
+        epi_kernel<LIB>, epi_kernel<NOSTORE>, epi_kernel<NOLOAD>, epi_kernel<NOSHFL>, epi_kernel<ROWS2>};
     long long *times_h = (long long *)malloc((size_t)sms * TASKS * 8);
     uint16_t *out_h[2], *out_dgu[2];
     float *out_rdot[2];
@@ -284,7 +278,7 @@ int main(void) {
         double med[2];
         for (int pass = 0; pass < 2; ++pass) {
             const int grid = pass == 0 ? 1 : sms;
-            kernels[m]<<<grid, THREADS, smem>>>(gu, w, h, dgu, rdot, times, sink);
+            kernels[m]<<<grid, COMPUTE_THREADS, smem>>>(gu, w, h, dgu, rdot, times, sink);
             TRY(cudaGetLastError());
             TRY(cudaDeviceSynchronize());
             TRY(cudaMemcpy(times_h, times, (size_t)grid * TASKS * 8, cudaMemcpyDeviceToHost));
@@ -301,7 +295,7 @@ int main(void) {
             med[pass] = v[n / 2];
         }
         printf("%-8s %12.2f %12.2f\n", mode_name[m], med[0], med[1]);
-        if (m == LIB || m == ROWS4) { /* the full-grid run's outputs: CTA 0's last task */
+        if (m == LIB || m == ROWS2) { /* the full-grid run's outputs: CTA 0's last task */
             const int k = m == LIB ? 0 : 1;
             out_h[k] = (uint16_t *)malloc(ROWS * INTER * 2);
             out_dgu[k] = (uint16_t *)malloc(ROWS * 2 * INTER * 2);
@@ -311,7 +305,7 @@ int main(void) {
             TRY(cudaMemcpy(out_rdot[k], rdot + (size_t)(TASKS - 1) * ROWS, ROWS * 4, cudaMemcpyDeviceToHost));
         }
     }
-    /* The host replay of CTA 0's last task, and lib against rows4 */
+    /* The host replay of CTA 0's last task, and lib against rows2 */
     uint16_t *ref_h = (uint16_t *)calloc(ROWS * INTER, 2), *ref_dgu = (uint16_t *)calloc(ROWS * 2 * INTER, 2);
     float ref_rdot[ROWS];
     const int n0 = ((TASKS - 1) % (INTER / BN)) * BN;
@@ -334,15 +328,15 @@ int main(void) {
         for (int r = 0; r < ROWS; ++r) worst = fmax(worst, fabs(out_rdot[k][r] - ref_rdot[r]));
         char what[160];
         snprintf(what, sizeof what, "%s: h, dg, du against the host (%d of %d values off by more than a bf16 step)",
-                 k ? "rows4" : "lib", bad, ROWS * BN * 3);
+                 k ? "rows2" : "lib", bad, ROWS * BN * 3);
         check(bad == 0, what);
         snprintf(what, sizeof what, "%s: router-weight partials against the host (worst %.2e of scale %.2e)",
-                 k ? "rows4" : "lib", worst, scale);
+                 k ? "rows2" : "lib", worst, scale);
         check(worst <= 1e-6 * scale, what);
     }
     check(memcmp(out_h[0], out_h[1], ROWS * INTER * 2) == 0 && memcmp(out_dgu[0], out_dgu[1], ROWS * 2 * INTER * 2) == 0 &&
               memcmp(out_rdot[0], out_rdot[1], ROWS * 4) == 0,
-          "rows4 gives lib's bits");
+          "rows2 gives lib's bits");
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

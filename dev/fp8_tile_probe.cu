@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ uint8_t smem_raw[];
     // The ring starts on a swizzle atom: TMA writes the 128B pattern by address bits and the
     // descriptors say base offset 0. Scale slots follow it (1024-aligned, 640-byte slots).
-    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t raw = smem_addr(smem_raw);
     const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
     const uint32_t scales = ring + STAGES * Cfg::STAGE_BYTES;
     const uint32_t full_bar = scales + STAGES * SCALE_SLOT_BYTES;
@@ -521,7 +521,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                      bf16 *__restrict__ C, int M, int N, int K, int *err) {
     using Cfg = Bf16Coop;
     extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t raw = smem_addr(smem_raw);
     const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
     const uint32_t full_bar = ring + Cfg::STAGES * Cfg::STAGE_BYTES;
     const uint32_t empty_bar = full_bar + Cfg::STAGES * 8;

@@ -1,8 +1,9 @@
 /* gemm_common.cuh — what the dev GEMM experiments share (dev/gemm_wgmma_v1.cu,
  * dev/pingpong_probe.cu): error checks, the CTA's thread layout (one producer warpgroup, two
- * consumer warpgroups), the PTX wrappers for mbarriers, TMA and wgmma with their shared-memory
- * descriptors, the fp32 reference GEMM, random inputs, tensor maps, the comparison against the
- * reference and the event timer. Included by exactly one translation unit per program. */
+ * consumer warpgroups), the experiments' own PTX helpers beside the library's wrappers
+ * (src/cuda/sm90/ptx.cuh; here: a bounded mbarrier wait that reports a code, the m64n128 wgmma),
+ * the fp32 reference GEMM, random inputs, tensor maps, the comparison against the reference and
+ * the event timer. Included by exactly one translation unit per program. Build with -Isrc. */
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums only: the driver entry point comes through cudart
 #include <cudaTypedefs.h>
@@ -21,6 +22,8 @@
 #ifdef WITH_CUBLAS
 #include <cublas_v2.h>
 #endif
+
+#include "cuda/sm90/ptx.cuh" /* the library's PTX wrappers: mbarrier, TMA, wgmma, setmaxnreg */
 
 typedef __nv_bfloat16 bf16;
 
@@ -67,40 +70,10 @@ enum { KERNEL_OK = 0, KERNEL_FULL_TIMEOUT = 1, KERNEL_EMPTY_TIMEOUT = 2, KERNEL_
 /* ------------------------------------------------------------------------------------------ */
 /* PTX wrappers.                                                                              */
 
-static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
 // Makes the barrier initialisation visible to the async proxy (TMA completes tx on it).
 static __device__ __forceinline__ void fence_barrier_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return done != 0;
+    mbar_init_fence();
+    fence_proxy_async();
 }
 
 static __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -132,35 +105,6 @@ static __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map
     asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)map) : "memory");
 }
 
-/* One 2-D TMA box (c0 along K, c1 along rows) into shared memory; completes `bytes` on bar.
- * Out-of-bounds rows/columns arrive as zeros and still count in the byte total. */
-static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,
-                                                   uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-
-template <int N>
-static __device__ __forceinline__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
-}
-template <int N>
-static __device__ __forceinline__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
-}
-
-static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-static __device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-static __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
 /* Keeps the compiler from moving reads or writes of the accumulators across the asynchronous
  * region (the wgmma asm names them, but the wait does not). */
 template <int R>
@@ -169,50 +113,19 @@ static __device__ __forceinline__ void pin_accumulators(float (&acc)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-/* Shared-memory matrix descriptor for a K-major operand in 128B-swizzled 128-byte rows:
- * start address, leading offset unused for swizzled K-major (set to 16 bytes), stride offset
- * 1024 bytes between 8-row groups, base offset 0 (atoms are 1024-byte aligned), swizzle 1 = 128B.
- * Moving 16 elements along K adds 32 bytes, i.e. +2 in the start-address field. */
-static __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr) {
-    uint64_t desc = 0;
-    desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
-    desc |= (uint64_t)(16 >> 4) << 16;
-    desc |= (uint64_t)(SWIZZLE_ATOM_BYTES >> 4) << 32;
-    desc |= (uint64_t)1 << 62;
-    return desc;
-}
+/* Shared-memory descriptors (the library's smem_desc): a K-major operand in 128B-swizzled 128-byte
+ * rows (leading offset unused, 16 bytes; 8-row groups 1024 bytes apart; +16 k = +32 bytes), and
+ * an MN-major one (64-wide rows of M or N, one per k; 8-k groups 1024 bytes apart, consecutive
+ * 64-wide halves 8 KB apart; +16 k = +2048 bytes). */
+static __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr) { return smem_desc(addr, 16); }
+static __device__ __forceinline__ uint64_t make_smem_desc_mn(uint32_t addr) { return smem_desc(addr, 8192); }
 
-/* D[64 x N] (+)= A[64 x 16] · B[16 x N]; A and B from shared memory, both K-major (no transpose).
- * scale_d == 0 overwrites D, which saves zeroing the accumulators at the start of a tile. */
-template <int TA, int TB>
-static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                        int scale_d) {
-#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, %131, %132;\n"
-        "}\n"
-        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
-          ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)
-        : "memory");
-}
-
+/* D[64 x 128] (+)= A[64 x 16] · B[16 x 128] (the library has only the m64n256 form). */
 template <int TA, int TB>
 static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                         int scale_d) {
+#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                "+f"(d[i + 6]), "+f"(d[i + 7])
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -236,18 +149,6 @@ static __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], uint64_t desc
         wgmma_m64n256k16<TA, TB>(d, desc_a, desc_b, scale_d);
     else
         wgmma_m64n128k16<TA, TB>(d, desc_a, desc_b, scale_d);
-}
-
-/* Descriptor of an MN-major operand: 64-wide (128-byte) rows of the M or N dimension, one per k,
- * in the 128B swizzle; 8-k groups 1024 bytes apart (stride offset), consecutive 64-wide halves of
- * M or N 8 KB apart (leading offset); 16 more k is +2048 bytes. */
-static __device__ __forceinline__ uint64_t make_smem_desc_mn(uint32_t addr) {
-    uint64_t desc = 0;
-    desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
-    desc |= (uint64_t)(8192 >> 4) << 16;
-    desc |= (uint64_t)(SWIZZLE_ATOM_BYTES >> 4) << 32;
-    desc |= (uint64_t)1 << 62;
-    return desc;
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -1,6 +1,6 @@
 /* gemm_wgmma_v1.cu — experiment: a persistent bf16 GEMM tile on Hopper built from TMA + wgmma,
  * C[M, N] = A[M, K] · B[N, K]^T (both operands K-major, fp32 accumulate, bf16 out), the
- * candidate to replace the mma.sync tile of src/cuda/mma_tile.cuh.
+ * standalone form of the library's tile (src/cuda/sm90/gemm_tile.cuh), where its variants are tried.
  *
  * The one idea: warp specialisation over a shared-memory ring. One producer warpgroup (one
  * thread) streams 64-wide K slices of A and B into a STAGES-deep ring with TMA; two consumer
@@ -11,10 +11,10 @@
  *
  * Build and run from the repository root (H100/H200, CUDA 12+; -DWITH_CUBLAS -lcublas adds the
  * cuBLAS baseline; mkdir -p build first):
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -DWITH_CUBLAS \
+ *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -DWITH_CUBLAS \
  *        dev/gemm_wgmma_v1.cu -lcublas -o build/gemm_wgmma_v1 && ./build/gemm_wgmma_v1 [seed]
  * Without cuBLAS:
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a dev/gemm_wgmma_v1.cu \
+ *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a dev/gemm_wgmma_v1.cu \
  *        -o build/gemm_wgmma_v1 && ./build/gemm_wgmma_v1
  * It prints one line per self-test (shape, tile, max abs/rel error), then the timings, and
  * ends with `N passed, N failed`. Exit code 0 only if every self-test passed.
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ uint8_t smem_raw[];
     // The ring must start on a swizzle atom: TMA writes the 128B pattern by address bits and the
     // descriptors say base offset 0.
-    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t raw = smem_addr(smem_raw);
     const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
     const uint32_t full_bar = ring + STAGES * Cfg::STAGE_BYTES;  // STAGES x 8 bytes
     const uint32_t empty_bar = full_bar + STAGES * 8;            // STAGES x 8 bytes

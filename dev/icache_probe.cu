@@ -1,10 +1,10 @@
 /* icache_probe.cu — experiment: what straight-line code costs when it runs once per task.
  *
- * The question (docs/perf.md, 2026-11-30): the megakernel's epilogues take ~10 ns per SASS
- * instruction per warp, where issuing them would take ~1 ns (one warp instruction per cycle per
- * scheduler, two consumer warps on each). The hypothesis: their code is cold. Each epilogue is
- * straight-line code (fully unrolled over the accumulators) that runs once per task, between main
- * loops, in a kernel of 0.3–1.9 MB of code, so its instructions keep coming from L2.
+ * The question (docs/perf.md): the megakernel's epilogues take far longer per SASS instruction
+ * per warp than issuing them would (one warp instruction per cycle per scheduler, two consumer
+ * warps on each). The hypothesis: their code is cold. Each epilogue is straight-line code (fully
+ * unrolled over the accumulators) that runs once per task, between main loops, in a kernel of
+ * hundreds of KB of code, so its instructions keep coming from L2.
  *
  * The probe: one CTA per SM with 8 warps (as many as the consumers), walking TASKS tasks. A task
  * is a hot loop (a few FMAs in a small loop, like a main loop) and then a straight-line block of

@@ -1,8 +1,8 @@
 /* pingpong_probe.cu — experiment: can a ping-pong consumer hide a long epilogue behind the
  * other warpgroup's main loop, and what does its narrower tile cost?
  *
- * The question (docs/perf.md, seventh session, "Next direction"): the megakernel's compute tasks
- * spend 15% (forward) to 25% (backward) of their time outside the main loop, in epilogues run by
+ * The question (docs/perf.md): the megakernel's compute tasks spend a good part of their time
+ * (more in the backward than in the forward) outside the main loop, in epilogues run by
  * the same two consumer warpgroups that then run the next task's main loop, so the SM's tensor
  * cores idle through every epilogue (the producer's loads for the next task overlap it; the next
  * task's wgmmas do not). Two ways to run the 256 consumer threads:
@@ -35,7 +35,7 @@
  *     signal follows a tile that waits for the waiter's own signal.
  *
  * Build and run from the repository root (H100/H200):
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/pingpong_probe.cu \
+ *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/pingpong_probe.cu \
  *        -o build/pingpong_probe && ./build/pingpong_probe [seed]
  * Every mode and layout is first checked against the fp32 reference (with and without the
  * synthetic epilogue, which must not change C); it ends with `N passed, N failed`. */
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     using Cfg = ProbeConfig<MODE>;
     constexpr int STAGES = Cfg::STAGES;
     extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t raw = smem_addr(smem_raw);
     const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
     const uint32_t full_bar = ring + STAGES * Cfg::STAGE_BYTES;
     const uint32_t empty_bar = full_bar + STAGES * 8;

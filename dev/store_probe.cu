@@ -1,14 +1,14 @@
 /* store_probe.cu — experiment: how fast one SM stores a 64 KB bf16 tile to global memory.
  *
- * The question (docs/perf.md, 2026-11-30 second session): every epilogue of the megakernels that
- * stores a tile from registers runs at ~8–10 GB/s per SM (64 KB in 6.5–9 µs: down, dx, weight
- * gradients), and the SwiGLU backward writes 192 KB per 256-column tile in ~45 µs. Is that what
- * an SM's stores can do while the others store too, or is it the epilogues' code?
+ * The question (docs/perf.md): the epilogues of the megakernels that store a tile from registers
+ * (down, dx, weight gradients; the SwiGLU backward, 192 KB per 256-column tile) move their bytes
+ * far slower than an SM's bandwidth share. Is that what an SM's stores can do while the others
+ * store too, or is it the epilogues' code?
  *
  * Each CTA (8 warps, as many as the consumers) writes TILES tiles of 128 x 256 bf16 into its own
  * region, one tile after another, in one of four ways:
  *   frag  4 bytes per lane in the accumulator fragment's pattern: a warp's store covers 8 rows x
- *         16 bytes (store_regs in wgmma_tile.cuh);
+ *         16 bytes (the library's stores before megakernel/row_stores.cuh staged them);
  *   rows  4 bytes per lane, a warp's store one row's 128 contiguous bytes (the SwiGLU-backward
  *         row loop);
  *   vec16 16 bytes per lane, a warp's store 512 contiguous bytes (store_staged's copy-out);

@@ -125,15 +125,14 @@ typedef enum mok_direction { MOK_PULL = 0, MOK_PUSH = 1 } mok_direction;
 typedef struct mok_config {
     size_t size;            /* sizeof(mok_config) */
     int fwd_comm_sms;       /* CTAs that move data in the forward (cuda); 0 = the backend's choice
-                               (mok__comm_ctas: from the layer's bytes per FLOP; on one rank with
-                               the default directions at least 4 forward, 8 backward, else 8 and
-                               12; across ranks 10 forward, 16 backward) */
+                               from the layer's bytes per FLOP (the tuning knob fwd_comm_ctas:
+                               src/cuda/tuning.h, mok_workspace_tuning) */
     int bwd_comm_sms;       /* the same for the backward */
     int minibatch_rows;     /* comm->compute handover unit; multiple of MOK_ROW_TILE */
     int ring_rows;          /* rows of the ring token buffer (one macrobatch); multiple of
                                minibatch_rows. Default 32768: half the macrobatches of 16384, so
-                               half the experts whose weight gradients carry across one (-1 to
-                               -2% backward on DeepSeek-V3 EP2) for ~0.5 GiB more per GPU there */
+                               half the experts whose weight gradients carry across one, for the
+                               memory of the larger ring */
     int64_t context_rows;   /* routed rows whose gate/up activations the forward context keeps;
                                rows past it are replayed (recomputed) in the backward.
                                0 = all rows the worst case can route to a rank */
@@ -302,6 +301,12 @@ mok_status mok_workspace_create(mok_workspace **workspace, mok_group *group,
  * group unusable (the memory rule above). */
 mok_status mok_workspace_destroy(mok_workspace *workspace);
 mok_status mok_workspace_sizes(const mok_workspace *workspace, mok_sizes *sizes);
+/* The workspace's tuning as its backend resolved it at creation, as "name=value" pairs separated
+ * by single spaces (the cuda backend's knobs, with their defaults, environment variables and what
+ * each does: src/cuda/tuning.h; a cpu workspace has none and gets ""). size: the bytes of text,
+ * the NUL included; a text that does not fit is MOK_ERR_INVALID_ARGUMENT, with the size it needs
+ * in the message. */
+mok_status mok_workspace_tuning(const mok_workspace *workspace, char *text, size_t size);
 
 /* ---- passes (collective; args has one entry per local rank) -------------------------------
  * A schedule serves the workspace and local rank that built it, until it is built again. A backward

@@ -62,7 +62,7 @@ if [ $probe -eq 1 ]; then
     mkdir -p build
     for f in dev/*_probe.cu; do
         n=$(basename "$f" .cu)
-        nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a "$f" -o "build/$n" &&
+        nvcc -std=c++17 -O3 -Isrc -Iinclude ${nccl_home:+-I"$nccl_home/include"} -gencode=arch=compute_90a,code=sm_90a "$f" -o "build/$n" &&
             timeout 120 "./build/$n" | tee "$out/$n.txt"
     done
 fi
@@ -114,7 +114,7 @@ for round in $(seq 1 "$rounds"); do
                 --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
             # --host: EP1 host time per call, GPU time queued back to back, and every kernel's time
             [ $host -eq 1 ] && [ "$round" -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 5 --host --profile \
-                --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|epilogue|sched_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
+                --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|slot_sums|epilogue|sched_|spans_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
             # with --ep2 too: DeepSeek-V3's EP2 passes traced (rank 0 is the heavy rank at skew 1.5)
             [ $trace -eq 1 ] && [ $ep2 -eq 1 ] && [ "$round" -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 2 --no-sweep --reps 2 --trace \
                 --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank [0-9]+ (compute|comm)"

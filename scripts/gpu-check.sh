@@ -128,7 +128,7 @@ if [ $sanitize -eq 1 ]; then
 fi
 if [ $dev -eq 1 ]; then
     # kernel experiments of dev/: each validates itself before it times anything
-    step "dev: wgmma tile (self-test + timing)" bash -c 'nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
+    step "dev: wgmma tile (self-test + timing)" bash -c 'nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a \
         -DWITH_CUBLAS dev/gemm_wgmma_v1.cu -lcublas -o build/gemm_wgmma_v1 && timeout 300 ./build/gemm_wgmma_v1'
     grep -E 'TFLOP|passed, ' "$log" | tail -n 12 >>"$out/gpu-tests.txt"
 fi

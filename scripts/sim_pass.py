@@ -6,33 +6,46 @@ duration (compute tasks plus a gap), then bumps its counters. It answers questio
 count ("does this task order, or this many comm CTAs, shorten the pass?") before a GPU run.
 
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --comm 8,12,16
-    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.c
+    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.inc
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
 
-It builds scripts/tasks_dump.c against build/libmok.a (run `make` first); --tasks-c compiles
-another core/tasks.c in its place (`git show BRANCH:src/core/tasks.c > F`), to simulate a
-branch's order beside main's. The durations (µs per task) are those of the sixth session's
-traces on one H200 (docs/perf.md, "2026-11-30 (sixth session)", job 1: next2, with main's dh
-tasks); the fifth session's check against the traced passes: DeepSeek-V3's forward 10.7 ms
-simulated against 11.0 measured (idle 2.6% against 2.8%), its backward 23.6 against 24.9 (idle
-13.3% against 14.7%); Qwen3's forward 3.0 against 3.4 (idle 14.7% against 19.7%). A comm task's duration does not change with the number of comm
-CTAs here, which the GPU does not promise: more CTAs moving rows at once share the memory
-system. The model has no claim-ahead, no per-task "before" beyond the gap, and equal experts.
+The task kinds (values, names, roles) come from the library's one table, MOK_TASK_KINDS in
+src/core/tasks.h, read when this module loads. It builds scripts/tasks_dump.c against
+build/libmok.a (run `make` first) for the task list; --tasks-c compiles another core/tasks.inc in
+its place (`git show BRANCH:src/core/tasks.inc > F`, for a branch whose tasks.h is this tree's),
+to simulate a branch's order beside main's. The durations (µs per task) were traced
+on one H200 (docs/perf.md, which also compares the simulation with traced passes). A comm task's
+duration does not change with the number of comm CTAs here, which the GPU does not promise: more
+CTAs moving rows at once share the memory system. The model has no claim-ahead, no per-task
+"before" beyond the gap, and equal experts.
 """
 import argparse
 import collections
 import heapq
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
-# task kinds (core/tasks.h)
-SHARED_UP, SHARED_DOWN, DISPATCH, GATEUP, DOWN, COMBINE, SHARED_DH, SHARED_DX, PULL, DH, DX, PUSH, WGRAD, \
-    SHARED_WGRAD = range(14)
-COMPUTE_KINDS = {SHARED_UP, SHARED_DOWN, GATEUP, DOWN, SHARED_DH, SHARED_DX, DH, DX, WGRAD, SHARED_WGRAD}
+
+def read_kinds(path=os.path.join(ROOT, "src", "core", "tasks.h")):
+    """[(NAME, name, role)] of MOK_TASK_KINDS in table order (the enum's values)."""
+    with open(path) as f:
+        text = f.read()
+    table = text[text.index("#define MOK_TASK_KINDS(X)"):text.index("enum mok_task_kind")]
+    return re.findall(r'\bX\((\w+), "(\w+)", (COMM|COMPUTE),', table)
+
+
+# task kinds: a module constant per kind (DISPATCH, GATEUP, ...), their trace names, and the
+# kinds a compute worker runs
+KINDS = read_kinds()
+for _value, (_name, _text, _role) in enumerate(KINDS):
+    globals()[_name] = _value
+KIND_NAMES = {value: text for value, (_, text, _) in enumerate(KINDS)}
+COMPUTE_KINDS = {value for value, (_, _, role) in enumerate(KINDS) if role == "COMPUTE"}
 
 # E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
 # EP1 cases: tokens x top-k rows over the local experts), and the traced durations in µs.
@@ -100,10 +113,17 @@ def simulate(tasks, workers, dur, gap=0.9):
 
 
 def task_list(layer, backward, ring, minibatch, tasks_c=None):
+    """The library's task list of a one-rank pass (scripts/tasks_dump.c against build/libmok.a, or
+    with another tasks.inc)."""
     L = LAYERS[layer]
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "tasks_dump")
-        srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")] + ([tasks_c] if tasks_c else [])
+        srcs = [os.path.join(ROOT, "scripts", "tasks_dump.c")]
+        if tasks_c:
+            wrapper = os.path.join(tmp, "tasks_alt.c")
+            with open(wrapper, "w") as f:
+                f.write('#include "core/tasks.h"\n#include "%s"\n' % os.path.abspath(tasks_c))
+            srcs.append(wrapper)
         subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
                         "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
                         "-lpthread", "-o", exe], check=True)
@@ -122,7 +142,7 @@ def main():
     ap.add_argument("--ring", type=int, default=32768)
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--gap", type=float, default=0.9, help="µs between a compute CTA's tasks")
-    ap.add_argument("--tasks-c", help="another core/tasks.c to build the list with (a branch's order)")
+    ap.add_argument("--tasks-c", help="another core/tasks.inc to build the list with (a branch's order)")
     ap.add_argument("--free", default="",
                     help="task kinds that move nothing (comma-separated names: combine, push, dispatch, pull): "
                          "they keep their place and counters and take no time")
@@ -130,13 +150,13 @@ def main():
     backward = a.which == "bwd"
     tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
     dur = dict(LAYERS[a.layer]["bwd" if backward else "fwd"])
-    names = {"combine": COMBINE, "push": PUSH, "dispatch": DISPATCH, "pull": PULL}
+    names = {text: value for value, text in KIND_NAMES.items()}
+    movers = {"combine", "push", "dispatch", "pull"}
     for name in filter(None, a.free.split(",")):
-        if name not in names:
-            sys.exit(f"sim_pass: --free takes {sorted(names)}, not {name!r}")
+        if name not in movers:
+            sys.exit(f"sim_pass: --free takes {sorted(movers)}, not {name!r}")
         dur[names[name]] = 0.0
-    kinds = sorted({t[0] for t in tasks})
-    missing = [k for k in kinds if k not in dur]
+    missing = sorted({KIND_NAMES[t[0]] for t in tasks if t[0] not in dur})
     if missing:
         sys.exit(f"sim_pass: no duration for task kinds {missing}")
     compute_role = next(t[1] for t in tasks if t[0] in COMPUTE_KINDS)

@@ -4,7 +4,7 @@
  *
  *   tasks_dump E ROWS_PER_EXPERT H I I_S T RING_ROWS MINIBATCH_ROWS BACKWARD N_TILE
  *
- * Built by sim_pass.py against build/libmok.a (or with another tasks.c, to try a branch's order). */
+ * Built by sim_pass.py against build/libmok.a (or with another tasks.inc, to try a branch's order). */
 #include <stdio.h>
 #include <stdlib.h>
 

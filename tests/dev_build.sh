@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # dev_build.sh — every kernel experiment of dev/ still compiles for sm_90a (dev/README.md's
-# command line: -Isrc for the probes that include the library's headers), so that a change to
+# command line: -Isrc -Iinclude for the probes that include the library's headers), so that a change to
 # dev/gemm_common.cuh or to src/ does not leave one of them broken until the next GPU session.
 # Compiles in parallel; one PASS/FAIL line per file; skipped where nvcc is missing. Ends with
 # `N passed, N failed`.
@@ -17,7 +17,7 @@ b=$(mktemp -d)
 trap 'rm -rf "$b"' EXIT
 for f in "${files[@]}"; do
     n=$(basename "$f" .cu)
-    "$nvcc" -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a -c "$f" -o "$b/$n.o" >"$b/$n.log" 2>&1 &
+    "$nvcc" -std=c++17 -O3 -Isrc -Iinclude -gencode=arch=compute_90a,code=sm_90a -c "$f" -o "$b/$n.o" >"$b/$n.log" 2>&1 &
 done
 wait
 pass=0

@@ -8,7 +8,6 @@
 #include <time.h>
 
 #include "core/schedule.h"
-#include "cuda/task_cols.h"
 #include "layer.h"
 #include "test.h"
 
@@ -258,7 +257,7 @@ MOK_TEST(cuda_forward_full_size) {
     }
 }
 
-/* The tiles' walk order (MOK_CUDA_RASTER, read at every pass): set for the next passes, or
+/* The tiles' walk order (MOK_CUDA_RASTER, read when a workspace is created): set for the next workspaces, or
  * restored to the environment's value with r = 0. Results must not depend on it. */
 static void set_raster(int r) {
     static char saved[16];
@@ -966,7 +965,7 @@ MOK_TEST(cuda_backward_deterministic) {
     layer_free(&L);
 }
 
-/* An experiment's switch (a MOK_CUDA_* variable, read at every pass) set by a test and given back
+/* A tuning switch (a MOK_CUDA_* variable, read when a workspace is created) set by a test and given back
  * its environment value afterwards: env_save before the first setenv, env_restore at the end. */
 typedef struct env_saved {
     const char *var;
@@ -1034,7 +1033,7 @@ MOK_TEST(cuda_tma_matches_cp_async) {
     env_restore(&saved);
 }
 
-/* The tasks' column widths (task_cols.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and
+/* The tasks' column widths (cuda/tuning.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and
  * MOK_CUDA_COLS_DH): forward and backward under each cap against the reference, on a shape
  * where down and dx take every width and dh 128 and 64 (256 needs I >= 2048). Not bitwise
  * across widths: the router weights' gradient sums one partial per dh task. */
@@ -1060,6 +1059,20 @@ MOK_TEST(cuda_task_cols) {
         }
     env_restore(&saved[0]);
     env_restore(&saved[1]);
+}
+
+/* A knob of the workspace's tuning (mok_workspace_tuning's "name=value" pairs), or -1. */
+static int tuning_value(const mok_workspace *ws, const char *name) {
+    char text[512];
+    if (mok_workspace_tuning(ws, text, sizeof text) != MOK_OK) return -1;
+    const size_t n = strlen(name);
+    for (const char *p = text; *p;) {
+        if (strncmp(p, name, n) == 0 && p[n] == '=') return atoi(p + n + 1);
+        p = strchr(p, ' ');
+        if (!p) break;
+        ++p;
+    }
+    return -1;
 }
 
 /* With config.trace, the kernels record every task; the trace file lists them. */
@@ -1099,12 +1112,14 @@ MOK_TEST(cuda_trace) {
         int64_t tiles = info.padded_rows / MOK_ROW_TILE;
         CHECK(dispatch == tiles && combine == tiles, "dispatch %d, combine %d events for %lld row tiles", dispatch,
               combine, (long long)tiles);
-        /* one event per task: a task covers the columns task_cols.h gives for this shape */
-        const int gu_tasks = (int)(s.intermediate / mok_cuda_cols_gateup(s.intermediate, s.shared_intermediate));
-        const int h_tasks = (int)(s.hidden / mok_cuda_cols_h(s.hidden));
+        /* one event per task: a task covers the columns the workspace's tuning gives */
+        const int cols_gateup = tuning_value(G.ws, "cols_gateup"), cols_h = tuning_value(G.ws, "cols_h");
+        CHECK(cols_gateup > 0 && cols_h > 0, "tuning: cols_gateup %d, cols_h %d", cols_gateup, cols_h);
+        const int gu_tasks = cols_gateup > 0 ? (int)(s.intermediate / cols_gateup) : 0;
+        const int h_tasks = cols_h > 0 ? (int)(s.hidden / cols_h) : 0;
         CHECK(gateup == tiles * gu_tasks && down == tiles * h_tasks, "gateup %d, down %d events for %lld row tiles",
               gateup, down, (long long)tiles);
-        CHECK(shared == 5 * (int)(s.shared_intermediate / mok_cuda_cols_gateup(s.intermediate, s.shared_intermediate)),
+        CHECK(cols_gateup > 0 && shared == 5 * (int)(s.shared_intermediate / cols_gateup),
               "shared_up %d events for 5 token tiles", shared);
 #ifdef MOK_HAVE_CUDA
         int sms = 0, device = 0;

@@ -723,6 +723,8 @@ static int print_header(run_state *st) {
     else
         printf("         rank r on GPU r (GPUs 0..%d); SMs moving data: forward %d, backward %d (0: auto)\n",
                st->nranks - 1, c->fwd_comm_sms, c->bwd_comm_sms);
+    char tuning[256]; /* the backend's knobs as the workspace resolved them (none on cpu) */
+    if (mok_workspace_tuning(st->workspace, tuning, sizeof tuning) == MOK_OK && tuning[0]) printf("tuning   %s\n", tuning);
     char sched[32], ctx[32], ws[32], sym[32];
     format_bytes(sched, sizeof sched, st->sizes.schedule_bytes);
     format_bytes(ctx, sizeof ctx, st->sizes.context_bytes);

@@ -10,8 +10,10 @@
 #if defined(__CUDACC__)
 #define MOK_HD __host__ __device__
 #define MOK_INLINE static __host__ __device__ __forceinline__
-/* The cuda backend compiles the core's .c files into each of its translation units (see
- * cuda/core.cuh), so there the core's functions have internal linkage. */
+/* MOK_CORE marks the core's portable definitions (the .inc files beside this one). The host
+ * library compiles each once (tasks.c, schedule.c) with external linkage; the cuda backend
+ * compiles them into each translation unit that needs them (cuda/core.cuh), where they have
+ * internal linkage and are compiled for host and device. */
 #define MOK_CORE static __host__ __device__
 #else
 #define MOK_HD

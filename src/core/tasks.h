@@ -1,5 +1,7 @@
 /* tasks.h — the task list of one pass on one rank: every unit of work in the one global order,
- * each with the counters it waits on and the counter it bumps when done.
+ * each with the counters it waits on and the counter it bumps when done. A worker runs tasks of
+ * one role (comm: moves rows; compute: GEMM tiles): a CTA on the cuda backend, a thread on the
+ * cpu backend.
  *
  * Deadlock freedom (DESIGN 2.4): a task only waits on counters bumped by tasks that come earlier
  * in the order, and every worker of a role takes its role's tasks in that order. Then the first
@@ -23,7 +25,7 @@
  * SCATTER from every rank per tile. plan.combine_push does the same for the backward's
  * reverse-combine (dy, x and the router weight of each row): the expert rank first opens the
  * minibatch's ring slots with an OPEN task (its own refill waits, which senders cannot see),
- * and the senders' SCATTERs wait on its `opened` counter. Deadlock freedom then spans the ranks: every rank lays its list
+ * and the senders' SCATTERs wait on its `opened` counter. Deadlock freedom then covers the ranks: every rank lays its list
  * out by minibatch index over the largest minibatch count of any rank, so that all lists
  * project one global order; mok__tasks_check_ranks simulates the lists together. Portable C: built on the host for the cpu backend,
  * the same code on the device for cuda. */
@@ -40,30 +42,41 @@
 
 enum mok_role { MOK_ROLE_COMM = 0, MOK_ROLE_COMPUTE = 1 };
 
+/* The task kinds, one row each: the name after MOK_TASK_, the name traces and tools print, the
+ * role whose workers run it, and what one task does (a, b: its tile indices). The enum,
+ * mok__task_kind_name and mok__task_kind_role come from this table; scripts/tasks_dump prints it
+ * (for scripts/sim_pass.py). */
+#define MOK_TASK_KINDS(X)                                                                                        \
+    /* forward */                                                                                                \
+    X(SHARED_UP, "shared_up", COMPUTE, "shared expert gate/up + SwiGLU for (token tile a, I_s tile b)")         \
+    X(SHARED_DOWN, "shared_down", COMPUTE, "shared expert down for (token tile a, H tile b)")                     \
+    X(DISPATCH, "dispatch", COMM, "pull the routed rows of row tile a into the ring")                            \
+    X(GATEUP, "gateup", COMPUTE, "gate/up GEMM + SwiGLU for (row tile a, I tile b)")                              \
+    X(DOWN, "down", COMPUTE, "down GEMM for (row tile a, H tile b)")                                             \
+    X(COMBINE, "combine", COMM, "push the expert outputs of row tile a to their owners")                         \
+    /* backward */                                                                                               \
+    X(SHARED_DH, "shared_dh", COMPUTE, "dy.S_down + SwiGLU backward for (token tile a, I_s tile b)")              \
+    X(SHARED_DX, "shared_dx", COMPUTE, "shared dx part for (token tile a, H tile b)")                            \
+    X(PULL, "pull", COMM, "pull dy, router weight and x rows of row tile a into the ring")                       \
+    X(DH, "dh", COMPUTE, "dy.W_down (+ replay of g/u) + SwiGLU backward + router dot, (row tile a, I tile b)")    \
+    X(DX, "dx", COMPUTE, "dx part of row tile a, H tile b")                                                      \
+    X(PUSH, "push", COMM, "push dx parts and router gradients of row tile a to their owners")                    \
+    X(WGRAD, "wgrad", COMPUTE, "one weight-gradient tile of a local expert over a macrobatch's rows")            \
+    X(SHARED_WGRAD, "shared_wgrad", COMPUTE, "one weight-gradient tile of the shared expert over all tokens")    \
+    X(WGRAD_ZERO, "wgrad_zero", COMPUTE, "zero the gradients of an expert that received no rows (bf16 mode)")    \
+    /* turned transfers (either pass) */                                                                         \
+    X(GATHER, "gather", COMM,                                                                                    \
+      "this rank's rows of peer `peer`'s row tile a: expert outputs (forward, combine_pull), dx parts and "      \
+      "router-weight gradients (backward, dispatch_pull)")                                                       \
+    X(SCATTER, "scatter", COMM,                                                                                  \
+      "this rank's rows into peer `peer`'s row tile a: x (forward, dispatch_push); dy, x and the router "        \
+      "weight (backward, combine_push)")                                                                         \
+    X(OPEN, "open", COMM, "backward, combine_push: a minibatch's ring slots free for the senders")
+
 enum mok_task_kind {
-    /* forward */
-    MOK_TASK_SHARED_UP = 0, /* shared expert gate/up + SwiGLU for (token tile a, I_s tile b) */
-    MOK_TASK_SHARED_DOWN,   /* shared expert down for (token tile a, H tile b) */
-    MOK_TASK_DISPATCH,      /* pull the routed rows of row tile a into the ring */
-    MOK_TASK_GATEUP,        /* gate/up GEMM + SwiGLU for (row tile a, I tile b) */
-    MOK_TASK_DOWN,          /* down GEMM for (row tile a, H tile b) */
-    MOK_TASK_COMBINE,       /* push the expert outputs of row tile a to their owners */
-    /* backward */
-    MOK_TASK_SHARED_DH,     /* dy·S_down + SwiGLU backward for (token tile a, I_s tile b) */
-    MOK_TASK_SHARED_DX,     /* shared dx part for (token tile a, H tile b) */
-    MOK_TASK_PULL,          /* pull dy, router weight and x rows of row tile a into the ring */
-    MOK_TASK_DH,            /* dy·W_down (+ replay of g/u) + SwiGLU backward + router dot, (a, I tile b) */
-    MOK_TASK_DX,            /* dx part of row tile a, H tile b */
-    MOK_TASK_PUSH,          /* push dx parts and router gradients of row tile a to their owners */
-    MOK_TASK_WGRAD,         /* one weight-gradient tile of a local expert over a macrobatch's rows */
-    MOK_TASK_SHARED_WGRAD,  /* one weight-gradient tile of the shared expert over all local tokens */
-    MOK_TASK_WGRAD_ZERO,    /* zero the gradients of an expert that received no rows (bf16 mode) */
-    MOK_TASK_GATHER,        /* this rank's rows of peer `peer`'s row tile a: expert outputs (forward,
-                               combine_pull), dx parts and router-weight gradients (backward,
-                               dispatch_pull) */
-    MOK_TASK_SCATTER,       /* this rank's rows into peer `peer`'s row tile a: x (forward, dispatch_push);
-                               dy, x and the router weight (backward, combine_push) */
-    MOK_TASK_OPEN,          /* backward, combine_push: minibatch's ring slots free for the senders */
+#define MOK_X_KIND(name, text, role, what) MOK_TASK_##name,
+    MOK_TASK_KINDS(MOK_X_KIND)
+#undef MOK_X_KIND
     MOK_TASK_NUM_KINDS
 };
 
@@ -100,7 +113,7 @@ typedef struct mok_plan {
     int n_tile_h;       /* columns of H per down, dx task */
     int wgrad_tile;     /* rows of a weight-gradient tile (and its columns when wgrad_tile_n is 0) */
     int wgrad_tile_n;   /* columns of a weight-gradient tile; 0: wgrad_tile */
-    int raster;         /* GEMM groups walk their tiles in runs of `raster` (mok__group_tile); 0, 1: tile-major */
+    int raster;         /* GEMM spans walk their tiles in runs of `raster` (mok__span_tile); 0, 1: tile-major */
     const int64_t *expert_start; /* [E_local + 1] padded row offsets */
     const int64_t *expert_rows;  /* [E_local] */
     /* Transfer directions other than the default (zero: pull dispatch, push combine, pull
@@ -129,12 +142,12 @@ typedef struct mok_counters_layout {
 
 MOK_CORE void mok__counters_layout(const mok_plan *plan, mok_counters_layout *layout);
 
-/* The list is built as groups: a group is one kind of task for one minibatch (or all token
+/* The list is built as spans: a span is one kind of task for one minibatch (or all token
  * tiles of the shared expert, or one expert of a macrobatch's weight gradients), its tasks
  * (tile, sub-tile) in tile-major order, all with the same waits (or wait[0] per tile) and the
- * same counters to bump (or done[0] per tile). A GPU CTA walks its role's groups with a ticket;
+ * same counters to bump (or done[0] per tile). A GPU CTA walks its role's spans with a ticket;
  * the cpu backend expands them into tasks. */
-typedef struct mok_task_group {
+typedef struct mok_task_span {
     int16_t kind, role;
     int32_t minibatch;             /* minibatch; WGRAD: macrobatch; else -1 */
     int32_t first_tile, num_tiles; /* row or token tiles; WGRAD, WGRAD_ZERO: the expert, 1 */
@@ -143,17 +156,17 @@ typedef struct mok_task_group {
     int32_t done[2];               /* counters bumped per task (-1 none) */
     int8_t wait_per_tile;          /* wait[0] + (tile - first_tile) */
     int8_t done_per_tile;          /* done[0] + (tile - first_tile) */
-    int16_t raster;                /* tiles per run of the walk (mok__group_tile); 0, 1: tile-major */
+    int16_t raster;                /* tiles per run of the walk (mok__span_tile); 0, 1: tile-major */
     int8_t peer, wait_peer, done_peer; /* as in mok_task; -1 none / this rank */
     int8_t reserved;
-} mok_task_group;
+} mok_task_span;
 
-/* Task t of a group: its tile and sub-tile. Tile-major by default (all sub-tiles of a tile, then the
+/* Task t of a span: its tile and sub-tile. Tile-major by default (all sub-tiles of a tile, then the
  * next tile). With raster r > 1 the tiles go in runs of r, and within a run each sub-tile visits
  * every tile of the run before the next sub-tile: the CTAs that run neighbouring tickets at once
  * then share a sub-tile's operand (a block of weights) in L2 instead of each streaming its own.
- * Any order within a group is deadlock-free: a task waits only on counters of earlier groups. */
-static inline MOK_HD void mok__group_tile(const mok_task_group *g, int64_t t, int64_t *tile, int64_t *sub) {
+ * Any order within a span is deadlock-free: a task waits only on counters of earlier spans. */
+static inline MOK_HD void mok__span_tile(const mok_task_span *g, int64_t t, int64_t *tile, int64_t *sub) {
     if (g->raster <= 1) {
         *tile = g->first_tile + t / g->n_tiles;
         *sub = t % g->n_tiles;
@@ -167,14 +180,14 @@ static inline MOK_HD void mok__group_tile(const mok_task_group *g, int64_t t, in
 
 /* Upper bounds, for sizing buffers at workspace creation. */
 MOK_CORE int64_t mok__tasks_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
-MOK_CORE int64_t mok__groups_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
+MOK_CORE int64_t mok__spans_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 MOK_CORE int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows, int64_t max_tokens);
 
-/* The groups in the global order (capacity cap); returns the count, or -1 if cap is too small. */
-MOK_CORE int64_t mok__groups_build(const mok_plan *plan, mok_task_group *groups, int64_t cap);
-/* Task t of a group. */
-MOK_CORE void mok__group_task(const mok_plan *plan, const mok_task_group *group, int64_t t, mok_task *task);
-/* The tasks in the global order (the groups expanded); returns the count, or -1. */
+/* The spans in the global order (capacity cap); returns the count, or -1 if cap is too small. */
+MOK_CORE int64_t mok__spans_build(const mok_plan *plan, mok_task_span *spans, int64_t cap);
+/* Task t of a span. */
+MOK_CORE void mok__span_task(const mok_plan *plan, const mok_task_span *span, int64_t t, mok_task *task);
+/* The tasks in the global order (the spans expanded); returns the count, or -1. */
 MOK_CORE int64_t mok__tasks_build(const mok_plan *plan, mok_task *tasks, int64_t cap);
 
 /* Weight-gradient tiles of one expert: tile t -> matrix and output tile (row, col) indices;
@@ -197,50 +210,14 @@ int64_t mok__tasks_check_ranks(int nranks, const mok_task *const *tasks, const i
                                void (*on_run)(void *ctx, int rank, int64_t index), void *ctx);
 #endif
 
-/* The task kind's name, for traces. */
+/* The task kind's name (for traces) and role (enum mok_role), from MOK_TASK_KINDS; "?" and -1 for
+ * a value that is not a kind. */
 MOK_CORE const char *mok__task_kind_name(int kind);
+MOK_CORE int mok__task_kind_role(int kind);
 
 /* Whether the plan turns a transfer around, so that its list waits on or bumps peers' counters
  * (combine_pull, dispatch_pull, dispatch_push, combine_push). */
 MOK_CORE int mok__plan_names_peers(const mok_plan *plan);
-
-/* The comm workers of a pass whose transfers name peers (mok__plan_names_peers; else `balanced`):
- * `balanced`, the count for a balanced load (every rank receives as many rows as its tokens send,
- * own_rows = T·k), scaled by the rows this rank's comm tasks move per FLOP of its compute against
- * that case, within [1, max]. A pulled transfer moves the rows this rank receives (routed_rows),
- * a pushed or gathered one the rows of its own tokens (own_rows), whatever rank their experts are
- * on; the backward moves two rows (x, dy) per reverse-combined row; a recompute pass pulls.
- * Compute: routed_rows·I plus T·I_s. With the default directions a rank's moves follow its
- * compute, so `balanced` stays; with transfers turned around, the rank whose experts get most
- * rows gives workers to compute while the others take on its rows' moves. */
-MOK_CORE int mok__comm_workers(const mok_plan *plan, int balanced, int max, int64_t own_rows, int64_t routed_rows);
-
-/* A pass's comm workers when the config leaves them to the backend (measured on 2x H200,
- * docs/perf.md). A worker copies rows at ~35-45 GB/s whatever the method, so the workers a pass
- * needs grow with the bytes its rows move per FLOP: 4·H bytes (in and out) against 6·H·I_eff
- * FLOPs, I_eff = I + I_s / k counting the shared expert's work per routed row;
- * ceil(12288 / I_eff) gives 16 for Qwen3-30B-A3B (I = 768; 16 beat 8, 12 and 24) and 6 for
- * DeepSeek-V3. Raised to a floor: 8 in the one-rank forward (8 beat 4, 12, 16 and 24); across
- * ranks 10 in the forward (DeepSeek-V3 EP2: 10 beat 12 and 16 by 2-6% once a comm task loaded
- * its tile's row sources at once) and 16 in the backward (16 beat 10 and 24, and 24, 32, 48
- * before). The one-rank backward takes ceil(15360 / I_eff) with a floor of 12: its comm tasks
- * bounded the dh / dx phases (trace: compute idle 22-28% there with 8), and 12 beat 8, 16, 20
- * and 24 on DeepSeek-V3 (-3%), 20 beat 12, 16 and 24 on Qwen3 (-3.6%).
- * direct: one rank whose down (dx) tiles store their rows into the (token, slot) rows themselves,
- * so that its comm tasks move rows one way only (dispatch; pull): ceil(6144 / I_eff) with a floor
- * of 4 in the forward, ceil(12288 / I_eff) with a floor of 8 in the backward (the pass simulator's
- * best counts for both layers, scripts/sim_pass.py; on 2x H200 the direct one-rank passes came
- * out -1.4% / 0.0% (DeepSeek-V3, fwd / bwd) and -0.4% / -6.6% (Qwen3); other counts unmeasured).
- * At most a quarter of the SMs, and at least one SM left to compute. */
-MOK_CORE int mok__comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
-                           int direct, int num_sms);
-
-/* The GEMM groups' walk when the backend chooses it (mok__group_tile; measured on 2x H200,
- * docs/perf.md, sixth session): runs of 8 row tiles for hidden >= 6144, where CTAs running
- * neighbouring tickets then share a sub-tile's block of weights (256 columns x H, 3.7 MB at
- * H = 7168) in L2: EP2 backward -3% to -10% on the four layers with H of 6144 and 7168;
- * tile-major (1) below, where the shared activation tile is worth more (H = 4096: +4% with 8). */
-MOK_CORE int mok__raster(int64_t hidden);
 
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);

@@ -4,7 +4,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "cuda_common.cuh"
+#include "cuda/backend.cuh"
 
 extern "C" int mok__cuda_device_count(void) {
     int n = 0;

@@ -2,7 +2,7 @@
  * synchronisation: stage this rank's ids and T into its symmetric region, cross-GPU barrier,
  * then count / scan / place kernels that read all ranks' ids through peer pointers, and a
  * closing barrier (peers read this rank's ids until then). The result is bit-for-bit the
- * schedule that core/schedule.c builds sequentially (same row order, see schedule.h).
+ * schedule that core/schedule.inc builds sequentially (same row order, see schedule.h).
  *
  * The one idea: a slot's rank i among its peer's slots to local expert l (the i of schedule.h)
  * is the rows that peer sends l in the chunks before the slot's chunk, plus the slot's rank
@@ -15,7 +15,7 @@
  * The scratch they pass on (cuda_sched_scratch, per rank) is fully rewritten by every build. */
 #include <string.h>
 
-#include "cuda_common.cuh"
+#include "cuda/backend.cuh"
 
 #define COUNT_THREADS 512
 #define COUNT_ITEMS 4        /* count: ids each thread has in flight per step */
@@ -77,7 +77,7 @@ size_t mok__cuda_sched_scratch(const mok_workspace *ws, int num_sms, char *base,
  * (every local expert, zeros included), chunk_error[chunk][peer], slot_expert of the slots below
  * T * k, and for peer == rank own_ids of the whole chunk (up to T_max * k). Every block writes
  * its entries even past T or for a bad T, so the scan reads no stale counts. A bad id is not
- * counted (as in core/schedule.c); a bad T leaves the peer's ids unread. */
+ * counted (as in core/schedule.inc); a bad T leaves the peer's ids unread. */
 __global__ void __launch_bounds__(COUNT_THREADS) sched_count_kernel(sched_params p) {
     extern __shared__ int hist[]; /* [L] */
     __shared__ int bad_id;
@@ -183,8 +183,8 @@ static __device__ long long tile_rows(long long n) { return (n + MOK_ROW_TILE - 
 /* One block, after the count kernel. (1) Turns chunk_counts, column by column (a column is one
  * (peer, expert) over the chunks), into the rows of that column in the chunks before (exclusive
  * scan, in place), and writes the column's total to counts[l * P + peer]. (2) Segments and the
- * header, as core/schedule.c's phase 2; header.error is the error of the highest peer that has
- * one (the code core/schedule.c keeps), else a capacity error; on any error the segments and row
+ * header, as core/schedule.inc's phase 2; header.error is the error of the highest peer that has
+ * one (the code core/schedule.inc keeps), else a capacity error; on any error the segments and row
  * totals are zero. Everything it writes is read by the place kernel, and the header by the pass. */
 __global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p) {
     __shared__ int partial[SCAN_THREADS];

@@ -1,278 +1,14 @@
-/* workspace.cu — the cuda backend's memory per rank: the symmetric region (ncclMemAlloc,
- * registered once as a window; peer pointers fetched once into a device table), the ring, the
- * shared expert's buffers, counters, the barrier epoch, the schedule build's scratch and the
- * error word with its mapped host mirror; and the cross-GPU barrier kernel. */
+/* workspace.cu — the cuda backend's workspace: every rank's memory, allocated once when the
+ * workspace is created (the rings, the shared expert's buffers, the counters, the barrier epoch,
+ * the task list, the schedule build's scratch, the weight-gradient carry, the trace; the
+ * symmetric region through symmetric.cu, the error word through error_word.cu) with its tuning
+ * resolved (tuning.h); and the calls that serve a workspace's caller: memory, synchronize, trace. */
 #include <string.h>
-#include <time.h>
 
-#include <nccl_device.h>
+#include <nccl_device.h> /* ncclTeamLsa */
 
-#include "cuda_common.cuh"
-
-static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
-
-/* What every rank's workspace must agree on, as it publishes it at creation (workspace_agree). */
-typedef struct cuda_blob {
-    mok_shape shape;
-    mok_config config;
-} cuda_blob;
-
-/* NOTE (call words): each barrier carries the call its rank is in (mok_call), packed into 64 bits
- * so that one store reaches each peer: kind (bits 0-2), step (3), workspace index (4-11, mod 256),
- * call number (12-31, mod 2^20), the workspace's digest (32-47, its low bits) and the schedule
- * build (48-63: 0 unknown, else 1 + build mod 65535). Two words agree when every field does, the
- * build only when both know it; the wrapped fields can hide a mismatch between calls 2^20 apart,
- * never invent one. A rank writes its word into every peer's slot of the epoch, then (same thread,
- * release) its flag; a peer reads the slot after it acquires the flag. The slots go by epoch mod
- * CALL_SLOTS = 4: a rank whose error word is set passes the rest of its failed call's barriers
- * without waiting, so it can be two epochs ahead of a peer that still reads its slot, never four
- * (the next call clears the word first, and its opening barrier waits). */
-#define CALL_SLOTS 4
-#define CALL_LOW_BITS ((1ull << 48) - 1)
-/* The word of a rank whose error word is set when it reaches the barrier: its part of the call has
- * failed (a timeout, a bad argument found on the device), so its peers' parts cannot complete
- * either; they report MOK_KERR_PEER_FAILED instead of a result that lacks that rank's rows. */
-#define CALL_FAILED (~0ull)
-
-static unsigned long long call_word(const mok_call *c, int step, int64_t build) {
-    const unsigned long long packed_build = build > 0 ? 1ull + (unsigned long long)(build % 65535) : 0ull;
-    return ((unsigned long long)c->kind & 7ull) | ((unsigned long long)(step & 1) << 3) |
-           (((unsigned long long)c->workspace & 0xffull) << 4) | (((unsigned long long)c->seq & 0xfffffull) << 12) |
-           ((c->digest & 0xffffull) << 32) | (packed_build << 48);
-}
-
-static __device__ __forceinline__ bool words_agree(unsigned long long a, unsigned long long b) {
-    if (a == CALL_FAILED || b == CALL_FAILED) return a == b;
-    const unsigned long long ba = a >> 48, bb = b >> 48;
-    return ((a ^ b) & CALL_LOW_BITS) == 0 && (ba == 0 || bb == 0 || ba == bb);
-}
-
-/* The call a word names, for messages (call numbers and builds as the word keeps them). */
-static void describe_word(unsigned long long w, char *out, size_t size) {
-    mok_call c;
-    memset(&c, 0, sizeof c);
-    c.kind = (int32_t)(w & 7ull);
-    c.step = (int32_t)((w >> 3) & 1ull);
-    c.workspace = (int64_t)((w >> 4) & 0xffull);
-    c.seq = (int64_t)((w >> 12) & 0xfffffull);
-    c.build = (w >> 48) ? (int64_t)(w >> 48) - 1 : 0;
-    mok__call_describe(&c, out, size);
-}
-
-/* Sets `code` (MOK_KERR_MISMATCH, MOK_KERR_PEER_FAILED) unless an earlier error is there; the winner
- * writes the peer and both words into the mirror before the code (set_error's rules,
- * cuda_common.cuh). */
-static __device__ void set_peer_error(int *error, int code, int peer, unsigned long long theirs,
-                                      unsigned long long mine) {
-    cuda_error_word *e = (cuda_error_word *)error;
-    if (atomicCAS(&e->word, 0, code) != 0) return;
-    int *m = e->mirror;
-    st_relaxed_sys(m + MIRROR_PEER, peer);
-    st_relaxed_sys(m + MIRROR_THEIRS, (int)(theirs & 0xffffffffull));
-    st_relaxed_sys(m + MIRROR_THEIRS + 1, (int)(theirs >> 32));
-    st_relaxed_sys(m + MIRROR_MINE, (int)(mine & 0xffffffffull));
-    st_relaxed_sys(m + MIRROR_MINE + 1, (int)(mine >> 32));
-    __threadfence_system();
-    st_relaxed_sys(m + MIRROR_CODE, code);
-    __threadfence_system();
-}
-
-/* Whether a transfer runs in other than its default direction: then the rings, counters and the
- * schedule's copy go into the window (cuda_sym_layout). */
-static int turned(const mok_config *c) {
-    return c->fwd_dispatch != MOK_PULL || c->fwd_combine != MOK_PUSH || c->bwd_combine != MOK_PULL ||
-           c->bwd_dispatch != MOK_PUSH;
-}
-
-static void sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t counters_cap) {
-    const mok_shape *s = &ws->shape;
-    size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
-    const size_t ring = (size_t)ws->config.ring_rows, I = (size_t)s->intermediate;
-    L->flags = off; off = align256(off + 8 * MOK_MAX_RANKS);
-    L->calls = off; off = align256(off + 8 * CALL_SLOTS * MOK_MAX_RANKS);
-    L->blob = off; off = align256(off + sizeof(cuda_blob));
-    L->tokens = off; off = align256(off + 8);
-    L->x = off; off = align256(off + T * H * 2);
-    L->router_w = off; off = align256(off + T * k * 4);
-    L->ids = off; off = align256(off + T * k * 4);
-    L->comb = off; off = align256(off + T * k * H * 2);
-    L->dy = off; off = align256(off + T * H * 2);
-    L->dxbuf = off; off = align256(off + T * k * H * 2);
-    L->drw = off; off = align256(off + T * k * 4);
-    L->turned = turned(&ws->config);
-    L->sched = L->counters = L->ring_x = L->ring_y = L->ring_dy = L->ring_dyw = L->ring_w = L->ring_rdot = 0;
-    if (L->turned) {
-        L->sched = off; off = align256(off + ws->sched_layout.bytes);
-        L->counters = off; off = align256(off + sizeof(unsigned long long) * (size_t)(counters_cap + 8));
-        L->ring_x = off; off = align256(off + ring * H * 2);
-        L->ring_y = off; off = align256(off + ring * H * 2);
-        L->ring_dy = off; off = align256(off + ring * H * 2);
-        L->ring_dyw = off; off = align256(off + ring * H * 2);
-        L->ring_w = off; off = align256(off + ring * 4);
-        L->ring_rdot = off; off = align256(off + ring * (I / 64) * 4);
-    }
-    L->bytes = off;
-}
-
-__global__ void peer_table_kernel(ncclWindow_t win, int nranks, char **peers) {
-    int p = threadIdx.x;
-    if (p < nranks) peers[p] = (char *)ncclGetLsaPointer(win, 0, p);
-}
-
-/* NOTE: every rank runs the same sequence of barriers, so the epochs agree. The epoch lives in
- * device memory and is bumped by the kernel itself, so a captured CUDA graph replays correctly.
- * With the epoch each rank publishes its call word (the NOTE above); a peer in another call sets
- * MOK_KERR_MISMATCH on every rank that sees it (all do), and the pass behind the barrier skips its
- * work (pass_start), as for any error. */
-__global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_calls, size_t off_tokens, int rank,
-                               int nranks, unsigned long long *epoch, long long tokens, int publish_tokens, int *error,
-                               long long timeout_ns, unsigned long long call) {
-    __shared__ unsigned long long e;
-    __shared__ int failed;
-    __threadfence_system();
-    if (threadIdx.x == 0) {
-        if (publish_tokens) *(volatile long long *)(peers[rank] + off_tokens) = tokens;
-        e = *epoch + 1;
-        *epoch = e;
-        failed = *(volatile int *)error != 0;
-        __threadfence_system();
-    }
-    __syncthreads();
-    if (failed) call = CALL_FAILED;
-    const size_t slot = (size_t)(e % CALL_SLOTS) * MOK_MAX_RANKS;
-    for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
-        *(volatile unsigned long long *)((unsigned long long *)(peers[p] + off_calls) + slot + rank) = call;
-        st_release_sys((unsigned long long *)(peers[p] + off_flags) + rank, e);
-    }
-    const unsigned long long *mine = (const unsigned long long *)(peers[rank] + off_flags);
-    const volatile unsigned long long *calls = (const volatile unsigned long long *)(peers[rank] + off_calls) + slot;
-    long long start = globaltimer_ns();
-    for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
-        bool arrived = true;
-        while (ld_acquire_sys(mine + p) < e) {
-            if (*(volatile int *)error) { /* the device word (cuda_error_word's first member) */
-                arrived = false;
-                break;
-            }
-            if (globaltimer_ns() - start > timeout_ns) {
-                set_error(error, MOK_KERR_TIMEOUT);
-                __threadfence_system();
-                arrived = false;
-                break;
-            }
-        }
-        const unsigned long long theirs = arrived ? calls[p] : call;
-        if (theirs == CALL_FAILED && call != CALL_FAILED) set_peer_error(error, MOK_KERR_PEER_FAILED, p, theirs, call);
-        else if (!words_agree(theirs, call)) set_peer_error(error, MOK_KERR_MISMATCH, p, theirs, call);
-    }
-    __syncthreads();
-}
-
-mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish, int step) {
-    cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    cuda_rank *R = &cw->ranks[lr];
-    const unsigned long long call = call_word(&ws->call, step, ws->call_build[lr]);
-    LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.calls, cw->sym.tokens, R->rank,
-                                                      ws->group->nranks, R->epoch, (long long)tokens_to_publish,
-                                                      tokens_to_publish >= 0, (int *)R->error_word,
-                                                      (long long)(ws->config.peer_timeout_ms * 1e6), call));
-    return MOK_OK;
-}
-
-/* Reports the first error word set on a local rank, as its host mirror shows it (no
- * synchronisation). Argument errors found on the device (a bad expert id, a schedule that does not
- * fit the pass) are cleared once reported: the mirrors here, each device word by the next call on
- * its rank (mok__cuda_error_word_clear), so the next pass with good arguments works. A timeout or
- * a stall leaves the group unusable (and the words set). */
-mok_status mok__cuda_check_error_word(mok_workspace *ws) {
-    cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    for (int lr = 0; lr < cw->num_local; ++lr) {
-        volatile int *mirror = cw->ranks[lr].error_mirror;
-        int code = mirror[MIRROR_CODE];
-        if (!code) continue;
-        const int rank = cw->ranks[lr].rank;
-        if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE ||
-            code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
-            char theirs[160] = "", mine[160] = "";
-            const int peer = mirror[MIRROR_PEER];
-            if (code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
-                describe_word((unsigned long long)(unsigned)mirror[MIRROR_THEIRS] |
-                                  (unsigned long long)(unsigned)mirror[MIRROR_THEIRS + 1] << 32,
-                              theirs, sizeof theirs);
-                describe_word((unsigned long long)(unsigned)mirror[MIRROR_MINE] |
-                                  (unsigned long long)(unsigned)mirror[MIRROR_MINE + 1] << 32,
-                              mine, sizeof mine);
-            }
-            for (int other = 0; other < cw->num_local; ++other) {
-                *(volatile int *)cw->ranks[other].error_mirror = 0;
-                cw->ranks[other].error_clear_pending = 1;
-            }
-            if (code == MOK_KERR_EXPERT_ID)
-                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                                 "topk_ids: rank %d's kernel found an expert id outside [-1, E = %lld)", rank,
-                                 (long long)ws->shape.num_experts);
-            if (code == MOK_KERR_TOKENS)
-                return mok__fail(MOK_ERR_INVALID_ARGUMENT, "num_tokens: a peer of rank %d published T outside [0, T_max]",
-                                 rank);
-            if (code == MOK_KERR_PEER_FAILED)
-                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                                 "call: rank %d's part of %s failed (it reports its own error), so rank %d's part "
-                                 "did not complete either",
-                                 peer, mine, rank);
-            if (code == MOK_KERR_MISMATCH)
-                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                                 "call: rank %d was in %s while rank %d was in %s (call numbers mod 2^20, the "
-                                 "workspace mod 256); every rank makes the same collective calls in the same order, "
-                                 "on the same schedule build; neither pass ran",
-                                 peer, theirs, rank, mine);
-            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                             "schedule: rank %d's pass got a schedule that was not built (successfully) for this "
-                             "rank and num_tokens",
-                             rank);
-        }
-        /* A timeout or a stalled wait: peers may be out of step, and may still be inside a pass
-           that touches this rank's window (mok__cuda_workspace_destroy keeps it then). */
-        ws->failed = 1;
-        ws->group->failed = 1;
-        if (code == MOK_KERR_TIMEOUT) {
-            return mok__fail(MOK_ERR_TIMEOUT, "rank %d: a peer did not reach a barrier within peer_timeout_ms = %.0f",
-                             rank, ws->config.peer_timeout_ms);
-        }
-        return mok__fail(MOK_ERR_DEVICE_FAULT, "rank %d: the kernel reported error %d (a counter wait timed out)", rank,
-                         code);
-    }
-    return MOK_OK;
-}
-
-mok_status mok__cuda_error_word_clear(mok_workspace *ws, int lr, cudaStream_t stream) {
-    cuda_rank *R = &((cuda_workspace *)ws->impl)->ranks[lr];
-    if (!R->error_clear_pending) return MOK_OK;
-    CUDA_TRY(cudaMemsetAsync(&R->error_word->word, 0, sizeof(int), stream));
-    R->error_clear_pending = 0;
-    return MOK_OK;
-}
-
-/* Communicators made one process per rank are non-blocking (so a missing peer is a timeout):
- * their collective calls may answer "in progress". Waits until every local communicator is done,
- * bounded by the peer timeout. */
-static ncclResult_t nccl_finish(mok_workspace *ws, ncclResult_t r) {
-    if (r != ncclInProgress && r != ncclSuccess) return r;
-    cuda_group *cg = (cuda_group *)ws->group->impl;
-    double waited_ms = 0;
-    for (int lr = 0; lr < ws->group->num_local_ranks; ++lr) {
-        for (;;) {
-            ncclResult_t async = ncclSuccess;
-            ncclCommGetAsyncError(cg->comm[lr], &async);
-            if (async == ncclSuccess) break;
-            if (async != ncclInProgress) return async;
-            if (waited_ms > ws->config.peer_timeout_ms) return ncclInProgress;
-            struct timespec ts = {0, 200000};
-            nanosleep(&ts, NULL);
-            waited_ms += 0.2;
-        }
-    }
-    return ncclSuccess;
-}
+#include "cuda/backend.cuh"
+#include "cuda/sm90/tma.cuh"
 
 static void rank_release(cuda_rank *R) {
     cudaFree(R->peers);
@@ -303,20 +39,16 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->sched_mem);
     R->sched_mem = NULL;
     memset(&R->sched, 0, sizeof R->sched);
-    cudaFree(R->groups);
-    cudaFree(R->num_groups);
+    cudaFree(R->spans);
+    cudaFree(R->num_spans);
     cudaFree(R->comm_dev);
     R->comm_dev = NULL;
-    R->groups = NULL;
-    R->num_groups = NULL;
-    cudaFree(R->error_word);
-    if (R->error_mirror) cudaFreeHost(R->error_mirror);
+    R->spans = NULL;
+    R->num_spans = NULL;
+    mok__cuda_error_word_release(R);
     R->peers = NULL;
     R->ring_x = R->ring_h = R->ring_y = R->sh_h = R->sh_out = NULL;
     R->counters = R->epoch = NULL;
-    R->error_word = NULL;
-    R->error_mirror = NULL;
-    R->error_clear_pending = 0;
 }
 
 #define ALLOC(ptr, bytes)                                               \
@@ -360,54 +92,18 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->epoch, sizeof(unsigned long long));
     ALLOC(R->sched_mem, mok__cuda_sched_scratch(ws, R->num_sms, NULL, &R->sched));
     mok__cuda_sched_scratch(ws, R->num_sms, R->sched_mem, &R->sched);
-    R->groups_cap = mok__groups_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
-    ALLOC(R->groups, sizeof(mok_task_group) * (size_t)R->groups_cap);
-    ALLOC(R->num_groups, sizeof(long long));
+    R->spans_cap = mok__spans_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    ALLOC(R->spans, sizeof(mok_task_span) * (size_t)R->spans_cap);
+    ALLOC(R->num_spans, sizeof(long long));
     ALLOC(R->comm_dev, sizeof(int));
     CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
-    /* NOTE (the error word): who writes it, who reads it, who clears it, in which order.
-     * - Set: only set_error, on the device: atomicCAS(word, 0, code) at device scope; the one
-     *   thread whose CAS succeeds then stores the code into the mirror (st.relaxed.sys + a system
-     *   fence). So between two clears the mirror is written at most once, with the first code.
-     * - Read on the device: the device word, never the mirror (kernels skip their work while it
-     *   is set; waits give up). Read on the host: the mirror only, without synchronising
-     *   (mok__cuda_check_error_word at the start of every call, and after mok_synchronize).
-     * - Clear, for argument errors only (a timeout or a stall leaves the group unusable): the host
-     *   first zeroes the mirror when it reports the error and marks the rank; the next call on
-     *   the rank then zeroes the word with a cudaMemsetAsync on that call's stream, before any of
-     *   its kernels (mok__cuda_error_word_clear, from launch_pass and the schedule build). In
-     *   between, the word stays set, so kernels still in flight from the failed calls lose the
-     *   CAS and cannot write the mirror again; after the memset, in stream order, the next error
-     *   wins the CAS and writes the mirror anew. A word is never zeroed on every call: a call
-     *   issued behind a failed one (a forward behind a schedule with a bad id) must see the
-     *   earlier error, not clear it. A workspace serves one pass at a time (the caller orders its
-     *   passes, on one stream or through events), so the memset cannot overtake a kernel of an
-     *   earlier pass. One window is left: when a process drives several ranks, one report clears
-     *   every rank's mirror, and a rank whose winning store is still on its way shows its code
-     *   again later; mok_synchronize, which waits for the kernels before it reads, has none.
-     * - Graphs: a call captured while a clear is pending records the memset as a node, and every
-     *   replay then starts with a cleared word, as such a call would; other captures hold none. */
-    CUDA_TRY(cudaHostAlloc((void **)&R->error_mirror, sizeof(int) * MIRROR_INTS, cudaHostAllocMapped));
-    memset(R->error_mirror, 0, sizeof(int) * MIRROR_INTS);
-    cuda_error_word word = {0, 0, NULL};
-    CUDA_TRY(cudaHostGetDevicePointer((void **)&word.mirror, R->error_mirror, 0));
-    ALLOC(R->error_word, sizeof(cuda_error_word));
-    CUDA_TRY(cudaMemcpy(R->error_word, &word, sizeof word, cudaMemcpyHostToDevice));
-    R->error_clear_pending = 0;
-    return MOK_OK;
+    return mok__cuda_error_word_create(R, total);
 }
 
-/* With a turned transfer, the buffers peers reach are parts of the rank's window. */
-static void window_buffers(const cuda_workspace *cw, cuda_rank *R) {
-    if (!cw->sym.turned) return;
-    R->in_window = 1;
-    R->counters = (unsigned long long *)(R->sym + cw->sym.counters);
-    R->ring_x = (uint16_t *)(R->sym + cw->sym.ring_x);
-    R->ring_y = (uint16_t *)(R->sym + cw->sym.ring_y);
-    R->ring_dy = (uint16_t *)(R->sym + cw->sym.ring_dy);
-    R->ring_dyw = (uint16_t *)(R->sym + cw->sym.ring_dyw);
-    R->ring_w = (float *)(R->sym + cw->sym.ring_w);
-    R->ring_rdot = (float *)(R->sym + cw->sym.ring_rdot);
+static const char *environment(const char *name) { return getenv(name); }
+
+extern "C" const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws) {
+    return &((const cuda_workspace *)ws->impl)->ranks[0].tuning;
 }
 
 __global__ void blob_gather_kernel(char *const *peers, size_t off_blob, int nranks, cuda_blob *out) {
@@ -477,7 +173,7 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
         cw->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, ws->shape.max_tokens);
     }
-    sym_layout(&cw->sym, ws, cw->counters_cap);
+    mok__cuda_sym_layout(&cw->sym, ws, cw->counters_cap);
     cw->num_local = g->num_local_ranks;
     ws->impl = cw;
     int previous = 0;
@@ -489,6 +185,8 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         R->device = cg->device[lr];
         R->rank = g->first_rank + lr;
         R->num_sms = cg->num_sms[lr];
+        mok__cuda_tuning_resolve(&R->tuning, &ws->shape, &ws->config, g->nranks, R->num_sms, tma_encoder_found(),
+                                 environment);
         cudaSetDevice(R->device);
         ncclTeam_t lsa = ncclTeamLsa(cg->comm[lr]);
         if (lsa.nRanks != g->nranks) {
@@ -501,39 +199,9 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         size_t mine = 0;
         st = rank_alloc(ws, cw, R, &mine);
         total = mine;
-        if (st == MOK_OK) {
-            ncclResult_t r = ncclMemAlloc((void **)&R->sym, cw->sym.bytes);
-            if (r != ncclSuccess) st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: ncclMemAlloc(%zu): %s",
-                                                 cw->sym.bytes, ncclGetErrorString(r));
-            else if (cudaMemset(R->sym, 0, cw->sym.bytes) != cudaSuccess)
-                st = mok__fail(MOK_ERR_BACKEND, "workspace: clearing the symmetric region failed");
-            else
-                window_buffers(cw, R);
-        }
+        if (st == MOK_OK) st = mok__cuda_sym_alloc(cw, R);
     }
-    /* Collective: every rank registers its region (one group call for all local ranks). */
-    if (st == MOK_OK) {
-        ncclResult_t r = ncclGroupStart();
-        for (int lr = 0; lr < cw->num_local && r == ncclSuccess; ++lr) {
-            cudaSetDevice(cw->ranks[lr].device);
-            r = ncclCommWindowRegister(cg->comm[lr], cw->ranks[lr].sym, cw->sym.bytes, &cw->ranks[lr].win,
-                                       NCCL_WIN_COLL_SYMMETRIC);
-        }
-        ncclResult_t r2 = ncclGroupEnd();
-        if (r == ncclSuccess || r == ncclInProgress) r = r2;
-        r = nccl_finish(ws, r);
-        if (r == ncclInProgress)
-            st = mok__fail(MOK_ERR_TIMEOUT, "workspace: window registration did not finish within peer_timeout_ms");
-        else if (r != ncclSuccess)
-            st = mok__fail(MOK_ERR_BACKEND, "workspace: ncclCommWindowRegister: %s", ncclGetErrorString(r));
-    }
-    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
-        cuda_rank *R = &cw->ranks[lr];
-        cudaSetDevice(R->device);
-        peer_table_kernel<<<1, MOK_MAX_RANKS>>>(R->win, g->nranks, R->peers);
-        if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
-            st = mok__fail(MOK_ERR_BACKEND, "workspace: fetching the peer pointers failed on rank %d", R->rank);
-    }
+    if (st == MOK_OK) st = mok__cuda_sym_register(ws);
     if (st == MOK_OK && g->num_local_ranks < g->nranks) st = workspace_agree(ws);
     ws->sizes.symmetric_bytes = cw->sym.bytes;
     ws->sizes.workspace_bytes = total + cw->sym.bytes;
@@ -545,51 +213,20 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     return MOK_OK;
 }
 
-/* NOTE (freeing the window): after a timeout or a stall (group->failed, ws->failed), a rank of a
- * group of one process per rank cannot know that its peers' kernels have left its window: their
- * barrier and pass may still write into it until their own waits give up. Its window then stays
- * allocated (and registered) for the life of the process, as mok.h says; so does it when the
- * collective deregistration does not finish (a peer is not destroying the workspace with this
- * rank). Otherwise every rank has synchronised its devices before it deregisters, so no kernel of
- * any rank touches the window when it is freed. In local mode the synchronisation of every local
- * device suffices. */
 extern "C" mok_status mok__cuda_workspace_destroy(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     if (!cw) return MOK_OK;
-    mok_group *g = ws->group;
-    cuda_group *cg = (cuda_group *)g->impl;
-    const int per_rank = g->num_local_ranks < g->nranks;
-    int keep = per_rank && (g->failed || ws->failed);
-    mok_status st = MOK_OK;
     int previous = 0;
     cudaGetDevice(&previous);
-    /* No kernel of this rank may still use this memory. */
+    /* No kernel of this rank may still use this memory (a peer's: symmetric.cu's NOTE). */
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cudaSetDevice(cw->ranks[lr].device);
         cudaDeviceSynchronize();
     }
-    if (!g->failed && !keep) {
-        ncclGroupStart();
-        for (int lr = 0; lr < cw->num_local; ++lr)
-            if (cw->ranks[lr].win) {
-                cudaSetDevice(cw->ranks[lr].device);
-                ncclCommWindowDeregister(cg->comm[lr], cw->ranks[lr].win);
-            }
-        ncclResult_t r = nccl_finish(ws, ncclGroupEnd());
-        if (r != ncclSuccess && per_rank) {
-            keep = 1;
-            g->failed = 1;
-            st = mok__fail(r == ncclInProgress ? MOK_ERR_TIMEOUT : MOK_ERR_BACKEND,
-                           "workspace: the peers did not deregister its window with this rank (%s); the window stays "
-                           "allocated and the group is unusable",
-                           r == ncclInProgress ? "not within peer_timeout_ms" : ncclGetErrorString(r));
-        }
-    }
+    const mok_status st = mok__cuda_sym_release(ws);
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         cudaSetDevice(R->device);
-        if (R->sym && !keep) ncclMemFree(R->sym);
-        R->sym = NULL; /* when kept: on purpose, the NOTE above */
         rank_release(R);
     }
     cudaSetDevice(previous);

@@ -4,8 +4,8 @@
 #include "wgmma_loop.cuh"
 
 __global__ void pipelined_wgmma(float *out, const float *in, uint64_t da, uint64_t db, int ktiles) {
-    float acc[WS_ACC];
+    float acc[WGMMA_N256_ACC];
 #pragma unroll
-    for (int i = 0; i < WS_ACC; ++i) asm("ld.global.f32 %0, [%1];" : "=f"(acc[i]) : "l"(in + i * 128 + threadIdx.x));
+    for (int i = 0; i < WGMMA_N256_ACC; ++i) asm("ld.global.f32 %0, [%1];" : "=f"(acc[i]) : "l"(in + i * 128 + threadIdx.x));
     pipelined_loop(acc, out, da, db, ktiles);
 }

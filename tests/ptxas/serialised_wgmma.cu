@@ -5,13 +5,13 @@
 #include "wgmma_loop.cuh"
 
 __global__ void serialised_wgmma(float *out, const float *in, int zero, uint64_t da, uint64_t db, int ktiles) {
-    float acc[WS_ACC];
+    float acc[WGMMA_N256_ACC];
     if (zero) {
 #pragma unroll
-        for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < WGMMA_N256_ACC; ++i) acc[i] = 0.0f;
     } else {
 #pragma unroll
-        for (int i = 0; i < WS_ACC; ++i) acc[i] = in[i * 128 + threadIdx.x];
+        for (int i = 0; i < WGMMA_N256_ACC; ++i) acc[i] = in[i * 128 + threadIdx.x];
     }
     pipelined_loop(acc, out, da, db, ktiles);
 }

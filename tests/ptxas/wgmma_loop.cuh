@@ -6,9 +6,9 @@
 
 #include <stdint.h>
 
-#include "cuda/wgmma_tile.cuh"
+#include "cuda/sm90/ptx.cuh"
 
-static __device__ __forceinline__ void pipelined_loop(float (&acc)[WS_ACC], float *out, uint64_t da, uint64_t db,
+static __device__ __forceinline__ void pipelined_loop(float (&acc)[WGMMA_N256_ACC], float *out, uint64_t da, uint64_t db,
                                                       int ktiles) {
     for (int kt = 0; kt < ktiles; ++kt) {
         wgmma_fence();
@@ -19,7 +19,7 @@ static __device__ __forceinline__ void pipelined_loop(float (&acc)[WS_ACC], floa
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < WS_ACC; ++i) out[i * 128 + threadIdx.x] = acc[i];
+    for (int i = 0; i < WGMMA_N256_ACC; ++i) out[i * 128 + threadIdx.x] = acc[i];
 }
 
 #endif

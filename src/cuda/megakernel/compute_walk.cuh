@@ -1,32 +1,32 @@
-/* walk_ws.cuh — the compute CTAs' task loop in warp-specialised form (WS_THREADS threads): the
- * producer warpgroup claims the role's tickets, waits on their counters and streams each task's
- * GEMM operands into the stage ring (wgmma_tile.cuh); the two consumer warpgroups run the GEMMs
- * and the epilogues, then bump the done counters. The producer is already loading the next task
- * while the consumers finish this one, so short-K tiles no longer start cold.
+/* compute_walk.cuh — the compute CTAs' task loop in warp-specialised form (COMPUTE_THREADS
+ * threads): the producer warpgroup claims the role's tickets, waits on their counters and streams
+ * each task's GEMM operands into the stage ring (gemm_tile.cuh); the two consumer warpgroups run
+ * the GEMMs and the epilogues, then bump the done counters. The producer is already loading the
+ * next task while the consumers finish this one, so a short-K tile does not start cold.
  *
  * A Runner says what a compute task is, and both sides ask it the same questions:
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
- *   prepare(p, v, grp, rt, nt, &tp): producer thread 0, once per task before posting it: what
- *                                    the others need of the schedule (pass.cuh's task_prep); they
+ *   prepare(p, v, span, rt, nt, &tp): producer thread 0, once per task before posting it: what
+ *                                    the others need of the schedule (params.cuh's task_prep); they
  *                                    get it as `tp` (shared memory, beside the task's queue entry)
- *   gemm(p, grp, rt, nt, tp, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
+ *   gemm(p, span, rt, nt, tp, i, &op): 0 when the task has no GEMM i, else 1 + its layout;
  *                                    GEMMs 0, 1, ... run in order
- *   preset<VAR>(p, grp, rt, nt, tp, i, acc): consumer side, before GEMM i: fills acc with the
+ *   preset<VAR>(p, span, rt, nt, tp, i, acc): consumer side, before GEMM i: fills acc with the
  *                                      starting values (zeros, or a carried fp32 tile) on every path
- *   epilogue<VAR>(p, grp, rt, nt, tp, i, acc, staging, red, maps): consumer side, after GEMM i; if
+ *   epilogue<VAR>(p, span, rt, nt, tp, i, acc, staging, red, maps): consumer side, after GEMM i; if
  *                                      it used `staging`, it returns with the consumers
  *                                      synchronised; consumer thread 0 may leave TMA stores from
  *                                      the staging region in flight (tma.cuh), which it waits
  *                                      for before the region is written again and at the end
  *   VAR is GEMM i's layout (2 A_MN + B_MN): each layout's consumer path is compiled apart (its
  *   own accumulators), so an epilogue needs only the task kinds whose GEMMs have that layout.
- *   Every other kind's code is dead there, and copies of it fill the instruction cache (the
- *   backward kernel was 1.9 MB of code with three copies of every epilogue).
- *   plain(p, grp, rt, nt, tp): consumer side, after the GEMMs (tasks without any run only this)
+ *   Every other kind's code would be dead there, and its copies (one per layout) would fill the
+ *   instruction cache.
+ *   plain(p, span, rt, nt, tp): consumer side, after the GEMMs (tasks without any run only this)
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
  * consumers do not wait on the gpu-scope fence: after the task's closing consumer barrier,
- * consumer thread 0 posts {group, tile, times} into a WS_CQ-entry ring (cfull/cempty, count 1
+ * consumer thread 0 posts {span, tile, times} into a DONE_QUEUE-entry ring (cfull/cempty, count 1
  * each) and goes on; the completer waits on cfull (acquire, cta scope: the consumers' stores
  * happen before), then fences at gpu scope and releases the counters.
  *
@@ -43,57 +43,57 @@
 #ifndef MOK_CUDA_WALK_WS_CUH
 #define MOK_CUDA_WALK_WS_CUH
 
-#include "pass.cuh"
-#include "wgmma_tile.cuh"
+#include "cuda/megakernel/task_list.cuh"
+#include "cuda/sm90/gemm_tile.cuh"
 
-struct ws_task {
+struct queued_task {
     long long g, rt, nt;
     long long stop;
 };
 
 /* config.trace: a task's time inside its GEMM main loops and when the last one ended. */
-struct ws_clock {
+struct task_clock {
     long long gemm_ns, gemm_end;
 };
 
-struct ws_done { /* a finished task, for the completer */
+struct done_task { /* a finished task, for the completer */
     long long g, rt, start, end, gemm_ns, gemm_end;
     long long stop;
 };
-#define WS_CQ 4
+#define DONE_QUEUE 4
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
- * SwiGLU-backward tile's fp32 dh, [TILE_BM][WS_DH_LD], then TILE_BM per-row sums and TILE_BM
+ * SwiGLU-backward tile's fp32 dh, [TILE_BM][DH_SCRATCH_LD], then TILE_BM per-row sums and TILE_BM
  * router weights; backward.cu),
  * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
-#define WS_STAGING_OFF (WS_STAGES * WS_STAGE_BYTES)
-#define WS_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
-#define WS_DH_LD 68 /* floats: 64 columns, padded */
-#define WS_DH_BYTES ((TILE_BM * WS_DH_LD + 2 * TILE_BM) * 4)
-#define WS_BAR_OFF (WS_STAGING_OFF + WS_STAGING_BYTES + WS_DH_BYTES)
+#define SMEM_STAGING_OFF (RING_STAGES * STAGE_BYTES)
+#define SMEM_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
+#define DH_SCRATCH_LD 68 /* floats: 64 columns, padded */
+#define DH_SCRATCH_BYTES ((TILE_BM * DH_SCRATCH_LD + 2 * TILE_BM) * 4)
+#define SMEM_BARRIERS_OFF (SMEM_STAGING_OFF + SMEM_STAGING_BYTES + DH_SCRATCH_BYTES)
 /* A weight-gradient tile stored by TMA (backward.cu) occupies the staging tile and the dh scratch
- * as four 128-row x 64-column bf16 boxes (WS_STORE_BOX_BYTES, wgmma_tile.cuh), each 1024-byte
+ * as four 128-row x 64-column bf16 boxes (STORE_BOX_BYTES, gemm_tile.cuh), each 1024-byte
  * aligned for the 128B swizzle. */
-static_assert(4 * WS_STORE_BOX_BYTES <= WS_STAGING_BYTES + WS_DH_BYTES && WS_STAGING_OFF % 1024 == 0,
+static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SMEM_STAGING_OFF % 1024 == 0,
               "the TMA store boxes fit the staging region");
-#define WS_QUEUE_OFF (WS_BAR_OFF + 8 * (2 * WS_STAGES + 4 + 2 * WS_CQ))
-#define WS_CQ_OFF (WS_QUEUE_OFF + 2 * (int)sizeof(ws_task))
-#define WS_PREP_OFF ((WS_CQ_OFF + WS_CQ * (int)sizeof(ws_done) + 15) / 16 * 16)
+#define SMEM_QUEUE_OFF (SMEM_BARRIERS_OFF + 8 * (2 * RING_STAGES + 4 + 2 * DONE_QUEUE))
+#define SMEM_DONE_QUEUE_OFF (SMEM_QUEUE_OFF + 2 * (int)sizeof(queued_task))
+#define SMEM_PREP_OFF ((SMEM_DONE_QUEUE_OFF + DONE_QUEUE * (int)sizeof(done_task) + 15) / 16 * 16)
 /* The schedule's expert_start [E + 1] and expert_rows [E] (int64), copied at the CTA's start when
- * E <= WS_EXPERTS_MAX: the producer's row_tile and weight-gradient prep search and read them for
- * every task, and from global memory each step of that search missed L1 (the counter acquire
- * before it empties L1), ~7 dependent L2 round trips per task on its way to posting the task. */
-#define WS_EXPERTS_MAX 512
-#define WS_EXPERTS_OFF (WS_PREP_OFF + 2 * (int)sizeof(task_prep))
-#define WS_SMEM_BYTES (1024 + WS_EXPERTS_OFF + (2 * WS_EXPERTS_MAX + 1) * 8)
-static_assert(WS_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
+ * E <= SMEM_EXPERTS_MAX: the producer's row_tile and weight-gradient prep search and read them for
+ * every task, and from global memory each step of that search would miss L1 (the counter acquire
+ * before it empties L1): a dependent L2 round trip per step, on its way to posting the task. */
+#define SMEM_EXPERTS_MAX 512
+#define SMEM_EXPERTS_OFF (SMEM_PREP_OFF + 2 * (int)sizeof(task_prep))
+#define COMPUTE_SMEM_BYTES (1024 + SMEM_EXPERTS_OFF + (2 * SMEM_EXPERTS_MAX + 1) * 8)
+static_assert(COMPUTE_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
-struct ws_shared {
+struct compute_shared {
     uint32_t qfull, qempty, cfull, cempty;
-    volatile ws_task *queue;
-    volatile ws_done *cq;
+    volatile queued_task *queue;
+    volatile done_task *cq;
     task_prep *prep; /* [2], one per queue entry */
 };
 
@@ -173,78 +173,78 @@ static __device__ __forceinline__ void use_tma_mn(const pass_params &p, tile_ope
 }
 
 template <typename Runner, bool A_MN, bool B_MN>
-static __device__ __forceinline__ bool ws_variant_used(int variant) {
+static __device__ __forceinline__ bool variant_used(int variant) {
     return variant == (A_MN ? 2 : 0) + (B_MN ? 1 : 0) && ((Runner::VARIANTS >> variant) & 1);
 }
 
 template <typename Runner>
-static __device__ void ws_produce(ws_ring &r, int variant, const tile_operands &op, int tid) {
-    if (op.tma) ws_produce_tma(r, op, tid);
-    else if (ws_variant_used<Runner, false, false>(variant)) ws_produce_gemm<false, false>(r, op, tid);
-    else if (ws_variant_used<Runner, false, true>(variant)) ws_produce_gemm<false, true>(r, op, tid);
-    else if (ws_variant_used<Runner, true, false>(variant)) ws_produce_gemm<true, false>(r, op, tid);
-    else if (ws_variant_used<Runner, true, true>(variant)) ws_produce_gemm<true, true>(r, op, tid);
+static __device__ void produce(stage_ring &r, int variant, const tile_operands &op, int tid) {
+    if (op.tma) produce_tma(r, op, tid);
+    else if (variant_used<Runner, false, false>(variant)) produce_gemm<false, false>(r, op, tid);
+    else if (variant_used<Runner, false, true>(variant)) produce_gemm<false, true>(r, op, tid);
+    else if (variant_used<Runner, true, false>(variant)) produce_gemm<true, false>(r, op, tid);
+    else if (variant_used<Runner, true, true>(variant)) produce_gemm<true, true>(r, op, tid);
 }
 
 /* Consumers, GEMM i of a task: preset, multiply, epilogue. One instantiation per operand layout,
  * each with its own accumulators: merging them across layouts makes ptxas serialise the wgmmas. */
 template <typename Runner, bool A_MN, bool B_MN>
-static __device__ __forceinline__ void ws_phase(const pass_params &p, const mok_task_group &grp, long long rt,
-                                                long long nt, const task_prep &tp, int i, ws_ring &r, const tile_operands &op,
-                                                uint16_t *staging, float *red, ws_clock &clk) {
-    float acc[WS_ACC];
-    Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, grp, rt, nt, tp, i, acc);
+static __device__ __forceinline__ void consume_phase(const pass_params &p, const mok_task_span &span, long long rt,
+                                                long long nt, const task_prep &tp, int i, stage_ring &r, const tile_operands &op,
+                                                uint16_t *staging, float *red, task_clock &clk) {
+    float acc[TILE_ACC];
+    Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, span, rt, nt, tp, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
-    ws_consume_gemm<A_MN, B_MN>(r, op, acc);
+    consume_gemm<A_MN, B_MN>(r, op, acc);
     if (TRACE_ON(p)) {
         clk.gemm_end = globaltimer_ns();
         clk.gemm_ns += clk.gemm_end - g0;
     }
-    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, grp, rt, nt, tp, i, acc, staging, red, r.maps);
+    Runner::template epilogue<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, span, rt, nt, tp, i, acc, staging, red, r.maps);
 }
 
 template <typename Runner>
-static __device__ __forceinline__ void ws_consume(const pass_params &p, const mok_task_group &grp, long long rt,
-                                  long long nt, const task_prep &tp, int i, ws_ring &r, int variant, const tile_operands &op,
-                                  uint16_t *staging, float *red, ws_clock &clk) {
-    if (ws_variant_used<Runner, false, false>(variant))
-        ws_phase<Runner, false, false>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
-    else if (ws_variant_used<Runner, false, true>(variant))
-        ws_phase<Runner, false, true>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
-    else if (ws_variant_used<Runner, true, false>(variant))
-        ws_phase<Runner, true, false>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
-    else if (ws_variant_used<Runner, true, true>(variant))
-        ws_phase<Runner, true, true>(p, grp, rt, nt, tp, i, r, op, staging, red, clk);
+static __device__ __forceinline__ void consume(const pass_params &p, const mok_task_span &span, long long rt,
+                                  long long nt, const task_prep &tp, int i, stage_ring &r, int variant, const tile_operands &op,
+                                  uint16_t *staging, float *red, task_clock &clk) {
+    if (variant_used<Runner, false, false>(variant))
+        consume_phase<Runner, false, false>(p, span, rt, nt, tp, i, r, op, staging, red, clk);
+    else if (variant_used<Runner, false, true>(variant))
+        consume_phase<Runner, false, true>(p, span, rt, nt, tp, i, r, op, staging, red, clk);
+    else if (variant_used<Runner, true, false>(variant))
+        consume_phase<Runner, true, false>(p, span, rt, nt, tp, i, r, op, staging, red, clk);
+    else if (variant_used<Runner, true, true>(variant))
+        consume_phase<Runner, true, true>(p, span, rt, nt, tp, i, r, op, staging, red, clk);
 }
 
 template <typename Runner>
-static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_view &v, ws_ring r, const ws_shared &sh) {
+static __device__ void producer_loop(const pass_params &p, const mok_sched_view &v, stage_ring r, const compute_shared &sh) {
     const uint32_t qfull = sh.qfull, qempty = sh.qempty;
-    volatile ws_task *queue = sh.queue;
+    volatile queued_task *queue = sh.queue;
     const int tid = threadIdx.x;
     unsigned long long *ticket = p.counters + p.counters_cap + MOK_ROLE_COMPUTE;
-    const long long num_groups = *p.num_groups;
+    const long long num_spans = *p.num_spans;
     task_cursor cur = {-1, 0, 0};
     /* The next ticket is claimed as soon as the current task is posted: the atomic's round trip
        then overlaps the current task's loads instead of delaying the next task's. */
     unsigned long long next = tid == 0 ? atomicAdd(ticket, 1ull) : 0;
-    counter_seen seen = {-1, 0}; /* thread 0: the last wait[0] counter it waited on (pass.cuh) */
+    counter_seen seen = {-1, 0}; /* thread 0: the last wait[0] counter it waited on (counters.cuh) */
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (tid == 0) {
             long long g = 0, rt = 0, nt = 0, stop = 1;
             const long long t = (long long)next;
             task_prep tp = {};
-            if (cursor_seek(p, MOK_ROLE_COMPUTE, num_groups, cur, t)) {
-                const mok_task_group grp = p.groups[cur.g];
+            if (cursor_seek(p, MOK_ROLE_COMPUTE, num_spans, cur, t)) {
+                const mok_task_span span = p.spans[cur.g];
                 long long wait;
-                task_decode(grp, t - cur.g_first, &rt, &nt, &wait);
+                task_decode(span, t - cur.g_first, &rt, &nt, &wait);
                 g = cur.g;
-                tp.grp = grp;
-                Runner::prepare(p, v, grp, rt, nt, &tp);
+                tp.span = span;
+                Runner::prepare(p, v, span, rt, nt, &tp);
                 /* compute tasks wait on their own rank's counters, most on wait[0] alone */
-                stop = !(wait_counter_seen(p, wait, grp.target[0], &seen) &&
-                         wait_counter_thread(p, grp.wait[1], grp.target[1]));
+                stop = !(wait_counter_seen(p, wait, span.target[0], &seen) &&
+                         wait_counter_thread(p, span.wait[1], span.target[1]));
             }
             mbar_wait(qempty + 8 * q, (uint32_t)((n >> 1) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
             if (!stop) sh.prep[q] = tp;
@@ -259,22 +259,22 @@ static __device__ void ws_producer_loop(const pass_params &p, const mok_sched_vi
         if (queue[q].stop) break;
         const long long rt = queue[q].rt, nt = queue[q].nt;
         const task_prep &tp = sh.prep[q];
-        const mok_task_group &grp = tp.grp;
+        const mok_task_span &span = tp.span;
         for (int i = 0;; ++i) {
             tile_operands op;
-            const int kind = Runner::gemm(p, grp, rt, nt, tp, i, &op);
+            const int kind = Runner::gemm(p, span, rt, nt, tp, i, &op);
             if (!kind) break;
-            ws_produce<Runner>(r, kind - 1, op, tid);
+            produce<Runner>(r, kind - 1, op, tid);
         }
     }
     cp_async_wait_all();
 }
 
 template <typename Runner>
-static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, ws_ring r, const ws_shared &sh,
+static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage_ring r, const compute_shared &sh,
                                         uint16_t *staging, float *red) {
     __shared__ int s_stop;
-    const int ctid = threadIdx.x - WS_PRODUCERS;
+    const int ctid = threadIdx.x - PRODUCER_THREADS;
     long long ncq = 0; /* records posted to the completer (meaningful in consumer thread 0) */
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
@@ -286,23 +286,23 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, ws
         const bool stop = s_stop;
         const long long g = sh.queue[q].g, rt = sh.queue[q].rt, nt = sh.queue[q].nt;
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
-        ws_clock clk = {0, 0};
+        task_clock clk = {0, 0};
         if (!stop) {
             const task_prep &tp = sh.prep[q];
-            const mok_task_group &grp = tp.grp;
+            const mok_task_span &span = tp.span;
             for (int i = 0;; ++i) {
                 tile_operands op;
-                const int kind = Runner::gemm(p, grp, rt, nt, tp, i, &op);
+                const int kind = Runner::gemm(p, span, rt, nt, tp, i, &op);
                 if (!kind) break;
-                ws_consume<Runner>(p, grp, rt, nt, tp, i, r, kind - 1, op, staging, red, clk);
+                consume<Runner>(p, span, rt, nt, tp, i, r, kind - 1, op, staging, red, clk);
             }
-            Runner::plain(p, grp, rt, nt, tp);
+            Runner::plain(p, span, rt, nt, tp);
         }
         consumer_sync(); /* every consumer's stores of the task are done; s_stop and entry q are read */
         if (ctid == 0) {
             if (!stop) mbar_arrive(sh.qempty + 8 * q);
-            const int c = (int)(ncq % WS_CQ);
-            mbar_wait(sh.cempty + 8 * c, (uint32_t)((ncq / WS_CQ) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
+            const int c = (int)(ncq % DONE_QUEUE);
+            mbar_wait(sh.cempty + 8 * c, (uint32_t)((ncq / DONE_QUEUE) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
             sh.cq[c].g = g;
             sh.cq[c].rt = rt;
             sh.cq[c].start = start;
@@ -315,58 +315,58 @@ static __device__ __forceinline__ void ws_consumer_loop(const pass_params &p, ws
         }
         if (stop) break;
     }
-    if (threadIdx.x == WS_PRODUCERS) bulk_wait(); /* the epilogues' TMA stores are done */
+    if (threadIdx.x == PRODUCER_THREADS) bulk_wait(); /* the epilogues' TMA stores are done */
 }
 
 /* Warp 3 of the producer warpgroup, lane 0: releases the done counters of finished tasks. */
-static __device__ void ws_completer_loop(const pass_params &p, const ws_ring &r, const ws_shared &sh) {
+static __device__ void completer_loop(const pass_params &p, const stage_ring &r, const compute_shared &sh) {
     if ((threadIdx.x & 31) != 0) return;
     for (long long n = 0;; ++n) {
-        const int c = (int)(n % WS_CQ);
-        mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / WS_CQ) & 1), r.abort, r.error, r.timeout_ns);
+        const int c = (int)(n % DONE_QUEUE);
+        mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / DONE_QUEUE) & 1), r.abort, r.error, r.timeout_ns);
         if (sh.cq[c].stop || *(volatile unsigned long long *)r.abort) break;
         const long long g = sh.cq[c].g, rt = sh.cq[c].rt, start = sh.cq[c].start, end = sh.cq[c].end;
         const long long gemm_ns = sh.cq[c].gemm_ns, epi_ns = sh.cq[c].gemm_end ? end - sh.cq[c].gemm_end : 0;
         mbar_arrive(sh.cempty + 8 * c);
-        finish_task(p, p.groups[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
+        finish_task(p, p.spans[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
     }
 }
 
 /* The compute CTA: set up the ring and the queue, then split into producer and consumers. */
 template <typename Runner>
-static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red,
+static __device__ __forceinline__ void walk_compute(const pass_params &p, const mok_sched_view &v, uint8_t *smem_raw, float *red,
                                        const CUtensorMap *maps) {
     const uint32_t raw = smem_addr(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;
     uint8_t *aligned = smem_raw + (base - raw);
-    ws_ring r;
+    stage_ring r;
     r.stages = base;
-    r.full = base + WS_BAR_OFF;
-    r.empty = r.full + 8 * WS_STAGES;
+    r.full = base + SMEM_BARRIERS_OFF;
+    r.empty = r.full + 8 * RING_STAGES;
     r.stage = 0;
     r.phase = 0;
     r.abort = p.counters + p.counters_cap + 2;
     r.error = p.error;
     r.timeout_ns = p.timeout_ns;
     r.maps = maps;
-    ws_shared sh;
-    sh.qfull = r.empty + 8 * WS_STAGES;
+    compute_shared sh;
+    sh.qfull = r.empty + 8 * RING_STAGES;
     sh.qempty = sh.qfull + 16;
     sh.cfull = sh.qempty + 16;
-    sh.cempty = sh.cfull + 8 * WS_CQ;
-    sh.queue = (volatile ws_task *)(aligned + WS_QUEUE_OFF);
-    sh.cq = (volatile ws_done *)(aligned + WS_CQ_OFF);
-    sh.prep = (task_prep *)(aligned + WS_PREP_OFF);
+    sh.cempty = sh.cfull + 8 * DONE_QUEUE;
+    sh.queue = (volatile queued_task *)(aligned + SMEM_QUEUE_OFF);
+    sh.cq = (volatile done_task *)(aligned + SMEM_DONE_QUEUE_OFF);
+    sh.prep = (task_prep *)(aligned + SMEM_PREP_OFF);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < WS_STAGES; ++s) {
-            mbar_init(r.full + 8 * s, WS_LOADERS);
-            mbar_init(r.empty + 8 * s, WS_CONSUMERS / 32);
+        for (int s = 0; s < RING_STAGES; ++s) {
+            mbar_init(r.full + 8 * s, LOADER_THREADS);
+            mbar_init(r.empty + 8 * s, CONSUMER_THREADS / 32);
         }
         for (int q = 0; q < 2; ++q) {
             mbar_init(sh.qfull + 8 * q, 1);
             mbar_init(sh.qempty + 8 * q, 1);
         }
-        for (int c = 0; c < WS_CQ; ++c) {
+        for (int c = 0; c < DONE_QUEUE; ++c) {
             mbar_init(sh.cfull + 8 * c, 1);
             mbar_init(sh.cempty + 8 * c, 1);
         }
@@ -376,8 +376,8 @@ static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, con
        schedule does not change during the pass) */
     mok_sched_view vs = v;
     const int E = p.num_local_experts;
-    if (E <= WS_EXPERTS_MAX) {
-        int64_t *starts = (int64_t *)(aligned + WS_EXPERTS_OFF), *rows = starts + E + 1;
+    if (E <= SMEM_EXPERTS_MAX) {
+        int64_t *starts = (int64_t *)(aligned + SMEM_EXPERTS_OFF), *rows = starts + E + 1;
         for (int i = threadIdx.x; i <= E; i += blockDim.x) starts[i] = v.expert_start[i];
         for (int i = threadIdx.x; i < E; i += blockDim.x) rows[i] = v.expert_rows[i];
         vs.expert_start = starts;
@@ -387,13 +387,13 @@ static __device__ __forceinline__ void walk_compute_ws(const pass_params &p, con
     /* Warp indices through a shuffle: the compiler then knows the branches are warp-uniform and
        keeps the consumers' wgmmas asynchronous. */
     const int warp = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 32), 0);
-    if (warp < WS_PRODUCERS / 32) {
+    if (warp < PRODUCER_THREADS / 32) {
         setmaxnreg_dec_producer(); /* the whole producer warpgroup, before its warps part */
-        if (warp < WS_LOADERS / 32) ws_producer_loop<Runner>(p, vs, r, sh);
-        else ws_completer_loop(p, r, sh);
+        if (warp < LOADER_THREADS / 32) producer_loop<Runner>(p, vs, r, sh);
+        else completer_loop(p, r, sh);
     } else {
         setmaxnreg_inc_consumer();
-        ws_consumer_loop<Runner>(p, r, sh, (uint16_t *)(aligned + WS_STAGING_OFF), red);
+        consumer_loop<Runner>(p, r, sh, (uint16_t *)(aligned + SMEM_STAGING_OFF), red);
     }
 }
 

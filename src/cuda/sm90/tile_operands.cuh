@@ -5,7 +5,7 @@
  * pointer and k rows past k_valid read as zeros, so a tile may be partial. Shared memory holds
  * 128-byte rows swizzled by 16-byte chunk (chunk ^ row % 8): the 128B pattern of wgmma.
  *
- * This is the replaceable unit of DESIGN 2.5; wgmma_tile.cuh computes it on sm_90a. */
+ * This is the replaceable unit of DESIGN 2.5; gemm_tile.cuh computes it on sm_90a. */
 #ifndef MOK_CUDA_TILE_OPERANDS_CUH
 #define MOK_CUDA_TILE_OPERANDS_CUH
 
@@ -47,15 +47,8 @@ typedef struct tile_operands {
     int b_map[2], b_row[2];
 } tile_operands;
 
-static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, bool valid) {
-    int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+/* A 128-row x 64-column bf16 box in the 128B swizzle: the unit of the TMA stores. */
+#define STORE_BOX_BYTES (TILE_BM * 128)
 
 static __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
     return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));

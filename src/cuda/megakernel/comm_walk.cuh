@@ -1,15 +1,43 @@
-/* comm_rows.cuh — how a comm CTA moves the rows of one task (dispatch, combine, pull, push): one
- * warp per row, each lane keeping four 16-byte loads in flight before it stores them.
+/* comm_walk.cuh — the comm CTAs: their task loop (every thread of the CTA on one task at a time)
+ * and how a comm task moves the rows of a row tile (dispatch, combine, pull, push, gather,
+ * scatter): one warp per row, each lane keeping four 16-byte loads in flight before it stores.
  *
- * NOTE (measured, dev/copy_rows.cu and docs/perf.md): an SM copies scattered rows at ~35–40 GB/s
- * (read + write ~75 GB/s, near its share of the L2), whatever the method: warps with 4 loads in
- * flight per lane, bulk copies into shared-memory slots read by storing warps, or bulk copies in
- * and out. For 4 KB rows the bulk copies were 3–4x slower (per-copy cost ~0.4 µs). So the rate of
- * a pass's data movement is set by the number of comm CTAs, not by how each one copies. */
-#ifndef MOK_CUDA_COMM_ROWS_CUH
-#define MOK_CUDA_COMM_ROWS_CUH
+ * NOTE (rate, dev/copy_rows.cu): an SM copies scattered rows at about the same rate whatever the
+ * method: warps with 4 loads in flight per lane, bulk copies into shared-memory slots read by
+ * storing warps, or bulk copies in and out (slower for rows of a few KB, each bulk copy having a
+ * fixed cost). So the rate of a pass's data movement is set by the number of comm CTAs, not by
+ * how each one copies (tuning.h: mok__cuda_comm_ctas). */
+#ifndef MOK_CUDA_MEGAKERNEL_COMM_WALK_CUH
+#define MOK_CUDA_MEGAKERNEL_COMM_WALK_CUH
 
-#include "pass.cuh"
+#include "cuda/megakernel/task_list.cuh"
+
+/* The CTA loop: claim a ticket of this CTA's role, find its span and task, wait, run, bump. */
+template <typename Runner>
+static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
+    __shared__ long long s_ticket;
+    __shared__ int s_flag;
+    const int role = MOK_ROLE_COMM; /* compute CTAs run walk_compute (compute_walk.cuh) */
+    unsigned long long *ticket = p.counters + p.counters_cap + role;
+    const long long num_spans = *p.num_spans;
+    task_cursor cur = {-1, 0, 0};
+    for (;;) {
+        if (threadIdx.x == 0) s_ticket = (long long)atomicAdd(ticket, 1ull);
+        __syncthreads();
+        const long long t = s_ticket;
+        __syncthreads();
+        if (!cursor_seek(p, role, num_spans, cur, t)) break;
+        const mok_task_span span = p.spans[cur.g];
+        long long rt, nt, wait;
+        task_decode(span, t - cur.g_first, &rt, &nt, &wait);
+        if (!wait_counter(p, wait, span.target[0], &s_flag, span.wait_peer)) break;
+        if (!wait_counter(p, span.wait[1], span.target[1], &s_flag)) break;
+        const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
+        Runner::run(p, v, span, rt, nt, smem);
+        __syncthreads();
+        if (threadIdx.x == 0) finish_task(p, span, rt, role, start, TRACE_ON(p) ? globaltimer_ns() : 0);
+    }
+}
 
 /* The source rank and (token, slot) of a row tile's 128 rows, as a comm task moves them: loaded
  * by the first 128 threads at once into the comm CTA's shared memory, so that the warps'

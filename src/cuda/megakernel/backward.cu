@@ -1,4 +1,4 @@
-/* backward.cu — the backward megakernel, the same design as the forward (pass.cuh): comm CTAs
+/* backward.cu — the backward megakernel, the same design as the forward (forward.cu): comm CTAs
  * pull dy rows, their router weights and the x rows from the tokens' owners into the ring and
  * push each routed row's dx part and router-weight gradient back into its owner's per-(token,
  * slot) buffers; compute CTAs run the shared expert's backward, then per minibatch dy·W_down
@@ -15,8 +15,9 @@
  * and the weight gradients of its previous occupant. One CTA owns a weight-gradient tile for a
  * macrobatch and carries the fp32 accumulator to the next one through the caller's fp32 buffer
  * (accumulate) or a carry slot, so sums run over an expert's rows in schedule order. */
-#include "comm_rows.cuh"
-#include "walk_ws.cuh"
+#include "cuda/megakernel/comm_walk.cuh"
+#include "cuda/megakernel/swiglu.cuh"
+#include "cuda/megakernel/wgrad.cuh"
 
 /* Per ring row, one warp: x and dy of its (peer, token) pair, w·dy beside dy and the router
  * weight; the tile's padding rows of x and w·dy are written as zeros, which the weight
@@ -109,238 +110,20 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
     }
 }
 
-/* ---- compute tasks (consumer side of walk_ws.cuh) ------------------------------------------ */
+/* ---- compute tasks (consumer side of compute_walk.cuh) ------------------------------------------ */
 
 static __device__ __forceinline__ int token_rows(const pass_params &p, long long t0) {
     return (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
 }
 
-/* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
- * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
- * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
- * zeros (the routed tiles' padding rows, read by the weight gradients).
- *
- * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
- * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (walk_ws.cuh);
- * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
- * bytes and the loop's code is small (a copy per 16-column slice of the accumulators made this
- * epilogue ~13,400 instructions of straight-line code). The rows' router weights come into the
- * scratch once per tile, with the first chunk: read from global memory in the row loop, each
- * row waited a global load's latency (~45 µs per 256-column tile on the H200). The partial of a
- * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
- * chunks in order, in the scratch's per-row sums: a fixed order. */
-static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[WS_ACC], int rows, int n_valid, const uint16_t *gu,
-                                                long long gu_ld, long long inter, long long n0, const float *w,
-                                                float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
-                                                long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
-                                                bool zero_pad) {
-    const int t = threadIdx.x - WS_PRODUCERS, lane = t & 31, warp = t >> 5;
-    const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * WS_DH_LD, *wsm = rsum + TILE_BM;
-    if (t < TILE_BM) { /* both read after the first chunk's barrier */
-        rsum[t] = 0.0f;
-        wsm[t] = w && t < rows ? w[t] : 1.0f;
-    }
-#pragma unroll
-    for (int hc = 0; hc < TILE_BN / 64; ++hc) {
-        if (hc * 64 >= n_valid) break;
-        /* cp.async: a thread's 8 loads of g|u are in flight together */
-        for (int idx = t; idx < rows * 16; idx += WS_CONSUMERS) {
-            const int r = idx >> 4, c8 = (idx & 15) * 8;
-            const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
-            cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int a = 4 * (8 * hc + j) + 2 * half;
-                *(float2 *)(dsm + (row0 + 8 * half) * WS_DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
-            }
-        cp_async_wait_all();
-        consumer_sync();
-        const long long col = n0 + 64 * hc + 2 * lane;
-        /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
-           chunks instead, with the accumulators copied out through a switch, doubled the kernel's
-           spills). Rows warp + 32 m + 8 k, k = 0..3: four independent chains per iteration, each
-           row's sums in the same order as with two */
-        constexpr int RPI = 4; /* rows per iteration */
-#pragma unroll 1
-        for (int rp = warp; rp < TILE_BM; rp += RPI * (WS_CONSUMERS / 32)) {
-            uint32_t gpair[RPI], upair[RPI];
-            float2 d[RPI];
-            float wr[RPI];
-#pragma unroll
-            for (int k = 0; k < RPI; ++k) { /* every shared-memory load of the rows first */
-                const int row = rp + 8 * k;
-                gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
-                upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
-                d[k] = *(const float2 *)(dsm + row * WS_DH_LD + 2 * lane);
-                wr[k] = wsm[row];
-            }
-            float part[RPI];
-#pragma unroll
-            for (int k = 0; k < RPI; ++k) {
-                part[k] = 0.0f;
-                const int row = rp + 8 * k;
-                uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
-                if (row >= rows) {
-                    if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
-                    continue;
-                }
-                float h[2], dg[2], du[2];
-#pragma unroll
-                for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
-                    mok__swiglu_with_backward(wr[k] * (q ? d[k].y : d[k].x),
-                                              __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
-                                              __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), limit, &h[q],
-                                              &dg[q], &du[q]);
-                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
-                part[k] += d[k].x * __uint_as_float(hb << 16);
-                part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
-                *(uint32_t *)hp = hb;
-                *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
-                *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
-            }
-#pragma unroll
-            for (int m = 16; m >= 1; m >>= 1)
-#pragma unroll
-                for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
-            if (lane == 0)
-#pragma unroll
-                for (int k = 0; k < RPI; ++k)
-                    if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
-        }
-        consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
-    }
-    if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
-}
-
-/* A weight-gradient tile: out = init + A^T B over `rows` rows (A M-major, B N-major), where the
- * fp32 init comes from the caller's buffer (accumulate) or the carry slot, and the result goes to
- * the carry slot (the expert continues in the next macrobatch) or the destination. */
-struct wgrad_job {
-    tile_operands op;
-    const float *init;
-    float *carry_out;
-    char *dest;
-    int dest_f32, m_valid, n_valid;
-    long long ld;
-    int store_map, store_row, store_col; /* a bf16 destination's TMA map and box origin; -1: none */
-};
-
-static __device__ void wgrad_operands(const pass_params &p, int matrix, long long inter, long long i, long long j,
-                                      const uint16_t *dgu, const uint16_t *x, const uint16_t *dyw, const uint16_t *h,
-                                      long long rows, bool shared, long long ring0, wgrad_job *w) {
-    const long long H = p.hidden, m0 = i * CUDA_WGRAD_M, c0 = j * CUDA_WGRAD_N;
-    const long long mdim = matrix == MOK_WGRAD_DOWN ? H : inter, ndim = matrix == MOK_WGRAD_DOWN ? inter : H;
-    w->m_valid = (int)(mdim - m0 < CUDA_WGRAD_M ? mdim - m0 : CUDA_WGRAD_M);
-    w->n_valid = (int)(ndim - c0 < CUDA_WGRAD_N ? ndim - c0 : CUDA_WGRAD_N);
-    tile_operands &op = w->op;
-    op = tile_operands{};
-    if (matrix == MOK_WGRAD_DOWN) {
-        op.a = dyw + m0;
-        op.lda = H;
-        op.b_lo = h + c0;
-        op.ldb = inter;
-    } else {
-        op.a = dgu + (matrix == MOK_WGRAD_UP ? inter : 0) + m0;
-        op.lda = 2 * inter;
-        op.b_lo = x + c0;
-        op.ldb = H;
-    }
-    op.a_rows = w->m_valid;
-    op.n_valid = w->n_valid;
-    op.k_split = 1ll << 62;
-    op.k = rows;
-    op.k_valid = rows;
-    /* TMA: the ring (rows from ring0; padding rows are zeros) or the token-indexed buffers (rows
-       past T arrive as zeros) */
-    const int a_halves = (w->m_valid + 63) / 64, b_halves = (w->n_valid + 63) / 64;
-    if (matrix == MOK_WGRAD_DOWN)
-        use_tma_mn(p, &op, shared ? MAP_DY : MAP_RING_DYW, ring0, m0, a_halves, shared ? MAP_SH_H : MAP_RING_H, ring0,
-                   c0, b_halves);
-    else
-        use_tma_mn(p, &op, shared ? MAP_SH_DGU : MAP_RING_DGU, ring0, (matrix == MOK_WGRAD_UP ? inter : 0) + m0,
-                   a_halves, shared ? MAP_X : MAP_RING_X, ring0, c0, b_halves);
-}
-
-/* Producer thread 0, once per weight-gradient task (task_prep, pass.cuh): the tile's matrix and
- * tile indices, and for a routed expert its rows in this macrobatch (from the schedule). */
-static __device__ void wgrad_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
-                                     long long t, task_prep *tp) {
-    int64_t i, j;
-    int matrix;
-    if (grp.kind == MOK_TASK_SHARED_WGRAD) {
-        mok_plan plan = {};
-        plan.hidden = p.hidden;
-        plan.wgrad_tile = CUDA_WGRAD_M;
-        plan.wgrad_tile_n = CUDA_WGRAD_N;
-        plan.raster = p.raster;
-        mok__wgrad_tile(&plan, p.shared_inter, t, &matrix, &i, &j);
-        tp->wg_ring0 = tp->wg_carry = 0;
-        tp->wg_rows = p.num_tokens;
-        tp->wg_began = tp->wg_continues = 0;
-    } else {
-        mok_plan plan;
-        make_plan(p, v, &plan);
-        const int e = grp.first_tile;
-        int64_t first, end;
-        mok__expert_rows_in(&plan, e, grp.minibatch, &first, &end);
-        mok__wgrad_tile(&plan, p.inter, t, &matrix, &i, &j);
-        const long long start = v.expert_start[e];
-        tp->wg_ring0 = first % p.ring_rows;
-        tp->wg_rows = end - first;
-        tp->wg_carry = start / p.ring_rows;
-        tp->wg_began = first > start;
-        tp->wg_continues = start + v.expert_rows[e] > end;
-    }
-    tp->wg_matrix = matrix;
-    tp->wg_i = i;
-    tp->wg_j = j;
-}
-
-/* Every role: a weight-gradient task's job from its task_prep, with no schedule reads. */
-static __device__ void wgrad_job_of(const pass_params &p, const mok_task_group &grp, const task_prep &tp, wgrad_job *w) {
-    const long long H = p.hidden, i = tp.wg_i, j = tp.wg_j;
-    const int matrix = tp.wg_matrix;
-    if (grp.kind == MOK_TASK_SHARED_WGRAD) {
-        const long long Is = p.shared_inter;
-        w->ld = matrix == MOK_WGRAD_DOWN ? Is : H;
-        w->dest = (char *)p.ds[matrix] + (i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N) * (p.accumulate ? 4 : 2);
-        w->init = p.accumulate ? (const float *)w->dest : nullptr;
-        w->carry_out = nullptr;
-        w->store_map = MAP_DS_GATE + matrix;
-        w->store_row = (int)(i * CUDA_WGRAD_M);
-        w->store_col = (int)(j * CUDA_WGRAD_N);
-        wgrad_operands(p, matrix, Is, i, j, p.sh_dgu, p.x, p.dy, p.sh_h, p.num_tokens, true, 0, w);
-    } else {
-        const int e = grp.first_tile;
-        const long long I = p.inter, mat_elems = I * H, ring0 = tp.wg_ring0;
-        w->ld = matrix == MOK_WGRAD_DOWN ? I : H;
-        const long long offset = i * CUDA_WGRAD_M * w->ld + j * CUDA_WGRAD_N;
-        float *carry = p.carry + tp.wg_carry * 3 * mat_elems + matrix * mat_elems + offset;
-        w->dest = (char *)p.dw[matrix] + (e * mat_elems + offset) * (p.accumulate ? 4 : 2);
-        w->init = p.accumulate ? (const float *)w->dest : tp.wg_began ? carry : nullptr;
-        w->carry_out = (!p.accumulate && tp.wg_continues) ? carry : nullptr;
-        w->store_map = MAP_DW_GATE + matrix; /* rows of [E · rows, cols]: a matrix has H rows (down) or I */
-        w->store_row = (int)(e * (matrix == MOK_WGRAD_DOWN ? H : I) + i * CUDA_WGRAD_M);
-        w->store_col = (int)(j * CUDA_WGRAD_N);
-        wgrad_operands(p, matrix, I, i, j, p.ring_dgu + ring0 * 2 * I, p.ring_x + ring0 * H, p.ring_dyw + ring0 * H,
-                       p.ring_h + ring0 * I, tp.wg_rows, false, ring0, w);
-    }
-    w->dest_f32 = p.accumulate;
-    if (p.accumulate || w->carry_out || !((p.tma_mask >> w->store_map) & 1)) w->store_map = -1;
-}
-
 /* Producer thread 0, once per task: what the roles need of the schedule (task_prep). */
-static __device__ void bwd_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+static __device__ void bwd_prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span, long long rt,
                                    long long nt, task_prep *tp) {
-    switch (grp.kind) {
+    switch (span.kind) {
     case MOK_TASK_DH:
     case MOK_TASK_DX: tp->tile = row_tile(p, v, rt); break;
     case MOK_TASK_WGRAD:
-    case MOK_TASK_SHARED_WGRAD: wgrad_prepare(p, v, grp, nt, tp); break;
+    case MOK_TASK_SHARED_WGRAD: wgrad_prepare(p, v, span, nt, tp); break;
     default: break;
     }
 }
@@ -353,13 +136,13 @@ static __device__ __forceinline__ void dh_common(tile_operands *op, long long H,
     op->k = op->k_valid = H;
 }
 
-/* GEMM i of a compute task; 1 + operand layout (walk_ws.cuh), 0 when there is none. A routed dh
+/* GEMM i of a compute task; 1 + operand layout (compute_walk.cuh), 0 when there is none. A routed dh
  * task whose g|u the context does not keep replays them first (one K-major GEMM per 64 columns). */
-static __device__ int bwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+static __device__ int bwd_gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                const task_prep &tp, int i, tile_operands *op) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     *op = tile_operands{};
-    switch (grp.kind) {
+    switch (span.kind) {
     case MOK_TASK_DH: {
         const tile_info t = tp.tile;
         if (t.nreal == 0) return 0;
@@ -399,7 +182,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_group &grp, 
     case MOK_TASK_DX:
     case MOK_TASK_SHARED_DX: {
         if (i > 0) return 0;
-        const bool shared = grp.kind == MOK_TASK_SHARED_DX;
+        const bool shared = span.kind == MOK_TASK_SHARED_DX;
         const long long inter = shared ? Is : I, n0 = nt * p.n_tile_h;
         op->lda = 2 * inter;
         op->ldb = H;
@@ -429,7 +212,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_group &grp, 
     case MOK_TASK_SHARED_WGRAD: {
         if (i > 0) return 0;
         wgrad_job w;
-        wgrad_job_of(p, grp, tp, &w);
+        wgrad_job_of(p, span, tp, &w);
         *op = w.op;
         return 4;
     }
@@ -437,13 +220,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_group &grp, 
     }
 }
 
-/* Two fp32 loads into f32 registers: a plain load is typed b32 and carried into the wgmma loop
- * through moves that make ptxas serialise the wgmmas (C7514). */
-static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float *b) {
-    asm("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(*a), "=f"(*b) : "l"(p));
-}
-
-/* The operand layouts of bwd_gemm's GEMMs (walk_ws.cuh: 2 A_MN + B_MN, bwd_gemm returns 1 + it):
+/* The operand layouts of bwd_gemm's GEMMs (compute_walk.cuh: 2 A_MN + B_MN, bwd_gemm returns 1 + it):
  * a dh task's replay of g|u is K/K, the dgrad GEMMs (dh, dx, routed and shared) K/N-major, the
  * weight gradients M/N-major. bwd_epilogue compiles for layout VAR only the kinds whose GEMMs
  * have it. bwd_preset keeps its runtime test of the kind: pruned by VAR, it let ptxas see zero
@@ -452,75 +229,11 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
 #define BWD_VAR_DGRAD 1
 #define BWD_VAR_WGRAD 3
 
-/* An fp32 tile (a weight gradient's carry, or accumulate mode's destination) out through the
- * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
- * each thread's column pairs into a [128][WS_F32_LD] fp32 tile, then one warp per row in 16-byte
- * chunks. From registers, the fragment's pattern wrote 32 bytes into each of 8 rows per warp store
- * (the bf16 one, half that, reached ~5.5 GB/s per SM with every SM storing: docs/perf.md). Row
- * stride 136 floats: the 8-byte writes of a half-warp (rows r..r+3, 8 columns each) fall on
- * distinct banks. rows, cols: the valid part (cols a multiple of 64); out 16-byte aligned, ld a
- * multiple of 4. */
-#define WS_F32_LD 136
-static_assert(TILE_BM * WS_F32_LD * 4 <= WS_STAGING_BYTES + WS_DH_BYTES, "128 fp32 columns fit the staging region");
-static __device__ __forceinline__ void store_staged_f32(const float (&acc)[WS_ACC], int rows, int cols, float *out,
-                                                        long long ld, float *c) {
-    const int t = threadIdx.x - WS_PRODUCERS;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (h * 128 >= cols) break;
-#pragma unroll
-        for (int r = 64 * h; r < 64 * h + 64; r += 2) { /* registers 64h.. hold columns 128h..128h+127 */
-            int row, col;
-            ws_acc_position(r, &row, &col);
-            *(float2 *)(c + row * WS_F32_LD + col - 128 * h) = make_float2(acc[r], acc[r + 1]);
-        }
-        consumer_sync();
-        const int n = cols - 128 * h < 128 ? cols - 128 * h : 128;
-        for (int idx = t; idx < TILE_BM * 32; idx += WS_CONSUMERS) {
-            const int row = idx >> 5, c4 = (idx & 31) * 4;
-            if (row < rows && c4 < n)
-                *(float4 *)(out + row * ld + 128 * h + c4) = *(const float4 *)(c + row * WS_F32_LD + c4);
-        }
-        consumer_sync();
-    }
-}
-
-/* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros.
- * One path for both, every load predicated: an early branch to zeros, or starting the first
- * wgmma with scale-d 0 on the zero path, made ptxas serialise the wgmmas (C7515; the backward's
- * main loops ~20% slower on the H200, docs/perf.md), which the build now refuses. */
 template <int VAR>
-static __device__ __forceinline__ void bwd_preset(const pass_params &p, const mok_task_group &grp, const task_prep &tp,
-                                  float (&acc)[WS_ACC]) {
-    wgrad_job w;
-    w.init = nullptr;
-    if (grp.kind == MOK_TASK_WGRAD || grp.kind == MOK_TASK_SHARED_WGRAD) wgrad_job_of(p, grp, tp, &w);
-    /* The thread's rows are row0 and row0 + 8, its columns col0 + 8j (+1): two row predicates
-     * (both off without an init) and no column predicate: a column past n_valid reads at the
-     * last valid pair's address instead (a value no epilogue stores: they store the valid part
-     * only), so every load stays inside the matrix. Bounds per register (64 predicates, more than
-     * a thread has, so spilled to registers) cost ~1,100 instructions per GEMM phase, 15% of the
-     * backward's executed instructions (ncu). */
-    int row0, col0;
-    ws_acc_position(0, &row0, &col0);
-    const bool on0 = w.init && row0 < w.m_valid, on8 = w.init && row0 + 8 < w.m_valid;
-    const int last = w.init ? w.n_valid - 2 - col0 : 0; /* the last valid pair's offset from col0 */
-    const float *b0 = w.init ? w.init + row0 * w.ld + col0 : nullptr, *b8 = w.init ? b0 + 8 * w.ld : nullptr;
-#pragma unroll
-    for (int r = 0; r < WS_ACC; r += 2) {
-        const int dc = (r >> 2) * 8, c = dc < last ? dc : last; /* ws_acc_position(r) - (row0, col0) */
-        float a = 0.0f, b = 0.0f;
-        if ((r & 2) ? on8 : on0) ld_f32x2(((r & 2) ? b8 : b0) + c, &a, &b);
-        acc[r] = a;
-        acc[r + 1] = b;
-    }
-}
-
-template <int VAR>
-static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
-                                    long long nt, const task_prep &tp, int i, float (&acc)[WS_ACC], uint16_t *c,
+static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
+                                    long long nt, const task_prep &tp, int i, float (&acc)[TILE_ACC], uint16_t *c,
                                     const CUtensorMap *maps) {
-    const int tid = threadIdx.x - WS_PRODUCERS;
+    const int tid = threadIdx.x - PRODUCER_THREADS;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     /* every path below writes the staging region: the last weight-gradient tile's TMA stores,
        issued by thread 0, must have read it first */
@@ -530,17 +243,17 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         const tile_info t = tp.tile;
         uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
         const long long n0 = nt * p.n_tile + 64 * i;
-        ws_stage_bf16(c, acc);
-        for (int idx = tid; idx < t.nreal * 16; idx += WS_CONSUMERS) {
+        stage_bf16(c, acc);
+        for (int idx = tid; idx < t.nreal * 16; idx += CONSUMER_THREADS) {
             int r = idx >> 4, c8 = (idx & 15) * 8;
             uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
             *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
         }
     } else if (VAR == BWD_VAR_DGRAD) {
-        switch (grp.kind) {
+        switch (span.kind) {
         case MOK_TASK_DH:
         case MOK_TASK_SHARED_DH: { /* one call site for both: this epilogue is the kernel's largest code */
-            const bool routed = grp.kind == MOK_TASK_DH;
+            const bool routed = span.kind == MOK_TASK_DH;
             const long long inter = routed ? I : Is;
             int rows;
             const uint16_t *gu;
@@ -598,7 +311,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         }
     } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
         wgrad_job w;
-        wgrad_job_of(p, grp, tp, &w);
+        wgrad_job_of(p, span, tp, &w);
         if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
             /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
                the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
@@ -606,14 +319,14 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
             uint8_t *box = (uint8_t *)c;
             const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
 #pragma unroll
-            for (int j = 0; j < WS_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
-            fence_proxy_async_smem();
+            for (int j = 0; j < TILE_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
+            fence_proxy_async();
             consumer_sync();
             if (tid == 0) {
 #pragma unroll
                 for (int b = 0; b < CUDA_WGRAD_N / 64; ++b)
                     tma_store_2d(&maps[w.store_map], w.store_col + 64 * b, w.store_row,
-                                 (uint32_t)__cvta_generic_to_shared(box + b * WS_STORE_BOX_BYTES));
+                                 (uint32_t)__cvta_generic_to_shared(box + b * STORE_BOX_BYTES));
                 bulk_commit();
             }
         } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
@@ -626,65 +339,56 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     consumer_sync();
 }
 
-/* Experts with no rows: zero weight gradients (bf16 mode; accumulate mode leaves them as they are). */
-static __device__ void run_wgrad_zero(const pass_params &p, int e) {
-    const long long n = p.inter * p.hidden;
-    for (int m = 0; m < 3; ++m) {
-        uint16_t *d = (uint16_t *)p.dw[m] + e * n;
-        for (long long i = threadIdx.x - WS_PRODUCERS; i < n / 8; i += WS_CONSUMERS) ((int4 *)d)[i] = make_int4(0, 0, 0, 0);
-    }
-}
-
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
-struct backward_runner {
-    static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+struct backward_comm {
+    static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_span &span, long long rt,
                                long long, uint16_t *smem) {
         comm_tile *ct = (comm_tile *)smem;
-        switch (grp.kind) {
+        switch (span.kind) {
         case MOK_TASK_PULL: run_pull(p, v, rt, ct); break;
         case MOK_TASK_PUSH: run_push(p, v, rt, ct); break;
-        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt, ct); break;
-        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt, ct); break;
+        case MOK_TASK_GATHER: run_gather(p, span.peer, rt, ct); break;
+        case MOK_TASK_SCATTER: run_scatter(p, span.peer, rt, ct); break;
         default: break; /* OPEN: its counter is all it has */
         }
     }
 };
 
-struct backward_ws {
+struct backward_compute {
     static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* K/K, K/N-major, M-major/N-major */
-    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long nt, task_prep *tp) {
-        bwd_prepare(p, v, grp, rt, nt, tp);
+        bwd_prepare(p, v, span, rt, nt, tp);
     }
-    static __device__ int gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+    static __device__ int gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                const task_prep &tp, int i, tile_operands *op) {
-        return bwd_gemm(p, grp, rt, nt, tp, i, op);
+        return bwd_gemm(p, span, rt, nt, tp, i, op);
     }
     template <int VAR>
-    static __device__ void preset(const pass_params &p, const mok_task_group &grp, long long, long long,
-                                  const task_prep &tp, int, float (&acc)[WS_ACC]) {
-        bwd_preset<VAR>(p, grp, tp, acc);
+    static __device__ void preset(const pass_params &p, const mok_task_span &span, long long, long long,
+                                  const task_prep &tp, int, float (&acc)[TILE_ACC]) {
+        bwd_preset<VAR>(p, span, tp, acc);
     }
     template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
-                                    const task_prep &tp, int i, float (&acc)[WS_ACC], uint16_t *c, float *,
+    static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
+                                    const task_prep &tp, int i, float (&acc)[TILE_ACC], uint16_t *c, float *,
                                     const CUtensorMap *maps) {
-        bwd_epilogue<VAR>(p, grp, rt, nt, tp, i, acc, c, maps);
+        bwd_epilogue<VAR>(p, span, rt, nt, tp, i, acc, c, maps);
     }
-    static __device__ void plain(const pass_params &p, const mok_task_group &grp, long long, long long,
+    static __device__ void plain(const pass_params &p, const mok_task_span &span, long long, long long,
                                  const task_prep &) {
-        if (grp.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, grp.first_tile);
+        if (span.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, span.first_tile);
     }
 };
 
-__global__ void __launch_bounds__(WS_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
+__global__ void __launch_bounds__(COMPUTE_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
     int comm;
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < comm) walk_tasks<backward_runner>(p, v, (uint16_t *)smem_raw); /* comm_tile */
-    else walk_compute_ws<backward_ws>(p, v, smem_raw, nullptr, maps.m);
+    if (blockIdx.x < comm) walk_tasks<backward_comm>(p, v, (uint16_t *)smem_raw); /* comm_tile */
+    else walk_compute<backward_compute>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry, comm);
@@ -702,6 +406,7 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
+    if (!R->tuning.tma) return 0;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 64) << MAP_RING_DY;
@@ -723,33 +428,6 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     return mask | weight_maps(p, maps);
 }
 
-/* dx[t] = bf16(shared part + sum_j routed parts) in fp32, in that order; d_router_w from the
- * experts' owners (0 for empty slots). One thread per 8 columns of a token. */
-__global__ void backward_epilogue_kernel(const pass_params p, uint16_t *dx, float *d_router_w, const char *sym,
-                                         size_t off_dxbuf, size_t off_drw) {
-    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    const long long chunks = p.hidden / 8;
-    const uint16_t *dxbuf = (const uint16_t *)(sym + off_dxbuf);
-    const float *drw = (const float *)(sym + off_drw);
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < p.num_tokens * chunks;
-         idx += (long long)gridDim.x * blockDim.x) {
-        long long t = idx / chunks, c8 = (idx % chunks) * 8;
-        float acc[8];
-        uint16_t in[8];
-        if (p.shared_inter > 0) {
-            *(int4 *)in = *(const int4 *)(p.sh_out + t * p.hidden + c8);
-            for (int i = 0; i < 8; ++i) acc[i] = mok__bf16_to_f32(in[i]);
-        } else {
-            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        }
-        if (c8 == 0)
-            for (int j = 0; j < p.topk; ++j)
-                d_router_w[t * p.topk + j] = v.own_ids[t * p.topk + j] >= 0 ? drw[t * p.topk + j] : 0.0f;
-        slot_sum8<false>(acc, v.own_ids + t * p.topk, nullptr, dxbuf + t * p.topk * p.hidden + c8, p.hidden, p.topk);
-        *(int4 *)(dx + t * p.hidden + c8) = bf16x8_from_f32(acc);
-    }
-}
-
 extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_args *args) {
     mok_status st = mok__cuda_check_error_word(ws);
     if (st != MOK_OK) return st;
@@ -757,7 +435,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
     const mok_shape *s = &ws->shape;
     int previous = 0;
     cudaGetDevice(&previous);
-    const size_t smem = WS_SMEM_BYTES;
+    const size_t smem = COMPUTE_SMEM_BYTES;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_backward_args *a = &args[lr];
@@ -770,8 +448,8 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
         p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
-        p.n_tile = mok_cuda_cols_dh(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.bwd_comm_sms, 1);
+        p.n_tile = R->tuning.cols_dh;
+        pass_params_comm(&p, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;
         p.router_w = a->router_w;
@@ -789,12 +467,13 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         }
         pass_maps maps;
         p.tma_mask = backward_maps(R, &p, &maps);
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)backward_kernel, WS_THREADS, smem, stream, a->num_tokens,
-                              &maps)) != MOK_OK)
-            return st;
+        st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)backward_kernel, COMPUTE_THREADS, smem, stream,
+                                   a->num_tokens, &maps);
+        if (st != MOK_OK) return st;
         if (T > 0)
-            LAUNCH_TRY(backward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(
-                p, (uint16_t *)a->dx, a->d_router_w, R->sym, cw->sym.dxbuf, cw->sym.drw));
+            st = mok__cuda_backward_slot_sums(p, R->num_sms, (uint16_t *)a->dx, a->d_router_w, R->sym, cw->sym.dxbuf,
+                                              cw->sym.drw, stream);
+        if (st != MOK_OK) return st;
     }
     cudaSetDevice(previous);
     return MOK_OK;

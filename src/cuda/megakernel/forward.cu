@@ -2,9 +2,9 @@
  * CTAs [0, comm) pull-dispatch routed rows from the peers' x into the ring and push-combine
  * finished expert outputs into their owners' per-(token, slot) buffers; the others run the
  * shared expert, then per minibatch the gate/up GEMM with SwiGLU and the down GEMM, on the
- * warp-specialised wgmma tile (walk_ws.cuh: a producer warpgroup loads, two consumer
+ * warp-specialised wgmma tile (compute_walk.cuh: a producer warpgroup loads, two consumer
  * warpgroups multiply and run the epilogues). Each role
- * claims its tasks with a ticket, in the order of core/tasks.c (mok__groups_build), and waits
+ * claims its tasks with a ticket, in the order of core/tasks.inc (mok__spans_build), and waits
  * only on counters of earlier tasks: deadlock-free as long as all CTAs run at once.
  *
  * Buffer ownership: ring rows of a row tile are written by that tile's DISPATCH (x), GATEUP
@@ -13,8 +13,8 @@
  * combine row (token, slot) has exactly one writer: the COMBINE of the rank owning the expert. */
 #include <string.h>
 
-#include "comm_rows.cuh"
-#include "walk_ws.cuh"
+#include "cuda/megakernel/comm_walk.cuh"
+#include "cuda/megakernel/swiglu.cuh"
 
 
 /* x rows of the tile's (peer, token) pairs into the ring, one warp per row. */
@@ -77,7 +77,7 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
 
 /* The one GEMM of a compute task: gate|up (n_tile columns of each: B is n_tile gate rows, then
  * n_tile up rows) or down (n_tile_h columns of H), routed or shared. */
-static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+static __device__ int fwd_gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                const task_prep &tp, int i, tile_operands *op) {
     if (i > 0) return 0;
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
@@ -85,7 +85,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, 
     op->lda = H;
     op->ldb = H;
     op->k = H;
-    switch (grp.kind) {
+    switch (span.kind) {
     case MOK_TASK_GATEUP: {
         const tile_info t = tp.tile;
         const long long n0 = nt * p.n_tile;
@@ -137,65 +137,16 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_group &grp, 
     }
 }
 
-/* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
- * u, the same columns + NT, for the next NT / 8 (NT = n_tile: the accumulators are indexed by
- * constants only). g and u rounded to bf16 go into the context rows (padding rows as zeros; rows
- * from ctx_rows on are not kept), h = bf16(silu(g) * u) into h_out for real rows. They go out
- * through shared memory (stmatrix in, 16-byte chunks out: copy_staged): g into the staging tile c
- * and u into the one beside it (the backward's dh scratch, the same size and unused in the
- * forward), then h into c. The fragment's own pattern stored 16 bytes into each of 8 rows per
- * warp store. */
-template <int NT>
-static __device__ __forceinline__ void swiglu_staged(const float (&acc)[WS_ACC], int nreal, long long ctx_row0,
-                                                     long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
-                                                     long long n0, uint16_t *h_out, long long h_ld, float limit,
-                                                     uint16_t *c) {
-    static_assert(WS_DH_BYTES >= TILE_BM * TILE_C_LD * 2, "a second staging tile fits the dh scratch");
-    const int t = threadIdx.x - WS_PRODUCERS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
-    uint16_t *c2 = c + TILE_BM * TILE_C_LD;
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c), base2 = (uint32_t)__cvta_generic_to_shared(c2);
-    uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
-#pragma unroll
-    for (int j = 0; j < NT / 8; j += 2) {
-        uint32_t g[4], u[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
-            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
-            const bool real = row0 + 8 * (k & 1) < nreal;
-            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
-            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
-            h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
-                                           mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
-                                                       __uint_as_float(u[k] & 0xffff0000u), limit));
-        }
-        stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
-        stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
-    }
-    const long long left = ctx ? ctx_rows - ctx_row0 : 0;
-    const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
-    consumer_sync();
-    if (keep > 0) {
-        copy_staged(c, keep, NT, ctx + ctx_row0 * ctx_ld + n0, ctx_ld);
-        copy_staged(c2, keep, NT, ctx + ctx_row0 * ctx_ld + inter + n0, ctx_ld);
-    }
-    consumer_sync();
-#pragma unroll
-    for (int j = 0; j < NT / 8; j += 2) stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
-    consumer_sync();
-    copy_staged(c, nreal, NT, h_out + n0, h_ld);
-    consumer_sync();
-}
-
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
  * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers). The
  * walk's closing barrier orders the stores before the release. */
-static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_group &grp, long long rt,
-                                    long long nt, const task_prep &tp, float (&acc)[WS_ACC], uint16_t *staging) {
+static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
+                                    long long nt, const task_prep &tp, float (&acc)[TILE_ACC], uint16_t *staging) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
-    switch (grp.kind) {
+    switch (span.kind) {
     case MOK_TASK_GATEUP:
     case MOK_TASK_SHARED_UP: { /* one call site per width for both: the SwiGLU is most of the kernel's code */
-        const bool routed = grp.kind == MOK_TASK_GATEUP;
+        const bool routed = span.kind == MOK_TASK_GATEUP;
         const long long inter = routed ? I : Is;
         int rows;
         long long ctx_row0, ctx_rows;
@@ -225,7 +176,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     case MOK_TASK_SHARED_DOWN: {
         int rows;
         uint16_t *out;
-        if (grp.kind == MOK_TASK_DOWN) {
+        if (span.kind == MOK_TASK_DOWN) {
             const tile_info t = tp.tile;
             rows = t.nreal;
             if (p.nranks == 1 && !p.combine_pull) {
@@ -250,55 +201,55 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     }
 }
 
-/* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised (walk_ws.cuh). */
-struct forward_runner {
-    static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp, long long rt,
+/* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised (compute_walk.cuh). */
+struct forward_comm {
+    static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_span &span, long long rt,
                                long long, uint16_t *smem) {
         comm_tile *ct = (comm_tile *)smem;
-        switch (grp.kind) {
+        switch (span.kind) {
         case MOK_TASK_DISPATCH: run_dispatch(p, v, rt, ct); break;
         case MOK_TASK_COMBINE: run_combine(p, v, rt, ct); break;
-        case MOK_TASK_GATHER: run_gather(p, grp.peer, rt, ct); break;
-        case MOK_TASK_SCATTER: run_scatter(p, grp.peer, rt, ct); break;
+        case MOK_TASK_GATHER: run_gather(p, span.peer, rt, ct); break;
+        case MOK_TASK_SCATTER: run_scatter(p, span.peer, rt, ct); break;
         default: break;
         }
     }
 };
 
-struct forward_ws {
+struct forward_compute {
     static constexpr int VARIANTS = 1; /* K-major operands only */
-    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_group &grp,
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long, task_prep *tp) {
-        if (grp.kind == MOK_TASK_GATEUP || grp.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
+        if (span.kind == MOK_TASK_GATEUP || span.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
     }
-    static __device__ int gemm(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
+    static __device__ int gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                const task_prep &tp, int i, tile_operands *op) {
-        return fwd_gemm(p, grp, rt, nt, tp, i, op);
+        return fwd_gemm(p, span, rt, nt, tp, i, op);
     }
     template <int VAR>
-    static __device__ void preset(const pass_params &, const mok_task_group &, long long, long long,
-                                  const task_prep &, int, float (&acc)[WS_ACC]) {
+    static __device__ void preset(const pass_params &, const mok_task_span &, long long, long long,
+                                  const task_prep &, int, float (&acc)[TILE_ACC]) {
 #pragma unroll
-        for (int i = 0; i < WS_ACC; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < TILE_ACC; ++i) acc[i] = 0.0f;
     }
     template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_task_group &grp, long long rt, long long nt,
-                                    const task_prep &tp, int, float (&acc)[WS_ACC], uint16_t *staging, float *,
+    static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
+                                    const task_prep &tp, int, float (&acc)[TILE_ACC], uint16_t *staging, float *,
                                     const CUtensorMap *) {
-        fwd_epilogue(p, grp, rt, nt, tp, acc, staging);
+        fwd_epilogue(p, span, rt, nt, tp, acc, staging);
     }
-    static __device__ void plain(const pass_params &, const mok_task_group &, long long, long long,
+    static __device__ void plain(const pass_params &, const mok_task_span &, long long, long long,
                                  const task_prep &) {}
 };
 
-__global__ void __launch_bounds__(WS_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
+__global__ void __launch_bounds__(COMPUTE_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
     int comm;
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < comm) walk_tasks<forward_runner>(p, v, (uint16_t *)smem_raw); /* comm_tile */
-    else walk_compute_ws<forward_ws>(p, v, smem_raw, nullptr, maps.m);
+    if (blockIdx.x < comm) walk_tasks<forward_comm>(p, v, (uint16_t *)smem_raw); /* comm_tile */
+    else walk_compute<forward_compute>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry, comm);
@@ -311,36 +262,13 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
+    if (!R->tuning.tma) return 0;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
     return mask | weight_maps(p, maps);
 }
-
-/* y[t] = bf16(shared[t] + sum_j w[t,j] * comb[t,j]) in fp32, in that order; one thread per 8
- * columns of a token. */
-__global__ void forward_epilogue_kernel(const pass_params p, const float *router_w, uint16_t *y, const char *comb_base) {
-    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    const long long chunks = p.hidden / 8;
-    const uint16_t *comb = (const uint16_t *)comb_base;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < p.num_tokens * chunks;
-         idx += (long long)gridDim.x * blockDim.x) {
-        long long t = idx / chunks, c8 = (idx % chunks) * 8;
-        float acc[8];
-        uint16_t in[8];
-        if (p.shared_inter > 0) {
-            *(int4 *)in = *(const int4 *)(p.sh_out + t * p.hidden + c8);
-            for (int i = 0; i < 8; ++i) acc[i] = mok__bf16_to_f32(in[i]);
-        } else {
-            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        }
-        slot_sum8<true>(acc, v.own_ids + t * p.topk, router_w + t * p.topk, comb + t * p.topk * p.hidden + c8, p.hidden,
-                        p.topk);
-        *(int4 *)(y + t * p.hidden + c8) = bf16x8_from_f32(acc);
-    }
-}
-
 
 extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_args *args, int recompute) {
     mok_status st = mok__cuda_check_error_word(ws);
@@ -349,7 +277,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
     const mok_shape *s = &ws->shape;
     int previous = 0;
     cudaGetDevice(&previous);
-    const size_t smem = WS_SMEM_BYTES;
+    const size_t smem = COMPUTE_SMEM_BYTES;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_forward_args *a = &args[lr];
@@ -359,13 +287,13 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
-        if (!recompute) { /* a recompute pass refills the ring by its own pulls (core/tasks.c) */
+        if (!recompute) { /* a recompute pass refills the ring by its own pulls (core/tasks.inc) */
             p.combine_pull = ws->config.fwd_combine == MOK_PULL;
             p.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
         }
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
-        p.n_tile = mok_cuda_cols_gateup(s->intermediate, s->shared_intermediate);
-        pass_params_comm(&p, ws, R, ws->config.fwd_comm_sms, 0);
+        p.n_tile = R->tuning.cols_gateup;
+        pass_params_comm(&p, R, ws->config.fwd_comm_sms, 0);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
         if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */
@@ -373,12 +301,13 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                      cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;
         p.tma_mask = forward_maps(R, &p, &maps);
-        if ((st = launch_pass(ws, lr, R, &p, (const void *)forward_kernel, WS_THREADS, smem, stream, a->num_tokens,
-                              &maps)) != MOK_OK)
-            return st;
+        st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)forward_kernel, COMPUTE_THREADS, smem, stream,
+                                   a->num_tokens, &maps);
+        if (st != MOK_OK) return st;
         if (!recompute && a->num_tokens > 0)
-            LAUNCH_TRY(forward_epilogue_kernel<<<R->num_sms * 4, 256, 0, stream>>>(p, a->router_w, (uint16_t *)a->y,
-                                                                                    R->sym + cw->sym.comb));
+            st = mok__cuda_forward_slot_sums(p, R->num_sms, a->router_w, (uint16_t *)a->y, R->sym + cw->sym.comb,
+                                             stream);
+        if (st != MOK_OK) return st;
     }
     cudaSetDevice(previous);
     return MOK_OK;

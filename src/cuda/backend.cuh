@@ -1,0 +1,187 @@
+/* backend.cuh — what the cuda backend's files share on the host side: the checked-call path
+ * (every CUDA and NCCL call and every launch goes through CUDA_TRY, NCCL_TRY, LAUNCH_TRY), the
+ * state of a group, a workspace and each of its ranks, and the entry points one file gives
+ * another. The device side is in device.cuh (memory order, bounded waits' clock, bf16 packing)
+ * and error_word.cuh. */
+#ifndef MOK_CUDA_BACKEND_CUH
+#define MOK_CUDA_BACKEND_CUH
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+extern "C" {
+#include "cuda/tuning.h"
+#include "internal.h"
+}
+#include "cuda/core.cuh"
+#include "cuda/device.cuh"
+#include "cuda/error_word.cuh"
+
+#define CUDA_TRY(call)                                                                                   \
+    do {                                                                                                 \
+        cudaError_t e_ = (call);                                                                         \
+        if (e_ != cudaSuccess)                                                                           \
+            return mok__fail(MOK_ERR_BACKEND, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+    } while (0)
+
+#define NCCL_TRY(call)                                                                                   \
+    do {                                                                                                 \
+        ncclResult_t r_ = (call);                                                                        \
+        if (r_ != ncclSuccess)                                                                           \
+            return mok__fail(MOK_ERR_BACKEND, "%s:%d: %s: %s", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
+    } while (0)
+
+/* Every launch goes through here: the launch error is checked at once. */
+#define LAUNCH_TRY(...)                                                                                  \
+    do {                                                                                                 \
+        __VA_ARGS__;                                                                                     \
+        CUDA_TRY(cudaGetLastError());                                                                    \
+    } while (0)
+
+/* GPU tile constants (the tile is 128 x 256, tile_operands.cuh). Column counts are picked per
+ * workspace from the shape (the tuning's cols_gateup, cols_dh, cols_h: 256, 128 or 64);
+ * CUDA_N_TILE is the smallest, which sizes the task lists. Weight-gradient tiles are CUDA_WGRAD_M
+ * x CUDA_WGRAD_N (the last ones may be narrower, in steps of 64). */
+#define CUDA_N_TILE 64
+#define CUDA_WGRAD_M 128
+#define CUDA_WGRAD_N 256
+#define CUDA_THREADS 256
+
+/* Whether a pass records its tasks (config.trace). A build with NO_TRACE=1 (MOK_CUDA_NO_TRACE)
+ * compiles the trace's code out, to measure what tracing off costs against it; its workspaces
+ * refuse config.trace. */
+#ifdef MOK_CUDA_NO_TRACE
+#define TRACE_ON(p) false
+#else
+#define TRACE_ON(p) ((p).trace != nullptr)
+#endif
+
+typedef struct cuda_group {
+    ncclComm_t comm[MOK_MAX_RANKS];
+    int device[MOK_MAX_RANKS];
+    int num_sms[MOK_MAX_RANKS];
+} cuda_group;
+
+/* Byte offsets in a symmetric region (symmetric.cu); equal on every rank. */
+typedef struct cuda_sym_layout {
+    size_t flags;    /* u64 [MOK_MAX_RANKS]: barrier epoch written by each peer */
+    size_t calls;    /* u64 [CALL_SLOTS][MOK_MAX_RANKS]: the call word of each peer's latest barriers, by
+                        the epoch (barrier.cu) */
+    size_t blob;     /* the rank's shape and config, read by the peers once, at workspace creation */
+    size_t tokens;   /* i64: this rank's T for the current pass */
+    size_t x;        /* bf16 [T_max, H] */
+    size_t router_w; /* f32 [T_max * k] */
+    size_t ids;      /* i32 [T_max * k] */
+    size_t comb;     /* bf16 [T_max * k, H]: expert outputs pushed in by the experts' owners */
+    size_t dy;       /* bf16 [T_max, H] */
+    size_t dxbuf;    /* bf16 [T_max * k, H]: routed dx parts pushed in likewise */
+    size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
+    /* With a transfer turned from its default direction (docs/design.md §2.4a), what peers reach
+       besides: the pass's copy of the schedule, the counters and the rings (0 otherwise: they are
+       then cudaMalloc'ed, cuda_rank) */
+    int turned;
+    size_t sched;      /* the rank's schedule as the pass runs it (sched_publish_kernel) */
+    size_t counters;   /* u64 [counters_cap + 8] */
+    size_t ring_x, ring_y, ring_dy, ring_dyw, ring_w, ring_rdot;
+    size_t bytes;
+} cuda_sym_layout;
+
+/* What every rank's workspace must agree on, as it publishes it in its region at creation
+ * (workspace.cu: workspace_agree). */
+typedef struct cuda_blob {
+    mok_shape shape;
+    mok_config config;
+} cuda_blob;
+
+/* Scratch of one rank's schedule build (schedule.cu says which kernel writes what, and when).
+ * Each peer's T * k slots are cut into chunks of chunk_slots; num_chunks covers T_max * k. Every
+ * build writes all it later reads, so nothing carries over from one build to the next. */
+typedef struct cuda_sched_scratch {
+    long long chunk_slots; /* slots of one peer per count / place block: PLACE_THREADS * 2^j */
+    long long num_chunks;  /* ceil(T_max * k / chunk_slots); 0 when the build cannot run at all */
+    int32_t *chunk_counts; /* [num_chunks][P][E_local]: rows of each (chunk, peer) per local expert,
+                              then (after the scan) the rows of that peer in the chunks before */
+    int32_t *chunk_error;  /* [num_chunks][P]: MOK_SCHED_ERR_* a count block found, or 0 */
+    int16_t *slot_expert;  /* [P][T_max * k]: each slot's local expert, -1 for none */
+} cuda_sched_scratch;
+
+typedef struct cuda_rank {
+    int device, rank, num_sms;
+    mok_cuda_tuning tuning;    /* the tuning table, resolved when the workspace was created */
+    char *sym;             /* ncclMemAlloc'd, registered as window `win` */
+    ncclWindow_t win;
+    char **peers;          /* device [P]: every rank's symmetric region */
+    uint16_t *ring_x, *ring_h, *ring_y; /* [ring, H], [ring, I], [ring, H] */
+    uint16_t *sh_h, *sh_out;            /* [T_max, I_s], [T_max, H] (output, or dx part) */
+    /* backward */
+    uint16_t *ring_dy, *ring_dyw;       /* [ring, H]: dy rows, bf16(w * dy) rows */
+    uint16_t *ring_gu, *ring_dgu;       /* [ring, 2I]: replayed g|u, dg|du */
+    float *ring_w, *ring_rdot;          /* [ring], [ring, I / 64] */
+    uint16_t *sh_dgu;                   /* [T_max, 2 I_s] */
+    float *carry;                       /* [carry_slots, 3 I H]: weight-gradient accumulators of experts
+                                           that span macrobatches (bf16 mode) */
+    long long carry_slots;
+    mok_trace_event *trace;             /* config.trace: [trace_cap] events of the last pass */
+    long long trace_cap;
+    unsigned long long *trace_count;
+    unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
+    int64_t counters_cap;
+    unsigned long long *epoch;          /* device: barriers passed by this rank */
+    mok_task_span *spans;              /* device [spans_cap]: the pass's task spans */
+    long long spans_cap;
+    long long *num_spans;
+    int *comm_dev;                      /* device: the pass's comm CTA count (spans_kernel) */
+    cuda_error_word *error_word;        /* device: the error word (NOTE in error_word.cu) */
+    int *error_mirror;                  /* mapped pinned [MIRROR_INTS]: its mirror, the host's view of it */
+    int error_clear_pending;            /* host: an argument error was reported, and the device
+                                           word is cleared by the next call on this rank */
+    int in_window;                      /* counters and ring_{x,y,dy,dyw,w,rdot} point into sym
+                                           (cuda_sym_layout.turned), so they are not cudaFree'd */
+    char *sched_mem;                    /* device: backs `sched` */
+    cuda_sched_scratch sched;
+} cuda_rank;
+
+typedef struct cuda_workspace {
+    cuda_sym_layout sym;
+    int64_t counters_cap; /* every rank's: the worst plan's counters (mok__counters_max) */
+    int num_local;
+    cuda_rank ranks[MOK_MAX_RANKS];
+} cuda_workspace;
+
+/* ---- what one file gives the others (host side) -------------------------------------------- */
+/* barrier.cu: barrier `step` of the workspace's call in progress (ws->call; the rank's schedule
+ * build) on a rank's stream; tokens_to_publish >= 0 also publishes T. A peer in another call sets
+ * MOK_KERR_MISMATCH, a peer whose part of the call failed MOK_KERR_PEER_FAILED. The call words'
+ * slots per rank, and the decoding of a word for messages. */
+#define CALL_SLOTS 4
+mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish,
+                             int step);
+void mok__cuda_describe_call_word(unsigned long long word, char *out, size_t size);
+
+/* error_word.cu (its NOTE says who writes, reads and clears the word, in which order): the word
+ * and its mirror for a rank (total: bytes of device memory, added to), their release, the report
+ * at the start of every call, and the stream-ordered half of clearing an argument error, which
+ * every call that issues work on a rank runs first, on that work's stream. */
+mok_status mok__cuda_error_word_create(cuda_rank *R, size_t *total);
+void mok__cuda_error_word_release(cuda_rank *R);
+mok_status mok__cuda_check_error_word(mok_workspace *ws);
+mok_status mok__cuda_error_word_clear(mok_workspace *ws, int local_rank, cudaStream_t stream);
+
+/* symmetric.cu: the region's layout for a workspace, a rank's region (allocated, cleared, and
+ * with a turned transfer the rank's rings and counters pointed into it), the collective
+ * registration of every local rank's region with the peer tables, and their release (which keeps
+ * a region a peer may still touch: its NOTE). */
+void mok__cuda_sym_layout(cuda_sym_layout *layout, const mok_workspace *ws, int64_t counters_cap);
+mok_status mok__cuda_sym_alloc(const cuda_workspace *cw, cuda_rank *R);
+mok_status mok__cuda_sym_register(mok_workspace *ws);
+mok_status mok__cuda_sym_release(mok_workspace *ws);
+
+/* schedule.cu: sizes one rank's schedule scratch for the workspace's maxima and a device of num_sms SMs; with
+ * base (device memory of the returned bytes) set, also points out's arrays into it. */
+size_t mok__cuda_sched_scratch(const mok_workspace *ws, int num_sms, char *base, cuda_sched_scratch *out);
+
+#endif

@@ -1,0 +1,88 @@
+/* launch.cu — the launch sequence every pass shares on one rank's stream (mok__cuda_launch_pass),
+ * and its two small kernels: sched_publish_kernel (the pass's schedule into the window, for
+ * turned transfers) and spans_kernel (the pass's task list, built on the device by one thread). */
+#include "cuda/megakernel/task_list.cuh"
+
+/* One thread: the pass's spans in the global order (core/tasks.inc), for the megakernel, and its
+ * comm CTA count. */
+__global__ void spans_kernel(pass_params p) {
+    mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+    *p.num_spans = 0;
+    *p.comm_dev = p.comm_ctas;
+    if (!schedule_ok(p, v)) {
+        set_error(p.error, MOK_KERR_SCHEDULE);
+        atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank's counters stop */
+        return;
+    }
+    mok_plan plan;
+    make_plan(p, v, &plan);
+    int64_t padded[MOK_MAX_RANKS];
+    if (mok__plan_names_peers(&plan)) {
+        /* every rank's padded rows, from the schedules the ranks published before the start
+           barrier (sched_publish_kernel); a peer's that is out of range stops the pass */
+        for (int q = 0; q < p.nranks; ++q) {
+            const mok_sched_header *h = (const mok_sched_header *)(p.peers[q] + p.off_sched);
+            padded[q] = *(volatile const int64_t *)&h->padded_rows;
+            if (padded[q] < 0 || padded[q] > p.layout.max_rows || padded[q] % MOK_ROW_TILE) {
+                set_error(p.error, MOK_KERR_SCHEDULE);
+                atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank stop */
+                return;
+            }
+        }
+        plan.peer_padded_rows = padded;
+    }
+    long long n = mok__spans_build(&plan, p.spans, p.spans_cap);
+    if (n < 0) {
+        set_error(p.error, MOK_KERR_SCHEDULE);
+        n = 0;
+    }
+    *p.num_spans = n;
+    if (p.comm_auto) /* scaled by the rows this rank moves per FLOP, with turned transfers */
+        *p.comm_dev = mok__cuda_comm_ctas_scaled(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
+}
+
+/* The schedule a pass runs, into the rank's window, where peers read it (turned transfers):
+ * the arrays before the rows whole, the rows' peers and slots up to padded_rows (a schedule that
+ * is not one gets its header only; spans_kernel refuses it on every rank). */
+__global__ void sched_publish_kernel(mok_sched_layout layout, const char *schedule, char *out) {
+    const mok_sched_header *h = (const mok_sched_header *)schedule;
+    long long rows = h->magic == MOK_SCHED_MAGIC ? h->padded_rows : 0;
+    rows = rows < 0 ? 0 : rows > layout.max_rows ? layout.max_rows : rows;
+    const long long head = (long long)layout.off_row_peer / 16, n = rows * 4 / 16;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < head + 2 * n; i += stride) {
+        const long long b = i < head ? 16 * i
+                            : i < head + n ? (long long)layout.off_row_peer + 16 * (i - head)
+                                           : (long long)layout.off_row_slot + 16 * (i - head - n);
+        *(int4 *)(out + b) = *(const int4 *)(schedule + b);
+    }
+    if (blockIdx.x == 0 && threadIdx.x < (rows * 4 % 16) / 4) { /* the rows past the last 16 bytes */
+        const long long r = n * 4 + threadIdx.x;
+        ((int32_t *)(out + layout.off_row_peer))[r] = ((const int32_t *)(schedule + layout.off_row_peer))[r];
+        ((int32_t *)(out + layout.off_row_slot))[r] = ((const int32_t *)(schedule + layout.off_row_slot))[r];
+    }
+}
+
+/* The launch sequence every pass shares, on one rank's stream, after its inputs are staged:
+ * a pending clear of the error word (error_word.cu's NOTE), fresh counters (before the barrier:
+ * with a turned transfer peers bump them once past it; the previous pass's closing barrier keeps
+ * every peer off them until then), the schedule into the window (turned transfers), barrier (every
+ * rank's inputs are in place; publishes T), the span list, the megakernel on every SM at once,
+ * barrier (every push into this rank has landed, no peer reads its rings any more). `maps`: the
+ * kernel's tensor maps (its second parameter), or NULL for a kernel that takes none. */
+mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
+                                 int threads, size_t smem, cudaStream_t stream, int64_t num_tokens, const void *maps) {
+    mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
+    if (st != MOK_OK) return st;
+    CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+    if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
+    if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
+        LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
+                                                                        R->sym + p->off_sched));
+    st = mok__cuda_barrier(ws, lr, stream, num_tokens, 0);
+    if (st != MOK_OK) return st;
+    LAUNCH_TRY(spans_kernel<<<1, 1, 0, stream>>>(*p));
+    void *kargs[] = {p, (void *)maps}; /* the kernel's second parameter, when it has one */
+    CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(threads), kargs, smem, stream));
+    return mok__cuda_barrier(ws, lr, stream, -1, 1);
+}

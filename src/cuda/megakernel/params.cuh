@@ -1,0 +1,246 @@
+/* params.cuh — the parameters of a pass: pass_params (the layer, the schedule, every buffer and
+ * counter a megakernel reads; the kernels take it by value as their first parameter), the facts
+ * of a routed row tile, what the producer works out once per compute task (task_prep), the
+ * pass's plan as the device rebuilds it from them, and the host code that fills them. */
+#ifndef MOK_CUDA_MEGAKERNEL_PARAMS_CUH
+#define MOK_CUDA_MEGAKERNEL_PARAMS_CUH
+
+#include <string.h>
+
+#include "cuda/backend.cuh"
+#include "cuda/sm90/tile_operands.cuh"
+
+struct pass_params {
+    mok_sched_layout layout;
+    const void *schedule;
+    int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h;
+    /* comm CTAs: the tuning's count; with comm_auto (config 0) spans_kernel scales it by the rows
+       this rank's comm tasks move per FLOP of its compute (mok__cuda_comm_ctas_scaled), up to
+       comm_max, and every CTA reads the pass's count from comm_dev at its start (pass_start) */
+    int comm_ctas, comm_auto, comm_max;
+    int *comm_dev;
+    long long hidden, inter, shared_inter, num_tokens, ring_rows, minibatch_rows, context_rows;
+    char *const *peers;
+    /* x, dy and router_w: the caller's buffers, which this rank's own reads use; the copies at
+       off_x, off_dy, off_router_w of every window are there for the peers (input_row_base) */
+    size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
+    const uint16_t *x, *dy, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down;
+    const float *router_w;
+    uint16_t *ring_x, *ring_h, *ring_y, *sh_h, *sh_out, *context, *context_shared;
+    /* backward */
+    uint16_t *ring_dy, *ring_dyw, *ring_gu, *ring_dgu, *sh_dgu;
+    float *ring_w, *ring_rdot, *carry;
+    void *dw[3], *ds[3];
+    float limit;
+    unsigned long long *counters;
+    long long counters_cap;
+    /* Transfers in other than their default direction (docs/design.md §2.4a): the plan's switches
+       (this pass's: a recompute pass turns none), every rank's copy of its schedule and counters at
+       these offsets of its window, and `turned` (the counters are in the window: their releases
+       and acquires are system-scope) */
+    int combine_pull, dispatch_pull, dispatch_push, combine_push, nranks, turned;
+    size_t off_sched, off_counters, off_ring_x, off_ring_y, off_ring_dy, off_ring_dyw, off_ring_w, off_ring_rdot;
+    int *error;        /* the rank's cuda_error_word, as its first member (set_error, error_word.cuh) */
+    long long timeout_ns;
+    unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
+    int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
+    mok_task_span *spans; /* built by spans_kernel */
+    long long spans_cap;
+    long long *num_spans;
+    mok_trace_event *trace; /* config.trace: one event per task; NULL when off */
+    long long trace_cap;
+    unsigned long long *trace_count;
+};
+
+struct tile_info {
+    long long row0, ring0;
+    int nreal, expert;
+};
+
+static __device__ tile_info row_tile(const pass_params &p, const mok_sched_view &v, long long rt) {
+    tile_info t;
+    t.row0 = rt * MOK_ROW_TILE;
+    t.ring0 = t.row0 % p.ring_rows;
+    t.expert = mok__sched_row_expert(&v, p.num_local_experts, t.row0);
+    long long end = v.expert_start[t.expert] + v.expert_rows[t.expert] - t.row0;
+    t.nreal = (int)(end < 0 ? 0 : end > MOK_ROW_TILE ? MOK_ROW_TILE : end);
+    return t;
+}
+
+/* What producer thread 0 works out once per compute task, before it posts the task
+ * (compute_walk.cuh), for the loaders and the consumers alike: a routed row tile (a binary search
+ * over the experts' starts, each step a dependent global load, and a 64-bit remainder), or a
+ * weight-gradient tile's matrix, tile indices and rows. Worked out here, it stays off the
+ * consumers' path, which would need it two or three times per task (gemm, preset, epilogue), in
+ * front of their main loop and in their epilogue. compute_walk.cuh fills span; the runner's
+ * prepare() fills the fields its task kind uses, the rest stay zero. */
+struct task_prep {
+    mok_task_span span;       /* the task's span, a copy of p.spans[g] */
+    tile_info tile;           /* routed row tiles */
+    long long wg_i, wg_j;     /* weight gradients: the tile's row and column tile in its matrix */
+    long long wg_ring0;       /* routed: the macrobatch's first row of the expert, in the ring */
+    long long wg_rows;        /* routed: its rows in this macrobatch; shared: the tokens */
+    long long wg_carry;       /* routed: the carry slot (the macrobatch the expert began in) */
+    int wg_matrix;            /* MOK_WGRAD_GATE, _UP or _DOWN */
+    int wg_began, wg_continues; /* routed: rows of the expert before / after this macrobatch */
+};
+
+/* At a megakernel's start: whether the rank's error word is set (the pass must not run), and the
+ * pass's comm CTA count into *comm (CTAs below it move rows). One read of each per CTA, broadcast
+ * through shared memory, instead of a read per thread of every CTA at once. */
+static __device__ __forceinline__ bool pass_start(const pass_params &p, int *comm) {
+    __shared__ int s_error, s_comm;
+    if (threadIdx.x == 0) {
+        s_error = *(volatile int *)p.error;
+        s_comm = *(volatile int *)p.comm_dev;
+    }
+    __syncthreads();
+    *comm = s_comm;
+    return s_error != 0;
+}
+
+/* An input of rank `peer` (x, dy or router_w): this rank's own from the caller's buffer `own`, a
+ * peer's from the copy at `off` in its window. With one rank the pass makes no copies. */
+static __device__ __forceinline__ const char *input_row_base(const pass_params &p, int peer, size_t off,
+                                                            const void *own) {
+    return peer == p.rank ? (const char *)own : p.peers[peer] + off;
+}
+
+static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, mok_plan *plan) {
+    memset(plan, 0, sizeof *plan);
+    plan->recompute = p.recompute;
+    plan->backward = p.backward;
+    plan->accumulate = p.accumulate;
+    plan->padded_rows = v.header->padded_rows;
+    plan->context_rows = p.context_rows;
+    plan->num_tokens = p.num_tokens;
+    plan->hidden = p.hidden;
+    plan->intermediate = p.inter;
+    plan->shared_intermediate = p.shared_inter;
+    plan->num_local_experts = p.num_local_experts;
+    plan->minibatch_rows = (int)p.minibatch_rows;
+    plan->ring_rows = (int)p.ring_rows;
+    plan->n_tile = p.n_tile;
+    plan->n_tile_h = p.n_tile_h;
+    plan->wgrad_tile = CUDA_WGRAD_M;
+    plan->wgrad_tile_n = CUDA_WGRAD_N;
+    plan->raster = p.raster;
+    plan->expert_start = v.expert_start;
+    plan->expert_rows = v.expert_rows;
+    plan->combine_pull = p.combine_pull;
+    plan->dispatch_pull = p.dispatch_pull;
+    plan->dispatch_push = p.dispatch_push;
+    plan->combine_push = p.combine_push;
+    plan->nranks = p.nranks;
+    plan->rank = p.rank;
+}
+
+static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v) {
+    return v.header->magic == MOK_SCHED_MAGIC && v.header->rank == p.rank && !v.header->error &&
+           v.header->num_tokens[p.rank] == p.num_tokens;
+}
+
+/* The fields every pass shares: layer, schedule, buffers, counters. */
+static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int64_t num_tokens,
+                             const void *schedule, int backward) {
+    const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
+    const mok_shape *s = &ws->shape;
+    memset(p, 0, sizeof *p);
+    p->layout = ws->sched_layout;
+    p->schedule = schedule;
+    p->num_local_experts = (int)ws->num_local_experts;
+    p->topk = (int)s->topk;
+    p->rank = R->rank;
+    p->backward = backward;
+    p->n_tile_h = R->tuning.cols_h;
+    p->hidden = s->hidden;
+    p->inter = s->intermediate;
+    p->shared_inter = s->shared_intermediate;
+    p->num_tokens = num_tokens;
+    p->ring_rows = ws->config.ring_rows;
+    p->minibatch_rows = ws->config.minibatch_rows;
+    p->context_rows = ws->context_rows;
+    p->peers = R->peers;
+    p->off_x = cw->sym.x;
+    p->off_comb = cw->sym.comb;
+    p->off_dy = cw->sym.dy;
+    p->off_router_w = cw->sym.router_w;
+    p->off_dxbuf = cw->sym.dxbuf;
+    p->off_drw = cw->sym.drw;
+    p->ring_x = R->ring_x;
+    p->ring_h = R->ring_h;
+    p->ring_y = R->ring_y;
+    p->sh_h = R->sh_h;
+    p->sh_out = R->sh_out;
+    p->ring_dy = R->ring_dy;
+    p->ring_dyw = R->ring_dyw;
+    p->ring_gu = R->ring_gu;
+    p->ring_dgu = R->ring_dgu;
+    p->sh_dgu = R->sh_dgu;
+    p->ring_w = R->ring_w;
+    p->ring_rdot = R->ring_rdot;
+    p->carry = R->carry;
+    p->limit = ws->config.swiglu_limit;
+    p->counters = R->counters;
+    p->counters_cap = R->counters_cap;
+    p->nranks = ws->group->nranks;
+    p->turned = cw->sym.turned;
+    p->off_sched = cw->sym.sched;
+    p->off_counters = cw->sym.counters;
+    p->off_ring_x = cw->sym.ring_x;
+    p->off_ring_y = cw->sym.ring_y;
+    p->off_ring_dy = cw->sym.ring_dy;
+    p->off_ring_dyw = cw->sym.ring_dyw;
+    p->off_ring_w = cw->sym.ring_w;
+    p->off_ring_rdot = cw->sym.ring_rdot;
+    p->error = (int *)R->error_word;
+    p->timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
+    p->spans = R->spans;
+    p->spans_cap = R->spans_cap;
+    p->num_spans = R->num_spans;
+    p->trace = R->trace;
+    p->trace_cap = R->trace_cap;
+    p->trace_count = R->trace_count;
+    p->raster = R->tuning.raster;
+}
+
+/* A pass's comm CTAs (pass_params): the tuning's count, and with configured = 0 the bounds of the
+ * count spans_kernel picks per pass from the routing. */
+static void pass_params_comm(pass_params *p, const cuda_rank *R, int configured, int backward) {
+    p->comm_ctas = backward ? R->tuning.bwd_comm_ctas : R->tuning.fwd_comm_ctas;
+    p->comm_auto = configured <= 0;
+    const int cap = R->num_sms / 4 > 1 ? R->num_sms / 4 : 1;
+    p->comm_max = cap < R->num_sms - 1 ? cap : R->num_sms - 1;
+    if (p->comm_max < p->comm_ctas) p->comm_max = p->comm_ctas;
+    p->comm_dev = R->comm_dev;
+}
+
+/* The layer a pass reads, as both passes' arguments name it: x, the weights, the context (the
+ * forward writes it, the backward reads it). */
+static void pass_params_layer(pass_params *p, const mok_workspace *ws, const void *x, const void *w_gate,
+                              const void *w_up, const void *w_down, const void *s_gate, const void *s_up,
+                              const void *s_down, const void *context) {
+    p->x = (const uint16_t *)x;
+    p->w_gate = (const uint16_t *)w_gate;
+    p->w_up = (const uint16_t *)w_up;
+    p->w_down = (const uint16_t *)w_down;
+    p->s_gate = (const uint16_t *)s_gate;
+    p->s_up = (const uint16_t *)s_up;
+    p->s_down = (const uint16_t *)s_down;
+    p->context = (uint16_t *)context;
+    p->context_shared = (uint16_t *)((const char *)context + ws->context_shared_offset);
+}
+
+/* The launch sequence every pass shares (launch.cu), on one rank's stream after its inputs are
+ * staged: `kernel` is the megakernel, `maps` its tensor maps (its second parameter) or NULL. */
+mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pass_params *p, const void *kernel,
+                                 int threads, size_t smem, cudaStream_t stream, int64_t num_tokens, const void *maps);
+
+/* The slot sums that close a pass (slot_sums.cu), launched on the rank's stream after its closing
+ * barrier. */
+mok_status mok__cuda_forward_slot_sums(const pass_params &p, int num_sms, const float *router_w, uint16_t *y,
+                                       const char *comb, cudaStream_t stream);
+mok_status mok__cuda_backward_slot_sums(const pass_params &p, int num_sms, uint16_t *dx, float *d_router_w,
+                                        const char *sym, size_t off_dxbuf, size_t off_drw, cudaStream_t stream);
+
+#endif

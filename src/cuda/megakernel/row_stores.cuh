@@ -1,0 +1,126 @@
+/* row_stores.cuh — how a compute task's tile leaves the consumers: its accumulators rounded to
+ * bf16 (or kept fp32) into shared memory by stmatrix or paired stores, then out to global memory
+ * in 16-byte chunks, each warp's store covering whole chunks of one row (the accumulator
+ * fragment's own pattern would store 4 or 8 bytes into each of 8 rows per warp store). The tile
+ * epilogues (swiglu.cuh, forward.cu, backward.cu, wgrad.cuh) store through here. */
+#ifndef MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
+#define MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
+
+#include "cuda/megakernel/compute_walk.cuh"
+
+/* The two shared-memory layouts bf16 tiles are written in: the staging tile c[128][TILE_C_LD]
+ * (rows padded against bank conflicts), and 128-row x 64-column boxes of 128-byte rows swizzled
+ * by 16-byte chunk (the TMA stores' layout, swizzle() of tile_operands.cuh), box after box. */
+#define STSM_PADDED 0
+#define STSM_BOXES 1
+
+/* The shared address of 8-column block `block` of row `row` in a LAYOUT tile at `base`. */
+template <int LAYOUT>
+static __device__ __forceinline__ uint32_t stsm_row_addr(uint32_t base, int row, int block) {
+    if (LAYOUT == STSM_PADDED) return base + row * (TILE_C_LD * 2) + block * 16;
+    return base + (block / 8) * STORE_BOX_BYTES + swizzle(row, block % 8);
+}
+
+/* A warp's bf16 pairs of column blocks b and b + 1 of its 16 rows from row0, already packed:
+ * v0, v1 block b's rows 0-7 and 8-15, v2, v3 block b + 1's (stmatrix's matrices 0-3). */
+template <int LAYOUT>
+static __device__ __forceinline__ void stsm_pairs(uint32_t base, int row0, int b, uint32_t v0, uint32_t v1, uint32_t v2,
+                                                  uint32_t v3) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    stsm_x4(stsm_row_addr<LAYOUT>(base, row0 + 8 * (m & 1) + (lane & 7), b + (m >> 1)), v0, v1, v2, v3);
+}
+
+/* A warp's bf16 of the accumulators' column blocks j and j + 1 (8 columns each: accumulators
+ * 4 j .. 4 j + 7), its 16 rows from row0, by one stmatrix: matrix m is block j + m / 2, rows
+ * 8 (m % 2) .. + 7. In the tile, block j lands at block j - block0. */
+template <int LAYOUT>
+static __device__ __forceinline__ void stsm_blocks(const float (&acc)[TILE_ACC], int j, uint32_t base, int row0,
+                                                   int block0) {
+    stsm_pairs<LAYOUT>(base, row0, j - block0, bf16x2_from_f32(acc[4 * j], acc[4 * j + 1]),
+                       bf16x2_from_f32(acc[4 * j + 2], acc[4 * j + 3]), bf16x2_from_f32(acc[4 * j + 4], acc[4 * j + 5]),
+                       bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
+}
+
+/* Rows < rows, columns < cols (a multiple of 8) of the staging tile c[128][TILE_C_LD] to out
+ * (row stride ld; out and ld 16-byte aligned), in 16-byte chunks: each warp's store covers whole
+ * chunks of one row. With a row map, row r goes to row rowmap[r] of out instead of row r. */
+template <bool MAPPED = false>
+static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld,
+                                                   const int32_t *rowmap = nullptr) {
+    const int t = threadIdx.x - PRODUCER_THREADS;
+    for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += CONSUMER_THREADS) {
+        const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8;
+        if (r < rows && c8 < cols) {
+            const long long orow = MAPPED ? (long long)rowmap[r] : r;
+            *(int4 *)(out + orow * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
+        }
+    }
+}
+
+/* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
+ * c[128][TILE_C_LD], then syncs the consumers. */
+static __device__ __forceinline__ void stage_bf16(uint16_t *c, const float (&acc)[TILE_ACC]) {
+    const int t = threadIdx.x - PRODUCER_THREADS;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
+#pragma unroll
+    for (int j = 0; j < TILE_C_COLS / 8; j += 2) stsm_blocks<STSM_PADDED>(acc, j, base, (t >> 5) * 16, 0);
+    consumer_sync();
+}
+
+/* A tile's bf16 through the staging tile c[128][TILE_C_LD], TILE_C_COLS columns at a time:
+ * rows < rows, columns < cols (a multiple of 8) of out + n0, row stride ld (out + n0 and ld
+ * 16-byte aligned). Each warp's global store then covers whole 16-byte chunks of one row
+ * rather than 4 bytes of 8 rows. The consumers sync before each round's copy and after it, so
+ * c is free again on return. */
+template <bool MAPPED = false>
+static __device__ __forceinline__ void store_staged(const float (&acc)[TILE_ACC], int rows, int cols, uint16_t *out,
+                                                    long long ld, long long n0, uint16_t *c,
+                                                    const int32_t *rowmap = nullptr) {
+    const int t = threadIdx.x - PRODUCER_THREADS;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
+#pragma unroll
+    for (int h = 0; h < TILE_ACC / 4 / (TILE_C_COLS / 8); ++h) {
+        if (h * TILE_C_COLS >= cols) break;
+#pragma unroll
+        for (int j = 0; j < TILE_C_COLS / 8; j += 2)
+            stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, (t >> 5) * 16, h * (TILE_C_COLS / 8));
+        consumer_sync();
+        copy_staged<MAPPED>(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld, rowmap);
+        consumer_sync();
+    }
+}
+
+/* An fp32 tile (a weight gradient's carry, or accumulate mode's destination) out through the
+ * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
+ * each thread's column pairs into a [128][F32_STAGING_LD] fp32 tile, then one warp per row in 16-byte
+ * chunks. From registers, the fragment's pattern wrote 32 bytes into each of 8 rows per warp store
+ * (slow with every SM storing at once). Row
+ * stride 136 floats: the 8-byte writes of a half-warp (rows r..r+3, 8 columns each) fall on
+ * distinct banks. rows, cols: the valid part (cols a multiple of 64); out 16-byte aligned, ld a
+ * multiple of 4. */
+#define F32_STAGING_LD 136
+static_assert(TILE_BM * F32_STAGING_LD * 4 <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "128 fp32 columns fit the staging region");
+static __device__ __forceinline__ void store_staged_f32(const float (&acc)[TILE_ACC], int rows, int cols, float *out,
+                                                        long long ld, float *c) {
+    const int t = threadIdx.x - PRODUCER_THREADS;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h * 128 >= cols) break;
+#pragma unroll
+        for (int r = 64 * h; r < 64 * h + 64; r += 2) { /* registers 64h.. hold columns 128h..128h+127 */
+            int row, col;
+            acc_position(r, &row, &col);
+            *(float2 *)(c + row * F32_STAGING_LD + col - 128 * h) = make_float2(acc[r], acc[r + 1]);
+        }
+        consumer_sync();
+        const int n = cols - 128 * h < 128 ? cols - 128 * h : 128;
+        for (int idx = t; idx < TILE_BM * 32; idx += CONSUMER_THREADS) {
+            const int row = idx >> 5, c4 = (idx & 31) * 4;
+            if (row < rows && c4 < n)
+                *(float4 *)(out + row * ld + 128 * h + c4) = *(const float4 *)(c + row * F32_STAGING_LD + c4);
+        }
+        consumer_sync();
+    }
+}
+
+#endif

@@ -1,0 +1,159 @@
+/* swiglu.cuh — the SwiGLU tile epilogues: the forward's (a gate|up tile's g and u into the
+ * context, h = bf16(silu(g) * u) into the ring) and the backward's (a dh tile's h, dg|du and the
+ * router weight's partial dot product), with the rounding points of core/portable.h. */
+#ifndef MOK_CUDA_MEGAKERNEL_SWIGLU_CUH
+#define MOK_CUDA_MEGAKERNEL_SWIGLU_CUH
+
+#include "cuda/megakernel/row_stores.cuh"
+
+/* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
+ * u, the same columns + NT, for the next NT / 8 (NT = n_tile: the accumulators are indexed by
+ * constants only). g and u rounded to bf16 go into the context rows (padding rows as zeros; rows
+ * from ctx_rows on are not kept), h = bf16(silu(g) * u) into h_out for real rows. They go out
+ * through shared memory (stmatrix in, 16-byte chunks out: copy_staged): g into the staging tile c
+ * and u into the one beside it (the backward's dh scratch, the same size and unused in the
+ * forward), then h into c. The fragment's own pattern stored 16 bytes into each of 8 rows per
+ * warp store. */
+template <int NT>
+static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC], int nreal, long long ctx_row0,
+                                                     long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
+                                                     long long n0, uint16_t *h_out, long long h_ld, float limit,
+                                                     uint16_t *c) {
+    static_assert(DH_SCRATCH_BYTES >= TILE_BM * TILE_C_LD * 2, "a second staging tile fits the dh scratch");
+    const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
+    uint16_t *c2 = c + TILE_BM * TILE_C_LD;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c), base2 = (uint32_t)__cvta_generic_to_shared(c2);
+    uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t g[4], u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
+            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
+            const bool real = row0 + 8 * (k & 1) < nreal;
+            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
+            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+            h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
+                                           mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
+                                                       __uint_as_float(u[k] & 0xffff0000u), limit));
+        }
+        stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
+        stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
+    }
+    const long long left = ctx ? ctx_rows - ctx_row0 : 0;
+    const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
+    consumer_sync();
+    if (keep > 0) {
+        copy_staged(c, keep, NT, ctx + ctx_row0 * ctx_ld + n0, ctx_ld);
+        copy_staged(c2, keep, NT, ctx + ctx_row0 * ctx_ld + inter + n0, ctx_ld);
+    }
+    consumer_sync();
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
+    consumer_sync();
+    copy_staged(c, nreal, NT, h_out + n0, h_ld);
+    consumer_sync();
+}
+
+/* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
+ * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
+ * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
+ * zeros (the routed tiles' padding rows, read by the weight gradients).
+ *
+ * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
+ * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (compute_walk.cuh);
+ * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
+ * bytes and the loop's code is small (a copy per 16-column slice of the accumulators would make
+ * this epilogue thousands of instructions of straight-line code). The rows' router weights come into the
+ * scratch once per tile, with the first chunk: read from global memory in the row loop, each
+ * row would wait a global load's latency. The partial of a
+ * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
+ * chunks in order, in the scratch's per-row sums: a fixed order. */
+static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[TILE_ACC], int rows, int n_valid, const uint16_t *gu,
+                                                long long gu_ld, long long inter, long long n0, const float *w,
+                                                float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
+                                                long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
+                                                bool zero_pad) {
+    const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
+    const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * DH_SCRATCH_LD, *wsm = rsum + TILE_BM;
+    if (t < TILE_BM) { /* both read after the first chunk's barrier */
+        rsum[t] = 0.0f;
+        wsm[t] = w && t < rows ? w[t] : 1.0f;
+    }
+#pragma unroll
+    for (int hc = 0; hc < TILE_BN / 64; ++hc) {
+        if (hc * 64 >= n_valid) break;
+        /* cp.async: a thread's 8 loads of g|u are in flight together */
+        for (int idx = t; idx < rows * 16; idx += CONSUMER_THREADS) {
+            const int r = idx >> 4, c8 = (idx & 15) * 8;
+            const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
+            cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int a = 4 * (8 * hc + j) + 2 * half;
+                *(float2 *)(dsm + (row0 + 8 * half) * DH_SCRATCH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
+            }
+        cp_async_wait_all();
+        consumer_sync();
+        const long long col = n0 + 64 * hc + 2 * lane;
+        /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
+           chunks instead, with the accumulators copied out through a switch, doubled the kernel's
+           spills). Rows warp + 32 m + 8 k, k = 0..3: four independent chains per iteration, each
+           row's sums in the same order as with two */
+        constexpr int RPI = 4; /* rows per iteration */
+#pragma unroll 1
+        for (int rp = warp; rp < TILE_BM; rp += RPI * (CONSUMER_THREADS / 32)) {
+            uint32_t gpair[RPI], upair[RPI];
+            float2 d[RPI];
+            float wr[RPI];
+#pragma unroll
+            for (int k = 0; k < RPI; ++k) { /* every shared-memory load of the rows first */
+                const int row = rp + 8 * k;
+                gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+                upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+                d[k] = *(const float2 *)(dsm + row * DH_SCRATCH_LD + 2 * lane);
+                wr[k] = wsm[row];
+            }
+            float part[RPI];
+#pragma unroll
+            for (int k = 0; k < RPI; ++k) {
+                part[k] = 0.0f;
+                const int row = rp + 8 * k;
+                uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
+                if (row >= rows) {
+                    if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
+                    continue;
+                }
+                float h[2], dg[2], du[2];
+#pragma unroll
+                for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr[k] * (q ? d[k].y : d[k].x),
+                                              __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
+                                              __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), limit, &h[q],
+                                              &dg[q], &du[q]);
+                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
+                part[k] += d[k].x * __uint_as_float(hb << 16);
+                part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
+                *(uint32_t *)hp = hb;
+                *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
+                *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+                for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+            if (lane == 0)
+#pragma unroll
+                for (int k = 0; k < RPI; ++k)
+                    if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
+        }
+        consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
+    }
+    if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
+}
+
+#endif
