@@ -1,6 +1,12 @@
-# mok — build: `make` (libmok.so, libmok.a, build/mok, build/mok_mp_rank), `make test`, `make sanitize`,
+# mok — build: `make` (in parallel; libmok.so, libmok.a, build/mok, build/mok_mp_rank), `make test`, `make sanitize`,
 # `make run`.
 # The CUDA backend is compiled in when nvcc is on PATH (override with CUDA=0 or CUDA=1).
+
+# Parallel by default: one job per core. A -jN on the command line wins, and a make started by
+# this one (sanitize) shares its parent's jobs instead of adding its own.
+ifeq ($(MAKELEVEL)$(filter -j%,$(MAKEFLAGS)),0)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)
+endif
 
 BUILD    ?= build
 CC       ?= cc
