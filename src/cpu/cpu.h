@@ -91,9 +91,9 @@ typedef struct cpu_rank {
     _Atomic int abort;            /* a worker failed: the others stop waiting */
     float *scratch;               /* [workers, scratch_floats] */
     size_t scratch_floats;
-    mok_trace_event *trace;       /* [trace_cap] */
-    _Atomic int64_t trace_count;
-    int64_t trace_cap;
+    mok_trace_event *trace;       /* [MOK_TRACE_PASSES * trace_cap]: pass p's from p * trace_cap */
+    _Atomic int64_t trace_count[MOK_TRACE_PASSES];
+    int64_t trace_cap;            /* events of one pass */
 } cpu_rank;
 
 typedef struct cpu_workspace {
@@ -122,6 +122,9 @@ typedef struct cpu_pass {
 } cpu_pass;
 
 enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };
+
+/* The trace buffer a pass records into (internal.h: forward and recompute 0, backward 1). */
+static inline int cpu_trace_pass(int kind) { return kind == CPU_PASS_BACKWARD; }
 
 /* tasks_fwd.c / tasks_bwd.c: run one task on one worker. */
 void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *task, float *scratch);

@@ -412,9 +412,10 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->groups = R->groups;
     p->groups_cap = R->groups_cap;
     p->num_groups = R->num_groups;
-    p->trace = R->trace;
+    /* the pass's own trace buffer: the forward's (or recompute's) or the backward's (internal.h) */
+    p->trace = R->trace ? R->trace + (backward ? R->trace_cap : 0) : nullptr;
     p->trace_cap = R->trace_cap;
-    p->trace_count = R->trace_count;
+    p->trace_count = R->trace_count ? R->trace_count + (backward ? 1 : 0) : nullptr;
     /* tiles per run of the GEMM groups' walk: the shape's choice (mok__raster), or an
        experiment's switch read at every pass (MOK_CUDA_RASTER, 1..64; other values: the choice) */
     const char *raster = getenv("MOK_CUDA_RASTER");
@@ -495,7 +496,7 @@ static mok_status launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, pas
     mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
-    if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
+    if (p->trace_count) CUDA_TRY(cudaMemsetAsync(p->trace_count, 0, sizeof(unsigned long long), stream));
     if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
         LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
                                                                         R->sym + p->off_sched));
