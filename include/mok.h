@@ -47,6 +47,8 @@
 extern "C" {
 #endif
 
+/* The one home of mok's version: the library (mok_version), the `mok` command (mok --version) and
+ * the Python package (python/setup.py reads these three lines; mok.__version__) take it from here. */
 #define MOK_VERSION_MAJOR 0
 #define MOK_VERSION_MINOR 1
 #define MOK_VERSION_PATCH 0

@@ -138,9 +138,34 @@ def check_against_reference(L, y, g, y_ref, g_ref, start=None):
 # ---- the ctypes layer ---------------------------------------------------------------------------------
 
 
-def test_version_and_struct_sizes():
-    assert mok.VERSION == 100
-    assert mok.version() == mok.VERSION
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def test_version_agrees_everywhere():
+    """One version, include/mok.h's: the library's, mok.__version__, mok.version(), version_info, and
+    `mok --version` of the build beside the library (as "MAJOR.MINOR.PATCH", never the encoded 100)."""
+    with open(os.path.join(REPO, "include", "mok.h")) as f:
+        defines = dict(line.split()[1:3] for line in f if line.startswith("#define MOK_VERSION_"))
+    want = tuple(int(defines[f"MOK_VERSION_{part}"]) for part in ("MAJOR", "MINOR", "PATCH"))
+    assert mok.version_info == want and all(isinstance(part, int) for part in mok.version_info)
+    assert mok.version() == mok.__version__ == ".".join(map(str, want))
+    assert _lib.lib.mok_version() == want[0] * 10000 + want[1] * 100 + want[2]
+    tool = os.path.join(os.path.dirname(mok.library_path), "mok")
+    if not os.path.exists(tool):
+        pytest.skip(f"no mok command beside {mok.library_path}")
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == f"mok {mok.__version__}", out.stdout
+
+
+def test_setup_reads_the_version_from_the_header():
+    """python/setup.py's version is include/mok.h's (the package metadata says what the library says)."""
+    out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=os.path.join(REPO, "python"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == mok.__version__
+
+
+def test_struct_sizes():
     assert _lib.lib.mok_config_struct_size() == ctypes.sizeof(_lib.Config)
     assert ctypes.sizeof(_lib.UniqueId) == 128
     assert ctypes.sizeof(_lib.ScheduleInfo) == 8 * (mok.MAX_RANKS + 5)
@@ -167,7 +192,10 @@ def test_config_defaults_aliases_and_validation():
 def test_status_strings_and_backends():
     assert _lib.status_string(_lib.Status.OK) == "ok"
     assert _lib.status_string(_lib.Status.ERR_TIMEOUT) == "timed out waiting for a peer rank"
-    assert mok.backend_available("cpu") == 1
+    assert mok.backend_available("cpu") is True and mok.backend_available("auto") is True
+    assert mok.device_count("cpu") == 1
+    assert isinstance(mok.backend_available("cuda"), bool)
+    assert mok.backend_available("cuda") == (mok.device_count("cuda") > 0)
     assert _lib.lib.mok_backend_name(_lib.Backend.CUDA) == b"cuda"
     uid = mok.Group.unique_id("cpu")
     assert isinstance(uid, bytes) and len(uid) == 128 and uid != mok.Group.unique_id("cpu")
@@ -536,7 +564,7 @@ def _torch():
 def _cuda(n=1):
     """torch, when n GPUs and a CUDA build of libmok are there; else the test is skipped."""
     torch = _torch()
-    if not torch.cuda.is_available() or torch.cuda.device_count() < n or mok.backend_available("cuda") < n:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n or mok.device_count("cuda") < n:
         pytest.skip(f"needs {n} GPU(s) and a CUDA build of libmok")
     return torch
 
