@@ -181,6 +181,11 @@ def test_config_defaults_aliases_and_validation():
     assert c.minibatch_size == 256 and c.fwd_num_comm_sms == 8
     assert c.replace(ring_rows=1024).macrobatch_size == 1024
     assert mok.Config.from_struct(c.to_struct()) == c
+    upper = mok.Config(fwd_dispatch="PUSH", fwd_combine="Pull", bwd_combine="pUsH", bwd_dispatch="PULL")
+    assert (upper.fwd_dispatch, upper.fwd_combine, upper.bwd_combine, upper.bwd_dispatch) == ("push", "pull", "push",
+                                                                                              "pull")
+    with pytest.raises(ValueError, match="fwd_dispatch"):
+        mok.Config(fwd_dispatch="sideways")
     with pytest.raises(TypeError):
         mok.Config(no_such_field=1)
     with pytest.raises(mok.InvalidArgumentError, match="minibatch_rows"):

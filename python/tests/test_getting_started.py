@@ -44,8 +44,12 @@ def test_suite_passes_without_torch(tmp_path):
 
 
 def _makeflags(*args):
-    """The MAKEFLAGS make settles on for the repository's Makefile (its database, -p, nothing built)."""
-    out = subprocess.run(["make", "-pq", "-C", REPO, "CUDA=0", *args], capture_output=True, text=True, timeout=120)
+    """The MAKEFLAGS make settles on for the repository's Makefile (its database, -p, nothing built),
+    run as a user runs it: not under another make (make test), whose jobs it would share."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    out = subprocess.run(["make", "-pq", "-C", REPO, "CUDA=0", *args], env=env, capture_output=True, text=True,
+                         timeout=120)
     lines = [line for line in out.stdout.splitlines() if line.startswith("MAKEFLAGS = ")]
     assert lines, out.stdout[-2000:] + out.stderr
     return lines[-1]
