@@ -27,11 +27,11 @@ HEADER = REPO / "include" / "mok.h"
 
 def say(message):
     """A line for the person running pip: pip shows a build's output only with -v, so the line also
-    goes to the terminal, when there is one."""
+    goes to the terminal, when there is one (on a line of its own, past pip's spinner)."""
     print(message, file=sys.stderr, flush=True)
     try:
         with open("/dev/tty", "w") as tty:
-            tty.write(message + "\n")
+            tty.write("\n" + message + "\n")
     except OSError:
         pass
 

@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "memory.h"
@@ -27,12 +26,6 @@
 
 /* A run whose estimate passes this share of the available host memory gets a warning. */
 #define MEMORY_WARN_SHARE 0.8
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* --trace PATH is checked before the runs, so that a bad path does not wait for them: its folder
  * must exist and be writable, and PATH must not be a folder. */
@@ -131,12 +124,12 @@ static int check_host_memory(const run_state *st, double available, int report) 
 static int make_inputs(run_state *st) {
     tools_progress_line(st->progress, "inputs");
     tools_progress_pass(st->progress, "random");
-    const double start = now_seconds();
+    const double start = tools_now_seconds();
     if (run_make_tensors(st) != 0) {
         tools_progress_end_line(st->progress);
         return -1;
     }
-    tools_progress_done(st->progress, now_seconds() - start);
+    tools_progress_done(st->progress, tools_now_seconds() - start);
     tools_progress_end_line(st->progress);
     return 0;
 }

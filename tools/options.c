@@ -8,8 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK_TOKENS_LARGE 32 /* the default --check-tokens of a large layer (mok.c) */
-
 void tools_usage(FILE *out) {
     fprintf(out,
             "usage: mok presets\n"

@@ -10,6 +10,11 @@
 #include "mok.h"
 #include "presets.h"
 
+/* --check without --check-tokens: every token when H*I is at most this, else the first
+ * CHECK_TOKENS_LARGE tokens of each rank (the fp64 reference is naive). */
+#define CHECK_FULL_MAX_HI (512 * 512)
+#define CHECK_TOKENS_LARGE 32
+
 /* --scale divides a preset; 1 is the published layer, and past TOOLS_SCALE_MAX every dimension
  * is already down to one tile. */
 #define TOOLS_SCALE_MAX 4096.0
@@ -25,7 +30,7 @@ typedef struct run_options {
     mok_backend backend;
     int check;
     int hash;             /* --hash: the outputs' hash and the runs' bitwise agreement, no reference */
-    int64_t check_tokens; /* per rank; -1 = the default (see CHECK_FULL_MAX_HI in mok.c) */
+    int64_t check_tokens; /* per rank; -1 = the default (CHECK_FULL_MAX_HI) */
     int no_backward;
     int repeat;
     const char *trace_path;

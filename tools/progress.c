@@ -28,7 +28,7 @@ struct tools_progress {
     int ticked;            /* a tick is drawn after the line */
 };
 
-static double now_seconds(void) {
+double tools_now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -41,7 +41,7 @@ static void append(tools_progress *p, const char *text) {
 
 /* Redraws the line, with the running pass's tick when it has run long enough. Lock held. */
 static void redraw(tools_progress *p) {
-    double running = p->pass ? now_seconds() - p->pass_start : 0.0;
+    double running = p->pass ? tools_now_seconds() - p->pass_start : 0.0;
     if (p->pass && running >= TICK_AFTER_SECONDS) {
         fprintf(p->out, "\r%s  %s running, %.0f s\033[K", p->line, p->pass, running);
         p->ticked = 1;
@@ -70,7 +70,7 @@ tools_progress *tools_progress_start(FILE *out) {
     if (!p) return NULL;
     p->out = out;
     p->terminal = isatty(fileno(out));
-    p->start = now_seconds();
+    p->start = tools_now_seconds();
     pthread_mutex_init(&p->lock, NULL);
     if (p->terminal) p->ticker_running = pthread_create(&p->ticker, NULL, tick, p) == 0;
     return p;
@@ -102,7 +102,7 @@ void tools_progress_pass(tools_progress *p, const char *pass) {
     if (!p) return;
     pthread_mutex_lock(&p->lock);
     p->pass = pass;
-    p->pass_start = now_seconds();
+    p->pass_start = tools_now_seconds();
     pthread_mutex_unlock(&p->lock);
 }
 
@@ -124,7 +124,7 @@ void tools_progress_end_line(tools_progress *p) {
     pthread_mutex_lock(&p->lock);
     p->pass = NULL;
     if (p->ticked) redraw(p);
-    fprintf(p->out, "   (elapsed %.1f s)\n", now_seconds() - p->start);
+    fprintf(p->out, "   (elapsed %.1f s)\n", tools_now_seconds() - p->start);
     fflush(p->out);
     p->line[0] = '\0';
     pthread_mutex_unlock(&p->lock);

@@ -17,6 +17,9 @@
 
 typedef struct tools_progress tools_progress;
 
+/* Seconds on a monotonic clock (for the lengths of passes and runs). */
+double tools_now_seconds(void);
+
 /* Writes to out; ticks when out is a terminal. */
 tools_progress *tools_progress_start(FILE *out);
 void tools_progress_stop(tools_progress *progress);

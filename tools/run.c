@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "inputs.h"
 
@@ -19,12 +18,6 @@ const char *const phase_names[NUM_PHASES] = {"schedule", "forward", "backward", 
         mok_status call_status_ = function(__VA_ARGS__);                             \
         if (call_status_ != MOK_OK) return tools_library_failed(#function, call_status_); \
     } while (0)
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 int64_t run_tensor_count(const run_state *st, int64_t tokens, tools_tensor tensor) {
     const mok_shape *s = &st->shape;
@@ -313,7 +306,7 @@ static double timed_pass(run_state *st, pass_kind kind) {
     static const char *const names[] = {"schedule", "forward", "backward"};
     static const char *const functions[] = {"mok_schedule_build", "mok_forward", "mok_backward"};
     tools_progress_pass(st->progress, names[kind]);
-    double start = now_seconds();
+    double start = tools_now_seconds();
     mok_status status = kind == PASS_SCHEDULE  ? mok_schedule_build(st->workspace, st->schedule_args)
                         : kind == PASS_FORWARD ? mok_forward(st->workspace, st->forward_args)
                                                : mok_backward(st->workspace, st->backward_args);
@@ -322,7 +315,7 @@ static double timed_pass(run_state *st, pass_kind kind) {
         status = mok_synchronize(st->workspace);
         function = "mok_synchronize";
     }
-    double seconds = now_seconds() - start;
+    double seconds = tools_now_seconds() - start;
     if (status != MOK_OK) {
         tools_progress_end_line(st->progress);
         tools_library_failed(function, status);

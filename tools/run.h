@@ -12,11 +12,6 @@
 #include "options.h"
 #include "progress.h"
 
-/* --check without --check-tokens: every token when H*I is at most this, else the first
- * CHECK_TOKENS_LARGE tokens of each rank (the fp64 reference is naive). */
-#define CHECK_FULL_MAX_HI (512 * 512)
-#define CHECK_TOKENS_LARGE 32
-
 enum { PHASE_SCHEDULE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_TOTAL, NUM_PHASES };
 extern const char *const phase_names[NUM_PHASES];
 

@@ -5,7 +5,6 @@
  * reference saw all of them. */
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "run.h"
 
@@ -26,12 +25,6 @@ typedef struct reference {
 int64_t verify_tokens(const run_options *opt, const mok_shape *shape) {
     if (opt->check_tokens >= 0) return opt->check_tokens;
     return shape->hidden * shape->intermediate <= CHECK_FULL_MAX_HI ? INT64_MAX : CHECK_TOKENS_LARGE;
-}
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 static void reference_free(reference *ref) {
@@ -118,14 +111,14 @@ static int reference_run(run_state *st, reference *ref) {
                            .s_down = st->shared[2]};
     tools_progress_line(st->progress, "reference");
     tools_progress_pass(st->progress, "forward");
-    double start = now_seconds();
+    double start = tools_now_seconds();
     mok_status status = mok_ref_forward(&layer, ref->out[TOOLS_Y]);
     const char *function = "mok_ref_forward";
     if (status == MOK_OK) {
-        tools_progress_done(st->progress, now_seconds() - start);
+        tools_progress_done(st->progress, tools_now_seconds() - start);
         if (st->backward) {
             tools_progress_pass(st->progress, "backward");
-            start = now_seconds();
+            start = tools_now_seconds();
             function = "mok_ref_backward";
             status = mok_ref_backward(&layer, ref->dy, ref->out[TOOLS_DX], (float *const *)ref->out[TOOLS_D_ROUTER_W],
                                       (float *const *)ref->out[TOOLS_DW_GATE], (float *const *)ref->out[TOOLS_DW_UP],
@@ -133,7 +126,7 @@ static int reference_run(run_state *st, reference *ref) {
                                       shared ? (float *const *)ref->out[TOOLS_DS_GATE] : NULL,
                                       shared ? (float *const *)ref->out[TOOLS_DS_UP] : NULL,
                                       shared ? (float *const *)ref->out[TOOLS_DS_DOWN] : NULL);
-            if (status == MOK_OK) tools_progress_done(st->progress, now_seconds() - start);
+            if (status == MOK_OK) tools_progress_done(st->progress, tools_now_seconds() - start);
         }
     }
     tools_progress_end_line(st->progress);
