@@ -6,6 +6,7 @@ torch); on GPUs also CUDA-graph capture and replay of MoE, the trace, and EP2 ov
 Random inputs are fresh per run; the seed is printed (MOK_PY_SEED=N replays a run).
 """
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -895,6 +896,57 @@ def test_cuda_trace_events(tmp_path):
                or e["ts"] < span[(e["pid"], e["tid"])][0] - eps
                or e["ts"] + e["dur"] > span[(e["pid"], e["tid"])][1] + eps]
     assert not outside, f"{len(outside)} of {len(tasks)} tasks outside their CTA's residency, e.g. {outside[:2]}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_trace_keeps_the_last_forward_and_backward(tmp_path, backend):
+    """Config(trace=True), a forward and a backward, then Workspace.trace_write: the file holds both
+    passes, the backward's tasks after the forward's on one time axis, each (rank, pass) a process
+    named "rank R forward" / "rank R backward" and each worker a thread named "comm worker W" or
+    "compute worker W"; bench/timeline.py's load(pass_name=...) gives one pass with pid = rank. On
+    cuda each pass also has one residency event per SM."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    import timeline
+
+    if backend == "cuda":
+        torch = _cuda(1)
+        L = make_layer(1, [600], H=256, I=128, E=8, k=4, Is=128, seed=72)
+        config = CUDA_CONFIG.replace(trace=True)
+        group = mok.Group.create_local(1, backend="cuda", devices=[0], config=config)
+        arrays = torch_layer(torch, L, [torch.device("cuda", 0)])
+    else:
+        L = make_layer(2, [150, 97], E=6, k=2, Is=64, seed=72)
+        config = CONFIG.replace(trace=True)
+        group = mok.Group.create_local(2, backend="cpu", config=config)
+        arrays = L
+    path = str(tmp_path / "trace.json")
+    with group:
+        _, ws = workspace(L, group=group, config=config)
+        with ws:
+            run(ws, arrays)
+            ws.synchronize()
+            ws.trace_write(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+    tasks = [e for e in events if e["ph"] == "X" and e["cat"] != "resident"]
+    forward_kinds = {"dispatch", "gateup", "down", "combine", "shared_up", "shared_down"}
+    for rank in range(L["P"]):
+        assert names.get((rank, None)) == f"rank {rank} forward", names
+        assert names.get((72 + rank, None)) == f"rank {rank} backward", names
+    for e in tasks:
+        backward = e["args"]["pass"] == "backward"
+        assert e["pid"] == e["args"]["rank"] + (72 if backward else 0), e
+        assert (e["name"] in forward_kinds) != backward, e
+        assert names.get((e["pid"], e["tid"])) == f"{e['cat']} worker {e['tid']}", e
+    forward, backward = timeline.load(path, pass_name="forward"), timeline.load(path, pass_name="backward")
+    assert forward and backward and len(forward) + len(backward) == len(tasks)
+    assert {e["pid"] for e in forward} == {e["pid"] for e in backward} == set(range(L["P"]))
+    assert max(e["ts"] + e["dur"] for e in forward) <= min(e["ts"] for e in backward)
+    if backend == "cuda":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for name in ("forward", "backward"):
+            assert len(timeline.load(path, resident=True, pass_name=name)) == sms, name
 
 
 _EP_WORKER = r"""
