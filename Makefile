@@ -1,5 +1,5 @@
 # mok — build: `make` (in parallel; libmok.so, libmok.a, build/mok, build/mok_mp_rank), `make test`, `make sanitize`,
-# `make run`.
+# `make fuzz`, `make run`.
 # The CUDA backend is compiled in when nvcc is on PATH (override with CUDA=0 or CUDA=1).
 
 # Parallel by default: one job per core. A -jN on the command line wins, and a make started by
@@ -48,7 +48,7 @@ TOOL_OBJ := $(TOOL_C:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_C:%.c=$(BUILD)/obj/%.o)
 MP_OBJ   := $(MP_C:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/tests/layer.o
 
-.PHONY: all test sanitize run clean
+.PHONY: all test sanitize fuzz run clean
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok $(BUILD)/mok_mp_rank
 
 $(BUILD)/obj/%.o: %.c include/mok.h $(wildcard src/*.h src/core/*.h src/cpu/*.h src/ref/*.h tools/*.h tests/*.h)
@@ -92,6 +92,33 @@ sanitize:
 	$(MAKE) BUILD=build-san CUDA=0 OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
 	    build-san/mok build-san/mok_tests
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MOK_TEST_QUICK=1 ./build-san/mok_tests
+
+# The API fuzzer (tests/fuzz/fuzz_api.c says what it tries and how it judges): libFuzzer with
+# AddressSanitizer and UndefinedBehaviorSanitizer, built by clang from the library's C sources (cpu
+# backend) and tests/layer.c's reference comparison. It runs FUZZ_SECONDS over a working corpus
+# seeded from tests/fuzz/corpus (which it leaves as it is) and fails on any finding: a crash, a
+# sanitizer report, a run past FUZZ_TIMEOUT seconds, a result that disagrees with the reference.
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 120
+FUZZ_TIMEOUT ?= 60
+FUZZ_DIR     := $(BUILD)/fuzz
+FUZZ_SRC     := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c) tests/layer.c tests/fuzz/fuzz_api.c
+# Not coverage-guided (sanitizers only, -O2): the reference, the comparison and the GEMM loops, whose
+# edges say nothing about the API's paths and whose instrumentation would take most of the time.
+FUZZ_PLAIN   := src/ref/ref.c tests/layer.c src/cpu/tiles.c
+FUZZ_BASE    := -std=c11 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
+                -ffp-contract=off -pthread -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -Iinclude -Isrc -Itests
+
+$(FUZZ_DIR)/fuzz_api: $(FUZZ_SRC) include/mok.h $(wildcard src/*.h src/core/*.h src/cpu/*.h src/ref/*.h tests/*.h)
+	@mkdir -p $(FUZZ_DIR)/plain
+	for f in $(FUZZ_PLAIN); do $(FUZZ_CC) $(FUZZ_BASE) -O2 -c $$f -o $(FUZZ_DIR)/plain/$$(basename $$f .c).o || exit 1; done
+	$(FUZZ_CC) $(FUZZ_BASE) -O1 -fsanitize=fuzzer $(filter-out $(FUZZ_PLAIN),$(FUZZ_SRC)) \
+	    $(patsubst %.c,$(FUZZ_DIR)/plain/%.o,$(notdir $(FUZZ_PLAIN))) -o $@ -lm
+
+fuzz: $(FUZZ_DIR)/fuzz_api
+	@mkdir -p $(FUZZ_DIR)/corpus
+	$(FUZZ_DIR)/fuzz_api -max_total_time=$(FUZZ_SECONDS) -timeout=$(FUZZ_TIMEOUT) -rss_limit_mb=4096 \
+	    -artifact_prefix=$(FUZZ_DIR)/ -print_final_stats=1 $(FUZZ_DIR)/corpus tests/fuzz/corpus
 
 # The README's first run: DeepSeek-V3's layer scaled by 16 (E 16 and k 8 kept, the shared expert
 # too) on four ranks, checked against the reference.

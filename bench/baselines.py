@@ -8,6 +8,7 @@ an NCCL all-to-all (``all_to_all_single``) to the experts' owners and back.
 Layouts follow mok's: gate/up ``[E_local, I, H]``, down ``[E_local, H, I]``, bf16.
 """
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,25 @@ def route(num_tokens, num_experts, topk, skew, device, seed=0):
     w, ids = probs.topk(topk, dim=-1)
     w = w / w.sum(-1, keepdim=True)
     return ids.to(torch.int32).to(device), w.to(torch.float32).to(device)
+
+
+def make_inputs(layer, experts, tokens, devices, skew, seed):
+    """One rank's inputs per device: its experts' weights (the shared expert's the same on every
+    rank), its routing, x and dy; random, never zeros."""
+    per_rank = []
+    ranks = len(devices)
+    for r, dev in enumerate(devices):
+        w = make_layer(layer["hidden"], layer["inter"], experts // ranks, layer["shared"], dev, seed=seed + r)
+        if layer["shared"]:  # the same shared expert on every rank
+            w0 = make_layer(layer["hidden"], layer["inter"], 1, layer["shared"], dev, seed=seed)
+            for k in ("s_gate", "s_up", "s_down"):
+                w[k] = w0[k]
+        ids, rw = route(tokens, experts, layer["topk"], skew, dev, seed=seed + 100 + r)
+        g = torch.Generator(device=dev).manual_seed(seed + 200 + r)
+        x = (torch.rand(tokens, layer["hidden"], device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
+        dy = (torch.rand(tokens, layer["hidden"], device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
+        per_rank.append(dict(w=w, ids=ids, rw=rw, x=x, dy=dy))
+    return per_rank
 
 
 def swiglu(gate, up, limit=0.0):
@@ -126,8 +146,13 @@ def forward_all_to_all(x, ids, weights, layer, group=None):
     return y.to(torch.bfloat16)
 
 
+SETTLE_S = 0.0  # seconds of idle GPU before a measurement (bench.py's --settle sets it)
+
+
 def time_cuda(fn, warmup=3, reps=20):
     """Median milliseconds of fn() with CUDA events."""
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_S)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -142,6 +167,33 @@ def time_cuda(fn, warmup=3, reps=20):
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2]
+
+
+def cublas_experts(layer, experts, tokens, device, reps=10, seed=7):
+    """The ceiling of the routed experts' GEMMs: cuBLAS's batched GEMM (torch.bmm, one launch per
+    product) on every local expert's own shapes, each expert receiving the average
+    tokens * topk / experts rows. Returns (forward ms, backward ms): forward x·W_gate|up^T and
+    h·W_down^T; backward dy·W_down, d(g|u)·W_gate|up and the three weight gradients. No routing,
+    SwiGLU or data movement: only the matrix products, so their rate is what mok's tiles are
+    measured against."""
+    H, I, k = layer["hidden"], layer["inter"], layer["topk"]
+    m = max(1, tokens * k // experts)
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: (torch.rand(*s, device=device, generator=g) * 2 - 1).to(torch.bfloat16)
+    w_gu, w_d = r(experts, 2 * I, H), r(experts, H, I)
+    x, h, dy, dgu = r(experts, m, H), r(experts, m, I), r(experts, m, H), r(experts, m, 2 * I)
+
+    def forward():
+        torch.bmm(x, w_gu.transpose(1, 2))
+        torch.bmm(h, w_d.transpose(1, 2))
+
+    def backward():
+        torch.bmm(dy, w_d)
+        torch.bmm(dgu, w_gu)
+        torch.bmm(dgu.transpose(1, 2), x)
+        torch.bmm(dy.transpose(1, 2), h)
+
+    return time_cuda(forward, reps=reps), time_cuda(backward, reps=reps)
 
 
 def flops_forward(tokens, topk, hidden, inter, shared_inter):

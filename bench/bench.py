@@ -24,6 +24,8 @@ sys.path.insert(0, here)
 sys.path.insert(0, os.path.join(here, "..", "python"))
 import baselines as B  # noqa: E402
 import layers as LY  # noqa: E402
+import memory as M  # noqa: E402
+import peers as PEERS  # noqa: E402
 import mok  # noqa: E402
 from mok import functional as F  # noqa: E402
 
@@ -40,26 +42,19 @@ def device_of(r):
 
 
 def make_inputs(layer, experts, tokens, ranks, skew, seed):
-    per_rank = []
-    for r in range(ranks):
-        dev = device_of(r)
-        w = B.make_layer(layer["hidden"], layer["inter"], experts // ranks, layer["shared"], dev, seed=seed + r)
-        if layer["shared"]:  # the same shared expert on every rank
-            w0 = B.make_layer(layer["hidden"], layer["inter"], 1, layer["shared"], dev, seed=seed)
-            for k in ("s_gate", "s_up", "s_down"):
-                w[k] = w0[k]
-        ids, rw = B.route(tokens, experts, layer["topk"], skew, dev, seed=seed + 100 + r)
-        g = torch.Generator(device=dev).manual_seed(seed + 200 + r)
-        x = (torch.rand(tokens, layer["hidden"], device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
-        dy = (torch.rand(tokens, layer["hidden"], device=dev, generator=g) * 2 - 1).to(torch.bfloat16)
-        per_rank.append(dict(w=w, ids=ids, rw=rw, x=x, dy=dy))
-    return per_rank
+    return B.make_inputs(layer, experts, tokens, [device_of(r) for r in range(ranks)], skew, seed)
 
 
 def sync_all(ranks):
     if not SMOKE:
         for r in range(ranks):
             torch.cuda.synchronize(r)
+
+
+# Seconds of idle GPU before each timed measurement (--settle): a measurement that starts right
+# after a long run of heavy work (the baselines, the cuBLAS ceiling) can run at lower clocks than
+# one that starts after the host-side set-up of a new case, so every measurement starts the same way.
+SETTLE_S = 0.5
 
 
 def time_ranks(fn, ranks, reps):
@@ -71,6 +66,8 @@ def time_ranks(fn, ranks, reps):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return sorted(times)[len(times) // 2]
+    sync_all(ranks)
+    time.sleep(SETTLE_S)
     for _ in range(2):
         fn()
     sync_all(ranks)
@@ -132,13 +129,18 @@ class MokRun:
         self.ws.close()
 
 
-def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, baseline=None):
-    """One case: mok's forward and backward times (and, with check on one rank, the error against
-    PyTorch and PyTorch's times, or those of `baseline`, an earlier row of the same case)."""
-    layer = LAYERS[name]
+def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, baseline=None, layer=None):
+    """One case: mok's forward and backward times and the device memory they held (and, with check
+    on one rank, the error against PyTorch and PyTorch's times, or those of `baseline`, an earlier
+    row of the same case). layer: the layer's dimensions when not LAYERS[name]'s (a routed-only
+    variant)."""
+    layer = layer or LAYERS[name]
     inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
     row = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew,
                comm_sms=config.fwd_comm_sms, minibatch=config.minibatch_rows)
+    before = None if SMOKE else M.snapshot()
+    if not SMOKE:
+        M.reset_peak()
     run = MokRun(group, layer, experts, tokens, inputs, config)
     row["workspace_bytes"] = run.ws.sizes.workspace_bytes
     row["context_bytes"] = run.ws.sizes.context_bytes
@@ -155,24 +157,38 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
             err = ((y0.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
             row["max_rel_err_vs_torch"] = err
             if baseline:
-                row["baseline_forward_ms"] = baseline["baseline_forward_ms"]
-                row["baseline_forward_backward_ms"] = baseline["baseline_forward_backward_ms"]
+                for key in ("baseline_forward_ms", "baseline_forward_backward_ms", "cublas_forward_ms",
+                            "cublas_backward_ms"):
+                    if key in baseline:
+                        row[key] = baseline[key]
             else:
                 row["baseline_forward_ms"] = time_ranks(
                     lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1, reps)
                 row["baseline_forward_backward_ms"] = time_ranks(baseline_step(i), 1, max(3, reps // 2))
+                if not SMOKE:
+                    row["cublas_forward_ms"], row["cublas_backward_ms"] = B.cublas_experts(
+                        layer, experts, tokens, device_of(0))
         row["forward_ms"] = time_ranks(run.forward, ranks, reps)
         try:
             row["backward_ms"] = time_ranks(run.backward, ranks, max(3, reps // 2))
         except mok.MokError as e:
             row["backward_ms"] = None
             row["backward_error"] = str(e)
+        if before is not None:
+            row["memory_bytes"] = M.held_since(before)
     finally:
         run.close()
     flops = B.flops_forward(tokens, layer["topk"], layer["hidden"], layer["inter"], layer["shared"])
     row["forward_tflops"] = flops / row["forward_ms"] / 1e9
     if row.get("backward_ms"):
         row["backward_tflops"] = 2 * flops / row["backward_ms"] / 1e9
+    if row.get("cublas_forward_ms"):  # the rate of the routed experts' products alone, per expert through cuBLAS
+        routed = B.flops_forward(tokens, layer["topk"], layer["hidden"], layer["inter"], 0)
+        row["cublas_forward_tflops"] = routed / row["cublas_forward_ms"] / 1e9
+        row["cublas_backward_tflops"] = 2 * routed / row["cublas_backward_ms"] / 1e9
+        row["forward_vs_cublas"] = row["forward_tflops"] / row["cublas_forward_tflops"]
+        if row.get("backward_tflops"):
+            row["backward_vs_cublas"] = row["backward_tflops"] / row["cublas_backward_tflops"]
     if ranks > 1:
         # dispatch and combine each move a remote row once; per rank, both directions of its links
         moved = max(remote) * layer["hidden"] * 2 * 2
@@ -182,6 +198,29 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
     if row.get("baseline_forward_backward_ms") and row.get("backward_ms"):
         row["speedup_forward_backward"] = row["baseline_forward_backward_ms"] / (row["forward_ms"] + row["backward_ms"])
     return row
+
+
+def peer_rows(group, name, experts, tokens, skew, config, reps, row, peer_site):
+    """The peers of a one-GPU case: LigerCute (routed experts only) in a process of its own, beside
+    mok's routed-only layer on the same inputs (the case's own row when it has no shared expert).
+    Returns the rows to print; the ratios go into `row`."""
+    peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps)
+    if "skipped" in peer:
+        print(f"peer ligercute {name} T {tokens}: skipped ({peer['skipped']})", flush=True)
+        return []
+    layer = LAYERS[name]
+    if layer["shared"]:
+        mine = run_case(group, 1, name, experts, tokens, skew, config, reps, check=False,
+                        layer=dict(layer, shared=0))
+    else:
+        mine = row
+    peer["mok_forward_ms"] = mine["forward_ms"]
+    peer["mok_forward_backward_ms"] = mine["forward_ms"] + (mine.get("backward_ms") or float("nan"))
+    peer["mok_memory_bytes"] = mine.get("memory_bytes")
+    peer["mok_forward_vs_peer"] = mine["forward_ms"] / peer["forward_ms"]
+    peer["mok_forward_backward_vs_peer"] = peer["mok_forward_backward_ms"] / peer["forward_backward_ms"]
+    row["ligercute"] = peer
+    return [peer]
 
 
 def kind_flops(layer, experts, tokens, ranks):
@@ -374,7 +413,37 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
         run.close()
 
 
+def plot_peers(rows, path):
+    """Bars per case: forward and forward+backward ms, and memory, of mok and LigerCute."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print("peer plot skipped:", e)
+        return
+    labels = [f"{r['layer']}\nT {r['tokens']}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("forward ms", "mok_forward_ms", "forward_ms"),
+              ("forward + backward ms", "mok_forward_backward_ms", "forward_backward_ms"),
+              ("memory GiB beyond the inputs", "mok_memory_bytes", "memory_bytes"))
+    for ax, (title, mine, theirs) in zip(axes, panels):
+        scale = 2**30 if "memory" in mine else 1
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [(r["ligercute"][mine] or 0) / scale for r in rows], 0.4, label="mok")
+        ax.bar([x + 0.2 for x in xs], [(r["ligercute"][theirs] or 0) / scale for r in rows], 0.4, label="LigerCute")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle("routed experts only, one H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
+    global SETTLE_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
@@ -397,10 +466,16 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="per case, every kernel's GPU time over 3 forwards and 3 backwards (torch.profiler): "
                          "what the passes spend outside the megakernel (schedule, barriers, epilogue, memsets)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds of idle GPU before each timed measurement (default %(default)s)")
+    ap.add_argument("--liger", default=os.environ.get("MOK_BENCH_LIGER", ""), metavar="SITE",
+                    help="LigerCute installed in SITE (bench/liger-setup.sh): one-GPU cases also run it as a peer "
+                         "(routed experts only), in a process of its own per case (bench/liger_peer.py)")
     ap.add_argument("--host", action="store_true",
                     help="per case, mok's and PyTorch's host time per call and GPU time per call queued back to "
                          "back (the table times each call from idle GPUs, so host time shows as GPU idle there)")
     a = ap.parse_args()
+    SETTLE_S = B.SETTLE_S = 0.0 if SMOKE else a.settle  # the cpu smoke run times nothing that matters
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
     rows = []
@@ -445,6 +520,8 @@ def main():
                     else:
                         os.environ[var] = value
             rows.append(row)
+            if first is None and a.ranks == 1 and not SMOKE:
+                peer_rows(group, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
             first = first or row
             print(json.dumps(row), flush=True)
     hosts = []
@@ -496,6 +573,27 @@ def main():
               f"{r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
               f"{r.get('env', '')} | "
               f"{r['workspace_bytes'] / 2**30:6.2f} | {r.get('forward_link_GBps', float('nan')):9.1f}")
+    peered = [r for r in rows if "ligercute" in r]
+    if peered:
+        print("\nrouted experts only, beside LigerCute (ms; ratio = mok / LigerCute; memory GiB held beyond the inputs)")
+        print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} | {'mok fwd':>8} {'LC fwd':>8} {'LC nograd':>9} {'ratio':>6} | "
+              f"{'mok f+b':>8} {'LC f+b':>8} {'ratio':>6} | {'mok GiB':>7} {'LC GiB':>7} | LC err")
+        for r in peered:
+            p = r["ligercute"]
+            gib = lambda v: (v or float("nan")) / 2**30
+            print(f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} | {p['mok_forward_ms']:>8.3f} {p['forward_ms']:>8.3f} "
+                  f"{p['forward_nograd_ms']:>9.3f} {p['mok_forward_vs_peer']:>6.2f} | {p['mok_forward_backward_ms']:>8.3f} "
+                  f"{p['forward_backward_ms']:>8.3f} {p['mok_forward_backward_vs_peer']:>6.2f} | "
+                  f"{gib(p['mok_memory_bytes']):>7.2f} {gib(p['memory_bytes']):>7.2f} | {p['max_rel_err_vs_torch']:.1e}")
+        plot_peers(peered, os.path.join(a.out, f"peers_ep{a.ranks}.png"))
+    ceil = [r for r in rows if "cublas_forward_tflops" in r]
+    if ceil:
+        print("\nagainst cuBLAS (batched GEMM) on every expert's own GEMM shapes (TFLOP/s; ratio = mok / cuBLAS)")
+        for r in ceil:
+            print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6}: forward mok {r['forward_tflops']:6.1f} "
+                  f"cuBLAS {r['cublas_forward_tflops']:6.1f} ({r['forward_vs_cublas']:.2f}); backward mok "
+                  f"{r.get('backward_tflops', float('nan')):6.1f} cuBLAS {r['cublas_backward_tflops']:6.1f} "
+                  f"({r.get('backward_vs_cublas', float('nan')):.2f})")
     if sweeps:
         print("\nsweep (forward ms): layer, comm SMs x minibatch rows")
         for r in sweeps:

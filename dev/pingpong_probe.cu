@@ -350,11 +350,12 @@ int main(int argc, char **argv) {
        an odd number of tiles per CTA) and one large */
     const Shape tests[] = {{1, 256, 64}, {77, 136, 72}, {300, 520, 1000}, {1000, 768, 2048}, {4096, 2048, 7168}};
     /* the layers' GEMMs (DeepSeek-V3 and Qwen3-30B-A3B, 16384 routed rows; wgrad: one expert's
-       2048 rows as K) */
+       2048 rows as K; Mixtral-8x7B's 8192 tokens x top-2) */
     const Timed timed[] = {
         {"dsv3 gate|up", {16384, 4096, 7168}, 0, 0}, {"dsv3 down", {16384, 7168, 2048}, 0, 0},
         {"dsv3 dh", {16384, 2048, 7168}, 0, 1},      {"dsv3 dx", {16384, 7168, 4096}, 0, 1},
         {"dsv3 wgrad", {2048, 7168, 2048}, 1, 1},    {"qwen3 dh", {16384, 768, 2048}, 0, 1},
+        {"mixtral gate|up", {16384, 28672, 4096}, 0, 0}, {"mixtral down", {16384, 4096, 14336}, 0, 0},
     };
     const int iters[] = {0, 16, 64, 256};
 

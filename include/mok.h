@@ -33,9 +33,35 @@
  * mok_workspace_sizes), so that one workspace serves many layers: a context belongs to one layer
  * call, the workspace only to the duration of a pass.
  *
+ * Precision: the above is MOK_PRECISION_BF16. MOK_PRECISION_FP8 computes the same function with
+ * its GEMM operands block-quantized to E4M3, at the points the FP8 section below states.
+ *
  * Errors: every call returns a mok_status; on failure mok_last_error() (thread-local) names the
  * argument and the rule it broke. The library never exits, aborts or traps, and no wait on a peer
- * lasts longer than the configured timeout.
+ * lasts longer than config.peer_timeout_ms: a barrier, or a pass's wait on a peer's counter (on
+ * cpu a wait on the rank's own counters gives up when the rank has made no progress for that long;
+ * its own work, however long, is not a hang).
+ *
+ * Collective calls (workspace create and destroy, schedule build, forward, recompute, backward):
+ * every rank of a group makes the same ones in the same order, on workspaces created in the same
+ * order, and a pass on every rank reads the same schedule build. Each call carries what it is (its
+ * kind, its number on the workspace, the workspace's shape and config, the schedule build) to the
+ * peers; a rank that meets a peer in another call fails, as does the peer, at once and with a
+ * message naming both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in
+ * mok_forward #3 ..."). Such a failure touches nothing: the ranks may go on with matching calls.
+ * On cuda the device barrier finds it, neither pass runs, and the error word reports it at the
+ * rank's next call or mok_synchronize, as for any error found on the device; so does a rank whose
+ * peer's part of the call failed. Workspace creation compares the ranks' shapes and configs there
+ * too (one process per rank).
+ *
+ * After a timeout (and after a rank destroyed a workspace while a peer was in another call) the
+ * group is unusable on every rank: each rank's next call fails at once with MOK_ERR_STATE, naming
+ * the rank that failed. Destroy its workspaces and the group. A peer may then still be inside a
+ * pass that reads or writes this rank's symmetric memory, so that memory is not freed under it:
+ * on cpu it is kept until the last rank of the group has destroyed its group; on cuda, in a group
+ * of one process per rank, it stays allocated for the life of the process (the communicator is
+ * aborted, not destroyed). In local mode (one handle drives every rank) every call has ended on
+ * every rank when it returns, and everything is freed.
  */
 #ifndef MOK_H
 #define MOK_H
@@ -88,7 +114,8 @@ typedef enum mok_backend {
 
 typedef enum mok_precision {
     MOK_PRECISION_BF16 = 0, /* bf16 storage, fp32 accumulation */
-    MOK_PRECISION_FP8 = 1   /* reserved: block-scaled e4m3; not supported yet */
+    MOK_PRECISION_FP8 = 1   /* block-scaled E4M3 operands, fp32 accumulation: the FP8 section
+                               below (cpu backend; the cuda backend refuses it for now) */
 } mok_precision;
 
 /* The direction of each transfer. PULL: the rank that needs the rows reads them from the peer.
@@ -113,10 +140,11 @@ typedef struct mok_config {
                                rows past it are replayed (recomputed) in the backward.
                                0 = all rows the worst case can route to a rank */
     float swiglu_limit;     /* > 0: clamp limit; 0: no clamp */
-    double peer_timeout_ms; /* longest wait on a peer before MOK_ERR_TIMEOUT; > 0 */
+    double peer_timeout_ms; /* longest wait on a peer before MOK_ERR_TIMEOUT; in (0, 1e9] */
     int cpu_threads;        /* cpu backend: worker threads per rank, movers included (0 = one
-                               compute thread per core plus cpu_comm_threads movers; else >= 2) */
-    int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; >= 1 */
+                               compute thread per core plus cpu_comm_threads movers; else in
+                               [2, 1024]) */
+    int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; in [1, 1024] */
     /* The transfers' directions (mok_direction), each either way on every backend with the same
        results bit for bit; the defaults are the faster ones measured (docs/perf.md). */
     int fwd_dispatch;       /* MOK_PULL; MOK_PUSH: each rank writes its x rows into the peers'
@@ -203,6 +231,8 @@ typedef struct mok_forward_args {
                                 the shared expert's 2·I_s bf16 for each of the T tokens; the
                                 backward reads nothing else */
     void *stream;
+    const void *fp8_weights; /* FP8 workspaces: this rank's buffer written by mok_quantize_weights
+                                from the weights above (mok_fp8_layout); NULL for bf16 */
 } mok_forward_args;
 
 typedef struct mok_backward_args {
@@ -223,6 +253,7 @@ typedef struct mok_backward_args {
     void *dw_gate, *dw_up, *dw_down;
     void *ds_gate, *ds_up, *ds_down; /* NULL iff I_s = 0 */
     void *stream;
+    const void *fp8_weights; /* FP8 workspaces: as in mok_forward_args; NULL for bf16 */
 } mok_backward_args;
 
 /* ---- version, errors ---------------------------------------------------------------------- */
@@ -246,13 +277,16 @@ mok_status mok_unique_id_create(mok_backend backend, mok_unique_id *id);
 
 /* One process (or thread, on cpu) per rank. Collective: every rank calls it with the same id
  * and nranks; a rank that does not join within config->peer_timeout_ms makes the others fail
- * with MOK_ERR_TIMEOUT. device: the GPU of this rank (cuda), ignored on cpu. */
+ * with MOK_ERR_TIMEOUT. Each rank joins once: on cpu a second handle for a rank that a handle of
+ * the same id holds is refused. device: the GPU of this rank (cuda), ignored on cpu. */
 mok_status mok_group_create(mok_group **group, mok_backend backend, int nranks, int rank,
                             const mok_unique_id *id, int device, const mok_config *config);
 
 /* One process drives all nranks ranks. devices: nranks GPU ordinals (cuda), NULL on cpu. */
 mok_status mok_group_create_local(mok_group **group, mok_backend backend, int nranks,
                                   const int *devices, const mok_config *config);
+/* Workspaces first: it refuses (and keeps the group) while a workspace made on it lives. Calls on
+ * one group handle and its workspaces come from one thread at a time. */
 mok_status mok_group_destroy(mok_group *group);
 
 /* nranks, local ranks driven by this handle, the first local rank's index, the backend. */
@@ -260,15 +294,28 @@ mok_status mok_group_info(const mok_group *group, int *nranks, int *num_local_ra
                           int *first_rank, mok_backend *backend);
 
 /* ---- workspace ---------------------------------------------------------------------------- */
-/* Collective: every rank creates its workspace with the same shape and config; all buffers are
- * allocated here, none per call. config may be NULL (defaults). */
+/* Collective: every rank creates its workspace with the same shape and the same minibatch_rows,
+ * ring_rows, context_rows, swiglu_limit and transfer directions (the other fields are each rank's
+ * own); a difference is refused on every rank, naming the field. All buffers are allocated here,
+ * none per call. config may be NULL (the group's). */
 mok_status mok_workspace_create(mok_workspace **workspace, mok_group *group,
                                 const mok_shape *shape, const mok_config *config);
+/* Collective too: every rank destroys its workspaces in the same order. The handle is gone
+ * whatever it returns; a destroy that met a peer in another call returns that error and makes the
+ * group unusable (the memory rule above). */
 mok_status mok_workspace_destroy(mok_workspace *workspace);
 mok_status mok_workspace_sizes(const mok_workspace *workspace, mok_sizes *sizes);
 
-/* ---- passes (collective; args has one entry per local rank) ------------------------------- */
+/* ---- passes (collective; args has one entry per local rank) -------------------------------
+ * A schedule serves the workspace and local rank that built it, until it is built again. A backward
+ * reads the context that a forward or recompute wrote with the same schedule build. Each local rank
+ * of a workspace remembers the last 256 schedule and context buffers its calls wrote, and refuses a
+ * schedule or context that another workspace of the group wrote, a backward whose schedule build no
+ * forward ran with, and a context written with another build; a buffer it does not remember (an
+ * older one, a copy) is not checked. On cpu a schedule whose contents were changed after its build
+ * is refused. */
 mok_status mok_schedule_build(mok_workspace *workspace, const mok_schedule_args *args);
+/* The schedule must be local_rank's. */
 mok_status mok_schedule_read(mok_workspace *workspace, const void *schedule, int local_rank,
                              mok_schedule_info *info);
 mok_status mok_forward(mok_workspace *workspace, const mok_forward_args *args);
@@ -276,9 +323,116 @@ mok_status mok_backward(mok_workspace *workspace, const mok_backward_args *args)
 /* Rebuilds the forward context (activation checkpointing); bitwise equal to the forward's. */
 mok_status mok_recompute_context(mok_workspace *workspace, const mok_forward_args *args);
 
+/* ---- FP8 (shape.precision = MOK_PRECISION_FP8) -------------------------------------------
+ * The bf16 function above with every GEMM operand replaced by its block-quantized value. Every
+ * rounding point of the bf16 function stays; quantization Q is added at the points listed here.
+ * H, I and I_s (when not 0) are multiples of MOK_FP8_BLOCK.
+ *
+ * E4M3 (OCP FP8): sign, 4 exponent bits (bias 7), 3 mantissa bits; normals (1 + m/8)·2^(E-7) for
+ * E = 1..15 up to 448 = 1.75·2^8, subnormals m·2^-9, ±0, no infinities, NaN = S.1111.111.
+ *
+ * Q of a block of values v: activations in blocks of 1 x MOK_FP8_BLOCK along the GEMM's K (one
+ * row's columns [128b, 128b + 128)), weights in blocks of 128 x 128 of the [out, in] matrix.
+ *   amax  = max |v| over the block's finite values (0 when it has none);
+ *   e     = the smallest integer >= -124 with amax <= 448 · 2^e, i.e. max(ceil(log2(amax / 448)),
+ *           -124); e = 0 when amax = 0. The scale is s = 2^e, an fp32 power of two (an E8M0 scale:
+ *           MX-compatible, every rescaling exact);
+ *   q     = E4M3(v / s), rounded to nearest, ties to the even mantissa. |v / s| <= 448 by
+ *           construction, so nothing saturates or overflows;
+ *   v^    = q · s, the dequantized value: exact in bf16 and fp32 (e >= -124 keeps even the
+ *           smallest subnormal, 2^-9 · s, on the bf16 grid).
+ *   NaN and ±Inf: amax ignores them and they become the E4M3 NaN (0x7f or 0xff; which one is not
+ *   part of the function), so a non-finite value flows on as NaN, never as a finite number (an
+ *   Inf does not saturate to 448), and leaves the block's scale and its other values as they would
+ *   be without it. A block with no finite value other than zeros has s = 1.
+ * Every quantized operand is the quantization of a bf16 value: an input (x, dy, the weights) or a
+ * bf16 rounding point of the function (h, dg, du).
+ *
+ * A GEMM of quantized operands, C[m, n] = sum over k of A[m, k] · B[k, n]: K runs in blocks b of
+ * 128 in increasing order; partial_b = sum over k in b of q_A · q_B (the products are exact; the
+ * order and the accumulator inside a block are the backend's: fp32 on the cpu, the tensor cores'
+ * on a GPU, which on Hopper keep fewer bits than fp32, whence the blocks), then
+ * acc = acc + partial_b · (s_A · s_B) in fp32, with s_A the scale of A's block (m, b) and s_B that
+ * of B's block (b, n) (s_A · s_B is a power of two: the scaling is exact unless it leaves fp32's
+ * normal range, so a fused multiply-add gives the same); acc starts at 0. The partial sums are so
+ * promoted to fp32 every 128 of K. The reference sums v^_A · v^_B in fp64.
+ *
+ * Forward:
+ *   x^ = Q(x), per token per 128 of H, once, before the dispatch: the dispatch moves E4M3 rows and
+ *        their scales. W^ = Q(W) per 128 x 128 block of every weight (mok_quantize_weights);
+ *   g = bf16(W^_gate · x^), u = bf16(W^_up · x^) (the context keeps g, u in bf16 as for bf16);
+ *   h = bf16(silu(g) ⊙ u) as above (clamp included); h^ = Q(h) per row per 128 of I;
+ *   FFN_e(x) = W^_down · h^, rounded to bf16; y as above (fp32 sum of bf16 outputs, rounded once).
+ *   The shared expert the same way, from the same x^.
+ * Backward (x^ as in the forward: the reverse-combine moves its E4M3 rows and scales):
+ *   dy^ = Q(dy) per token per 128 of H; dh = w · (dy^ · W^_down) in fp32 (K = H);
+ *   d_router_w[t,j] = <dy^ · W^_down, h^> (the derivative of the FP8 forward with dy replaced by
+ *        dy^; no division by the weight), h^ recomputed bit for bit from the context's g, u;
+ *   dg, du = bf16 of the SwiGLU backward of dh as above; dg^ = Q(dg), du^ = Q(du) per row per 128
+ *        of I; dx part = bf16(dg^ · W^_gate + du^ · W^_up), one GEMM over K = 2I (dg's blocks,
+ *        then du's); dx as above;
+ *   weight gradients take bf16 operands, the current choice (an FP8 weight-gradient GEMM with
+ *        operands quantized along the tokens is a later measurement on the GPU):
+ *        dW_gate = sum dg ⊗ x^, dW_up = sum du ⊗ x^, dW_down = sum bf16(w · dy) ⊗ h^ (x^, h^
+ *        dequantized, exact in bf16; dg, du, dy unquantized), accumulated and written as above.
+ *   The shared expert the same way with w = 1.
+ * The backward's GEMMs on Hopper need both operands K-major, so the weights come twice: as
+ * [out, in] for the forward (K = in) and transposed for the backward (K = out). The transposed
+ * copies hold the same E4M3 values and scales, transposed: every GEMM uses the same W^. The passes
+ * take them (args fp8_weights) beside the bf16 weights, which stay required but which the FP8
+ * GEMMs do not read.
+ *
+ * Memory: an FP8 workspace holds no more than the bf16 one of the same shape and config
+ * (mok_sizes); the FP8 weights are caller memory of mok_fp8_layout.bytes per rank. */
+#define MOK_FP8_BLOCK 128
+
+/* The matrices of one rank's FP8 weights. Codes are uint8 E4M3, row-major; scales are fp32, one
+ * per 128 x 128 block, row-major over the blocks:
+ *   W_GATE, W_UP  [E_local, I, H]   scales [E_local, I/128, H/128]
+ *   W_DOWN        [E_local, H, I]   scales [E_local, H/128, I/128]
+ *   W_GATE_T, W_UP_T [E_local, H, I], W_DOWN_T [E_local, I, H]: each expert's matrix transposed
+ *                 (and its scales: [E_local, H/128, I/128], [E_local, I/128, H/128])
+ *   S_*           the shared expert the same way without E_local; empty when I_s = 0. */
+typedef enum mok_fp8_matrix {
+    MOK_FP8_W_GATE = 0, MOK_FP8_W_UP, MOK_FP8_W_DOWN, MOK_FP8_W_GATE_T, MOK_FP8_W_UP_T, MOK_FP8_W_DOWN_T,
+    MOK_FP8_S_GATE, MOK_FP8_S_UP, MOK_FP8_S_DOWN, MOK_FP8_S_GATE_T, MOK_FP8_S_UP_T, MOK_FP8_S_DOWN_T,
+    MOK_FP8_NUM_MATRICES
+} mok_fp8_matrix;
+
+/* Where mok_quantize_weights puts each matrix in one rank's buffer (byte offsets, each a multiple
+ * of 256; the buffer starts with a header that the passes check). */
+typedef struct mok_fp8_layout {
+    size_t bytes;                          /* the whole buffer, per rank */
+    size_t codes[MOK_FP8_NUM_MATRICES];    /* offset of each matrix's E4M3 codes */
+    size_t scales[MOK_FP8_NUM_MATRICES];   /* offset of its block scales */
+} mok_fp8_layout;
+
+/* One local rank's weights to quantize: the bf16 master weights as in mok_forward_args. */
+typedef struct mok_quantize_args {
+    const void *w_gate, *w_up, *w_down; /* [E_local, I, H], [E_local, I, H], [E_local, H, I] */
+    const void *s_gate, *s_up, *s_down; /* shared: NULL iff I_s = 0 */
+    void *fp8_weights;                  /* out: mok_fp8_layout.bytes */
+    void *stream;                       /* cudaStream_t (cuda); ignored on cpu */
+} mok_quantize_args;
+
+/* The layout of one rank's FP8 weights for an FP8 workspace. */
+mok_status mok_workspace_fp8_layout(const mok_workspace *workspace, mok_fp8_layout *layout);
+
+/* Writes the FP8 weights (codes, scales, transposed copies) of every local rank (args has one
+ * entry per local rank), deterministically: the same bits for the same weights on every call and
+ * every rank. Call it after each change of the master weights (once per optimizer step): the FP8
+ * passes' GEMMs read these weights only, so a stale buffer computes with the old weights. Not
+ * collective. */
+mok_status mok_quantize_weights(mok_workspace *workspace, const mok_quantize_args *args);
+
+/* E4M3 helpers for callers (round to nearest even; NaN and ±Inf give NaN, as do magnitudes that
+ * round past 448). */
+uint8_t mok_e4m3_from_float(float value);
+float mok_e4m3_to_float(uint8_t value);
+
 /* ---- memory and synchronisation, for callers without an allocator of their own -----------
  * Memory where a local rank's backend wants it: device memory of its GPU (cuda) or host memory
- * (cpu), MOK_ALIGN-aligned. mok_memory_copy is synchronous. */
+ * (cpu), MOK_ALIGN-aligned; bytes <= PTRDIFF_MAX. mok_memory_copy is synchronous. */
 typedef enum mok_copy_kind {
     MOK_COPY_HOST_TO_RANK = 0,
     MOK_COPY_RANK_TO_HOST = 1,
@@ -300,7 +454,8 @@ mok_status mok_synchronize(mok_workspace *workspace);
 mok_status mok_trace_write(mok_workspace *workspace, const char *path);
 
 /* ---- reference (host memory, all ranks at once, fp64 accumulation; for tests) -------------
- * Arrays of pointers have one entry per rank. Outputs follow the rounding points above. */
+ * Arrays of pointers have one entry per rank. Outputs follow the rounding points above; with
+ * shape->precision = MOK_PRECISION_FP8 the FP8 function (it quantizes the bf16 weights itself). */
 typedef struct mok_ref_layer {
     const mok_shape *shape;
     int nranks;

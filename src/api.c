@@ -1,5 +1,7 @@
 /* api.c — the public entry points: validate every argument (the message names the argument and
  * the rule), then hand over to the backend the group was created with. */
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -178,6 +180,13 @@ mok_status mok_group_create_local(mok_group **out, mok_backend backend, int nran
 mok_status mok_group_destroy(mok_group *g) {
     mok__clear_error();
     if (!g) return MOK_OK;
+    if (g->workspaces) {
+        int live = 0;
+        for (const mok_workspace *w = g->workspaces; w; w = w->next) ++live;
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                         "group: %d workspace%s made on it %s still alive; destroy %s first (the group is kept)", live,
+                         live == 1 ? "" : "s", live == 1 ? "is" : "are", live == 1 ? "it" : "them");
+    }
 #ifdef MOK_HAVE_CUDA
     if (g->backend == MOK_BACKEND_CUDA) mok__cuda_group_destroy(g);
     else
@@ -200,21 +209,90 @@ mok_status mok_group_info(const mok_group *g, int *nranks, int *num_local_ranks,
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
+/* Whether this handle drives one rank of several on the cpu backend: its collective calls then
+ * meet the peers' at barriers, and a call it rejects must still arrive there. */
+static int cpu_per_rank(const mok_group *g) {
+    return g->backend == MOK_BACKEND_CPU && g->num_local_ranks == 1 && g->nranks > 1;
+}
+
+/* The group's state before a call: usable, or MOK_ERR_STATE after an earlier failure (ours or, on
+ * cpu, a peer's). */
+static mok_status check_group_usable(mok_group *g) {
+    if (g->backend == MOK_BACKEND_CPU && mok__cpu_poisoned(g)) return mok__cpu_poisoned_error(g, g->first_rank);
+    if (g->failed) return mok__fail(MOK_ERR_STATE, "group: unusable after an earlier timeout; destroy it");
+    return MOK_OK;
+}
+
+/* NOTE: every size of a workspace is a sum of a few products of the shape and config; this bounds
+ * them in double precision first, so that the backends' size_t arithmetic cannot wrap (each term
+ * below 2^56, their sums below 2^60). The largest: the weight-gradient carry of experts that span
+ * macrobatches, the per-(token, slot) buffers, the ring and the context. */
+#define MAX_WORKSPACE_BYTES 72057594037927936.0 /* 2^56 */
+static mok_status check_workspace_bytes(const mok_shape *s, const mok_config *c, int nranks) {
+    const double T = (double)s->max_tokens, H = (double)s->hidden, I = (double)s->intermediate;
+    const double Is = (double)s->shared_intermediate, k = (double)s->topk, P = nranks;
+    const double El = (double)s->num_experts / P, ring = c->ring_rows;
+    const double rows = P * T * k + El * MOK_ROW_TILE; /* mok__sched_max_rows, without its rounding */
+    const double context = (c->context_rows > 0 && c->context_rows < rows ? (double)c->context_rows : rows);
+    const double terms[] = {
+        (rows / ring + 1) * 3 * I * H * 4,            /* carry */
+        T * k * H * 2 * 4,                            /* combine and dx buffers */
+        ring * (4 * H + 6 * I) * 2 + ring * (I / 64 + 1) * 4, /* rings */
+        (context + MOK_ROW_TILE) * 4 * I + T * 4 * Is, /* context */
+        rows * 8 + T * k * 4 + El * P * 8,            /* schedule */
+        (rows / MOK_ROW_TILE + 1) * (H + I + Is) / 64 * 64, /* task list (entries, each < 64 bytes) */
+    };
+    double total = 0;
+    for (size_t i = 0; i < sizeof terms / sizeof terms[0]; ++i) total += terms[i];
+    if (!(total < MAX_WORKSPACE_BYTES))
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                         "shape, config: a workspace of this shape and ring_rows would need about %.3g bytes per "
+                         "rank, more than 2^56; lower max_tokens, the dimensions or raise ring_rows",
+                         total);
+    return MOK_OK;
+}
+
+static void workspace_free(mok_workspace *ws) {
+    free(ws->ledgers);
+    free(ws);
+}
+
 mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_shape *shape, const mok_config *config) {
     mok__clear_error();
     if (!out) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: output pointer must not be NULL");
     *out = NULL;
     if (!g) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "group: must not be NULL");
-    if (g->failed) return mok__fail(MOK_ERR_STATE, "group: unusable after an earlier timeout; destroy it");
-    TRY(mok_shape_validate(shape, g->nranks));
+    TRY(check_group_usable(g));
+    /* Collective from here: a rank that rejects its arguments still meets its peers' barrier. */
+    const int64_t index = g->workspaces_created++;
     mok_config cfg = config ? *config : g->config;
-    TRY(mok_config_validate(&cfg));
-
-    mok_workspace *ws = calloc(1, sizeof *ws);
-    if (!ws) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
+    mok_status st = mok_shape_validate(shape, g->nranks);
+    if (st == MOK_OK) st = mok_config_validate(&cfg);
+    if (st == MOK_OK) st = check_workspace_bytes(shape, &cfg, g->nranks);
+    mok_workspace *ws = NULL;
+    if (st == MOK_OK) {
+        ws = calloc(1, sizeof *ws);
+        if (ws) ws->ledgers = calloc((size_t)g->num_local_ranks, sizeof(mok_ledger));
+        if (!ws || !ws->ledgers) {
+            if (ws) workspace_free(ws);
+            ws = NULL;
+            st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
+        }
+    }
+    if (st != MOK_OK) {
+        if (cpu_per_rank(g)) {
+            char message[1024];
+            snprintf(message, sizeof message, "%s", mok_last_error());
+            const mok_call call = {MOK_CALL_WORKSPACE_CREATE, 0, index, 0, 0, 0};
+            st = mok__cpu_settle(st, message, mok__cpu_barrier(g, 0, &call, 0));
+        }
+        return st;
+    }
     ws->group = g;
     ws->shape = *shape;
     ws->config = cfg;
+    ws->index = index;
+    ws->digest = mok__protocol_digest(shape, &cfg, g->nranks);
     ws->num_local_experts = shape->num_experts / g->nranks;
     mok__sched_layout(&ws->sched_layout, g->nranks, ws->num_local_experts, shape->topk, shape->max_tokens);
     int64_t max_rows = ws->sched_layout.max_rows;
@@ -228,16 +306,17 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     ws->sizes.context_bytes = align_up(ws->context_shared_offset + shared, 256);
     ws->sizes.max_routed_rows = max_rows;
 
-    mok_status st;
 #ifdef MOK_HAVE_CUDA
     if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_workspace_create(ws);
     else
 #endif
         st = mok__cpu_workspace_create(ws);
     if (st != MOK_OK) {
-        free(ws);
+        workspace_free(ws);
         return st;
     }
+    ws->next = g->workspaces;
+    g->workspaces = ws;
     *out = ws;
     return MOK_OK;
 }
@@ -245,13 +324,20 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
 mok_status mok_workspace_destroy(mok_workspace *ws) {
     mok__clear_error();
     if (!ws) return MOK_OK;
+    mok_group *g = ws->group;
+    for (mok_workspace **link = &g->workspaces; *link; link = &(*link)->next)
+        if (*link == ws) {
+            *link = ws->next;
+            break;
+        }
+    mok_status st;
 #ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) mok__cuda_workspace_destroy(ws);
+    if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_workspace_destroy(ws);
     else
 #endif
-        mok__cpu_workspace_destroy(ws);
-    free(ws);
-    return MOK_OK;
+        st = mok__cpu_workspace_destroy(ws);
+    workspace_free(ws);
+    return st;
 }
 
 mok_status mok_workspace_sizes(const mok_workspace *ws, mok_sizes *sizes) {
@@ -264,9 +350,17 @@ mok_status mok_workspace_sizes(const mok_workspace *ws, mok_sizes *sizes) {
 
 static mok_status check_usable(mok_workspace *ws) {
     if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
-    if (ws->failed || ws->group->failed)
+    TRY(check_group_usable(ws->group));
+    if (ws->failed)
         return mok__fail(MOK_ERR_STATE, "workspace: unusable after an earlier timeout or fault; destroy the group");
     return MOK_OK;
+}
+
+/* A collective call begins: its number on the workspace, and what its barriers tell the peers. */
+static void begin_call(mok_workspace *ws, mok_call_kind kind) {
+    ws->calls += 1;
+    ws->call = (mok_call){kind, 0, ws->index, ws->calls, ws->digest, 0};
+    for (int r = 0; r < ws->group->num_local_ranks; ++r) ws->call_build[r] = 0;
 }
 
 /* A collective call this rank rejects. On cpu in one-rank-per-process mode its peers are (or
@@ -274,11 +368,12 @@ static mok_status check_usable(mok_workspace *ws) {
  * at once with a message naming this rank instead of timing out. */
 static mok_status reject(mok_workspace *ws, mok_status status) {
     mok_group *g = ws->group;
-    if (g->backend == MOK_BACKEND_CPU && g->num_local_ranks == 1 && g->nranks > 1 && !g->failed) {
+    if (cpu_per_rank(g) && !g->failed) {
         char message[1024];
         snprintf(message, sizeof message, "%s", mok_last_error());
-        if (mok__cpu_barrier(g, 0, 0) == MOK_ERR_TIMEOUT) return MOK_ERR_TIMEOUT;
-        return mok__fail(status, "%s", message);
+        mok_call call = ws->call;
+        call.build = ws->call_build[0];
+        return mok__cpu_settle(status, message, mok__cpu_barrier(g, 0, &call, 0));
     }
     return status;
 }
@@ -324,12 +419,23 @@ static mok_status check_schedule_args(mok_workspace *ws, const mok_schedule_args
 mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) {
     mok__clear_error();
     TRY(check_usable(ws));
+    begin_call(ws, MOK_CALL_SCHEDULE_BUILD);
+    /* NOTE: a build is named by its call's number, not by a count of builds: every rank counts
+       every collective call, so the names stay equal across ranks even after a call that some
+       ranks made as a build and others as something else. */
+    const int64_t build = ws->calls;
+    for (int r = 0; r < ws->group->num_local_ranks; ++r) ws->call_build[r] = build;
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_schedule_args(ws, args));
+    mok_status st;
 #ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_schedule_build(ws, args);
+    if (ws->group->backend == MOK_BACKEND_CUDA) st = mok__cuda_schedule_build(ws, args);
+    else
 #endif
-    return mok__cpu_schedule_build(ws, args);
+        st = mok__cpu_schedule_build(ws, args);
+    for (int r = 0; r < ws->group->num_local_ranks; ++r)
+        mok__ledger_schedule_built(ws, r, args[r].schedule, build, st == MOK_OK);
+    return st;
 }
 
 mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_rank, mok_schedule_info *info) {
@@ -350,6 +456,13 @@ mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_
     if (st != MOK_OK) return st;
     if (h.magic != MOK_SCHED_MAGIC)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "schedule: not a schedule built by mok_schedule_build");
+    const int rank = ws->group->first_rank + local_rank;
+    if (h.rank != rank || h.nranks != ws->group->nranks || h.num_local_experts != ws->num_local_experts ||
+        h.topk != ws->shape.topk || h.max_rows != ws->sched_layout.max_rows)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                         "schedule: built for rank %d of %d ranks (E_local %d, k %d), not for local rank %d (rank "
+                         "%d) of this workspace",
+                         h.rank, h.nranks, h.num_local_experts, h.topk, local_rank, rank);
     memset(info, 0, sizeof *info);
     for (int p = 0; p < MOK_MAX_RANKS; ++p) info->num_tokens[p] = h.num_tokens[p];
     info->routed_rows = h.routed_rows;
@@ -377,18 +490,39 @@ static mok_status check_forward_args(mok_workspace *ws, const mok_forward_args *
         if (!recompute) CHECK_SHARED(s_down);
         CHECK_ARG(y, !recompute && a->num_tokens > 0);
         CHECK_ARG(context, 1);
+        TRY(mok__check_fp8_weights(ws, r, a->fp8_weights));
+    }
+    return MOK_OK;
+}
+
+/* The ledger's checks of every local rank's schedule and context (ledger.c), which also give each
+ * rank's schedule build to the call. */
+static mok_status check_ledger(mok_workspace *ws, const void *args, size_t arg_size, size_t schedule_at,
+                               size_t context_at, int backward) {
+    for (int r = 0; r < ws->group->num_local_ranks; ++r) {
+        const char *a = (const char *)args + (size_t)r * arg_size;
+        const void *schedule = *(const void *const *)(a + schedule_at), *context = *(const void *const *)(a + context_at);
+        TRY(mok__ledger_check(ws, r, schedule, context, backward, &ws->call_build[r]));
     }
     return MOK_OK;
 }
 
 static mok_status forward_common(mok_workspace *ws, const mok_forward_args *args, int recompute) {
     TRY(check_usable(ws));
+    begin_call(ws, recompute ? MOK_CALL_RECOMPUTE : MOK_CALL_FORWARD);
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_forward_args(ws, args, recompute));
+    TRY_COLLECTIVE(ws, check_ledger(ws, args, sizeof *args, offsetof(mok_forward_args, schedule),
+                                    offsetof(mok_forward_args, context), 0));
+    mok_status st;
 #ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_forward(ws, args, recompute);
+    if (ws->group->backend == MOK_BACKEND_CUDA) st = mok__cuda_forward(ws, args, recompute);
+    else
 #endif
-    return mok__cpu_forward(ws, args, recompute);
+        st = mok__cpu_forward(ws, args, recompute);
+    for (int r = 0; r < ws->group->num_local_ranks; ++r)
+        mok__ledger_pass_done(ws, r, args[r].schedule, args[r].context, ws->call_build[r], st == MOK_OK);
+    return st;
 }
 
 mok_status mok_forward(mok_workspace *ws, const mok_forward_args *args) {
@@ -406,8 +540,11 @@ static mok_status check_backward_args(mok_workspace *ws, const mok_backward_args
 mok_status mok_backward(mok_workspace *ws, const mok_backward_args *args) {
     mok__clear_error();
     TRY(check_usable(ws));
+    begin_call(ws, MOK_CALL_BACKWARD);
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_backward_args(ws, args));
+    TRY_COLLECTIVE(ws, check_ledger(ws, args, sizeof *args, offsetof(mok_backward_args, schedule),
+                                    offsetof(mok_backward_args, context), 1));
 #ifdef MOK_HAVE_CUDA
     if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_backward(ws, args);
 #endif
@@ -440,6 +577,7 @@ static mok_status check_backward_args(mok_workspace *ws, const mok_backward_args
         CHECK_SHARED(ds_gate);
         CHECK_SHARED(ds_up);
         CHECK_SHARED(ds_down);
+        TRY(mok__check_fp8_weights(ws, r, a->fp8_weights));
     }
     return MOK_OK;
 }
@@ -467,6 +605,10 @@ mok_status mok_memory_alloc(mok_group *g, int local_rank, size_t bytes, void **p
     TRY(check_rank(g, local_rank));
     if (!ptr) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "ptr: must not be NULL");
     *ptr = NULL;
+    /* Above PTRDIFF_MAX no allocation can exist, and rounding up to the alignment would wrap. */
+    if (bytes > (size_t)PTRDIFF_MAX)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "bytes: %zu is more than any allocation can hold (PTRDIFF_MAX)",
+                         bytes);
 #ifdef MOK_HAVE_CUDA
     if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_alloc(g, local_rank, bytes, ptr);
 #endif

@@ -15,6 +15,51 @@
 mok_status mok__fail(mok_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void mok__clear_error(void);
 
+/* What a collective call is. Every rank of a group makes the same collective calls in the same
+ * order; each barrier of a call carries its mok_call to the peers, and a rank that meets a peer in
+ * another call (another kind, workspace, call number, step, workspace digest or schedule build)
+ * fails the call on every rank with a message that names both sides. */
+typedef enum mok_call_kind {
+    MOK_CALL_NONE = 0,
+    MOK_CALL_WORKSPACE_CREATE,
+    MOK_CALL_WORKSPACE_DESTROY,
+    MOK_CALL_SCHEDULE_BUILD,
+    MOK_CALL_FORWARD,
+    MOK_CALL_RECOMPUTE,
+    MOK_CALL_BACKWARD
+} mok_call_kind;
+
+typedef struct mok_call {
+    int32_t kind;      /* mok_call_kind */
+    int32_t step;      /* which barrier of the call (0 = its first) */
+    int64_t workspace; /* the workspace's index in its group (creation order, from 0) */
+    int64_t seq;       /* the call's number on its workspace (collective calls, from 1) */
+    uint64_t digest;   /* the workspace's shape, group size and protocol config (mok__protocol_digest) */
+    int64_t build;     /* the schedule build the call writes (schedule) or reads (passes), named by
+                          its call's number; 0: none or unknown (a schedule the workspace's ledger
+                          does not know, e.g. a copy) */
+} mok_call;
+
+/* The call's name and number for messages: "mok_forward #3 (schedule build #2)". */
+void mok__call_describe(const mok_call *call, char *out, size_t size);
+
+/* The ledger of one local rank of a workspace: which schedule build each schedule buffer holds and
+ * which build each context buffer was written with, for the checks that a pass reads a schedule and a
+ * context that belong together (api.c). It remembers the MOK_LEDGER_ENTRIES buffers of each kind used
+ * last; a buffer it does not know (older, copied) is not refused, only not checked. */
+#define MOK_LEDGER_ENTRIES 256
+typedef struct mok_ledger_entry {
+    const void *ptr;    /* the caller's buffer; NULL: a free entry */
+    int64_t build;      /* schedule: its build; context: the build of the schedule its pass read (0: unknown) */
+    uint64_t stamp;     /* last use, so that the least recently used entry is replaced */
+    int forwarded;      /* schedule: a forward or recompute ran with this build */
+} mok_ledger_entry;
+typedef struct mok_ledger {
+    mok_ledger_entry schedules[MOK_LEDGER_ENTRIES];
+    mok_ledger_entry contexts[MOK_LEDGER_ENTRIES];
+    uint64_t stamp;
+} mok_ledger;
+
 struct mok_group {
     mok_backend backend; /* resolved: MOK_BACKEND_CPU or MOK_BACKEND_CUDA */
     int nranks;
@@ -22,11 +67,15 @@ struct mok_group {
     int first_rank;      /* global index of local rank 0 */
     mok_config config;
     int failed;          /* set after a timeout: peers may be out of step, the group is unusable */
+    int64_t workspaces_created; /* the next workspace's index (every rank creates in the same order) */
+    mok_workspace *workspaces;  /* the live workspaces made on this handle (a list through `next`):
+                                   mok_group_destroy refuses while it is not empty */
     void *impl;          /* backend state */
 };
 
 struct mok_workspace {
     mok_group *group;
+    mok_workspace *next;    /* the group's next live workspace */
     mok_shape shape;
     mok_config config;
     int64_t num_local_experts;
@@ -35,8 +84,34 @@ struct mok_workspace {
     size_t context_shared_offset; /* byte offset of the shared expert's g/u in a context */
     mok_sizes sizes;
     int failed;
+    int64_t index;          /* creation order in the group, equal on every rank */
+    uint64_t digest;        /* mok__protocol_digest of its shape and config */
+    int64_t calls;          /* collective calls made on it so far (a schedule build is named by its
+                               call's number) */
+    mok_call call;          /* the call in progress (its build is per local rank: call_build) */
+    int64_t call_build[MOK_MAX_RANKS]; /* the schedule build each local rank's part of the call uses */
+    mok_ledger *ledgers;    /* [num_local_ranks] */
     void *impl;
 };
+
+/* ledger.c (its opening comment says why the record is on the host). Local rank r's schedule
+ * buffer now holds build `build` (ok = 0: a failed build, unknown from now on). */
+void mok__ledger_schedule_built(mok_workspace *ws, int r, const void *schedule, int64_t build, int ok);
+/* Before a pass: refuses a schedule another workspace built and, for a backward, a schedule no
+ * forward ran with, or a context written with another build or by another workspace. *build: the
+ * schedule's build, 0 when the ledger does not know the buffer. */
+mok_status mok__ledger_check(mok_workspace *ws, int r, const void *schedule, const void *context, int backward,
+                             int64_t *build);
+/* After a forward or recompute of rank r (ok = 0: it failed, the context is unknown from now on). */
+void mok__ledger_pass_done(mok_workspace *ws, int r, const void *schedule, const void *context, int64_t build,
+                           int ok);
+
+/* config.c: the digest of what every rank's workspace must agree on (shape, group size and the
+ * config fields that change the protocol), and the first such config field two configs differ in
+ * (its name and both values, in `out`; 0 when they agree). */
+uint64_t mok__protocol_digest(const mok_shape *shape, const mok_config *config, int nranks);
+int mok__config_protocol_diff(const mok_config *mine, const mok_config *theirs, int their_rank, char *out,
+                              size_t size);
 
 /* One recorded task (config.trace): which worker (cpu thread or GPU CTA) ran what, when. */
 typedef struct mok_trace_event {
@@ -64,13 +139,27 @@ mok_status mok__trace_write_json(const char *path, const mok_trace_event *const 
 
 /* Validation shared by every backend (api.c). */
 mok_status mok__check_ptr(const void *ptr, const char *name, int required);
+/* fp8.c: args[r].fp8_weights of a pass: NULL for bf16; for FP8 set, aligned and (cpu) written by
+ * mok_quantize_weights for the workspace's shape. */
+mok_status mok__check_fp8_weights(const mok_workspace *ws, int r, const void *fp8_weights);
+/* cpu/quantize.c: mok_quantize_weights on validated arguments. */
+mok_status mok__cpu_quantize_weights(mok_workspace *ws, const mok_quantize_args *args);
 
 /* The worst case of a pass's plan on a workspace, for the bounds of its task list and counters
  * (the backend's tile widths). */
 mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile);
 
-/* The cpu backend's cross-rank barrier (ok = 0: this rank rejected its arguments). */
-mok_status mok__cpu_barrier(mok_group *group, int local_rank, int ok);
+/* The cpu backend's cross-rank barrier: carries `call` to the peers and compares theirs (ok = 0:
+ * this rank rejected its arguments). mok__cpu_poisoned: the rank (+ 1) whose failure made the
+ * group unusable, or 0. */
+mok_status mok__cpu_barrier(mok_group *group, int local_rank, const mok_call *call, int ok);
+int mok__cpu_poisoned(const mok_group *group);
+/* The MOK_ERR_STATE a call gets in a poisoned group, naming who poisoned it and why. */
+mok_status mok__cpu_poisoned_error(const mok_group *group, int rank);
+/* The status of a call this rank refused or failed (own, own_message) after the barrier where it
+ * told its peers: the barrier's timeout or MOK_ERR_STATE, which leave the group unusable, win over
+ * an argument error (the message keeps both); else the rank's own error. */
+mok_status mok__cpu_settle(mok_status own, const char *own_message, mok_status barrier);
 
 /* Backend entry points. The cpu backend is always built; the cuda one when MOK_HAVE_CUDA. */
 #define MOK_BACKEND_FUNCS(prefix)                                                                  \
@@ -78,7 +167,7 @@ mok_status mok__cpu_barrier(mok_group *group, int local_rank, int ok);
                                      const int *devices);                                          \
     void prefix##_group_destroy(mok_group *group);                                                 \
     mok_status prefix##_workspace_create(mok_workspace *ws);                                       \
-    void prefix##_workspace_destroy(mok_workspace *ws);                                            \
+    mok_status prefix##_workspace_destroy(mok_workspace *ws);                                            \
     mok_status prefix##_schedule_build(mok_workspace *ws, const mok_schedule_args *args);          \
     mok_status prefix##_schedule_read(mok_workspace *ws, const void *schedule, int local_rank,     \
                                       mok_sched_header *header);                                   \

@@ -32,7 +32,36 @@
  *
  * What the table cannot cover: with a SwiGLU clamp, a flip of g or u across the limit switches
  * that element's clamp mask, a jump of a whole gradient element rather than an ulp (about one case
- * in 300 of the clamp test before layer_avoid_clamp_flips steered inputs away from it). */
+ * in 300 of the clamp test before layer_avoid_clamp_flips steered inputs away from it).
+ *
+ * FP8 layers (shape precision MOK_PRECISION_FP8) against the FP8 reference. Both sides quantize the
+ * same bf16 values by the same rule, so every quantized operand is bitwise the same on both sides
+ * except where the bf16 value it quantizes (h, dg, du) flipped as above and the flip crosses an
+ * E4M3 rounding boundary: that element then moves by one E4M3 ulp (2^-3 of it). The cpu backend's
+ * FP8 tile sums 128 exact products per block (nearly exact in fp32), so its g, u, dh sit within an
+ * fp32 ulp or two of the reference's and such flips are rare: over 530 random layers (H 128-384,
+ * I 128-384, uniform, skewed, one-expert and -1-slot routing, both gradient modes) the worst errors
+ * were y 7.8e-3 (a last-rounding flip), dx 8.6e-3, d_router_w 1.3e-3 (an h^ flip), gradients
+ * 3.9e-3. A missing quantization point (h, dg and du, or dy left unquantized in one GEMM; h
+ * instead of h^ in the router dot and dW_down) measured 1.8e-2 to 6e-2 against the FP8
+ * reference (test_cpu_fp8.c's cpu_fp8_is_the_fp8_function catches them all by a wider margin);
+ * the bf16 reference is 7e-2 away. So:
+ *
+ *   tensor       rtol    why
+ *   y            1.5e-2  the last bf16 rounding flipping the block's largest value (one bf16 ulp:
+ *                        up to 2^-7 = 7.8e-3 of it, seen) plus one flipped h^ element (2^-3 of
+ *                        one of at least 128 terms, about 4e-3 of the block's max for a term of
+ *                        typical size at I = 128).
+ *   dx           2e-2    the same for the dx part, whose flips come from dg^, du^ (one of 2I terms)
+ *                        and then the last rounding (8.6e-3 seen).
+ *   d_router_w   1e-2    the same operands on both sides: fp32 against fp64 dot products (about
+ *                        1e-6) but for an h^ flip, 2^-3 of one of I terms (1.3e-3 seen).
+ *   dw_*, ds_*   1e-2    the library's own bf16 rounding of the result (up to 2^-8 of an element:
+ *                        3.9e-3 of the block at worst, seen), with x^ bitwise equal on both sides
+ *                        (an input) and dg, du, h^ as above.
+ *   atol         1e-6    as for bf16.
+ * The CUDA FP8 tiles will add inside each block with the tensor cores' accumulator (fewer bits
+ * than fp32 on Hopper), so they may need rows of their own. */
 #include "layer.h"
 
 #include <math.h>
@@ -48,7 +77,7 @@ typedef struct tolerance {
     double rtol, atol;
 } tolerance;
 
-static const tolerance tolerances[T_NUM] = {
+static const tolerance tolerances_bf16[T_NUM] = {
     [T_Y] = {"y", 2e-2, 1e-6},
     [T_DX] = {"dx", 2e-2, 1e-6},
     [T_DRW] = {"d_router_w", 3e-2, 1e-6},
@@ -59,6 +88,22 @@ static const tolerance tolerances[T_NUM] = {
     [T_DS_UP] = {"ds_up", 3e-2, 1e-6},
     [T_DS_DOWN] = {"ds_down", 3e-2, 1e-6},
 };
+
+static const tolerance tolerances_fp8[T_NUM] = {
+    [T_Y] = {"y", 1.5e-2, 1e-6},
+    [T_DX] = {"dx", 2e-2, 1e-6},
+    [T_DRW] = {"d_router_w", 1e-2, 1e-6},
+    [T_DW_GATE] = {"dw_gate", 1e-2, 1e-6},
+    [T_DW_UP] = {"dw_up", 1e-2, 1e-6},
+    [T_DW_DOWN] = {"dw_down", 1e-2, 1e-6},
+    [T_DS_GATE] = {"ds_gate", 1e-2, 1e-6},
+    [T_DS_UP] = {"ds_up", 1e-2, 1e-6},
+    [T_DS_DOWN] = {"ds_down", 1e-2, 1e-6},
+};
+
+static const tolerance *tolerances_of(const layer *L) {
+    return L->shape.precision == MOK_PRECISION_FP8 ? tolerances_fp8 : tolerances_bf16;
+}
 
 /* ---- random numbers: splitmix64 streams keyed by (seed, purpose, index) -------------------- */
 
@@ -270,44 +315,102 @@ static double clamp_midpoint(float limit) {
 }
 
 /* Whether one of the g, u values of x (H) through gate/up ([inter, H]) is near the midpoint. */
-static int near_clamp_flip(const uint16_t *x, const uint16_t *gate, const uint16_t *up, int64_t inter, int64_t H,
+static int near_clamp_flip(const double *x, const double *gate, const double *up, int64_t inter, int64_t H,
                            double midpoint) {
     const double window = 0x1.0p-16;
     for (int64_t i = 0; i < inter; ++i) {
         double g = 0.0, u = 0.0;
         for (int64_t h = 0; h < H; ++h) {
-            double v = mok_bf16_to_float(x[h]);
-            g += v * mok_bf16_to_float(gate[i * H + h]);
-            u += v * mok_bf16_to_float(up[i * H + h]);
+            g += x[h] * gate[i * H + h];
+            u += x[h] * up[i * H + h];
         }
         if (fabs(g - midpoint) < window || fabs(fabs(u) - midpoint) < window) return 1;
     }
     return 0;
 }
 
+/* The operand values an FP8 layer's GEMMs see (mok.h, FP8 section), for steering inputs only:
+ * n values of bf16 v as one block (stride apart in rows of width), dequantized into out. */
+static void fp8_block_values(const uint16_t *v, int64_t rows, int64_t width, int64_t stride, double *out) {
+    double amax = 0.0;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < width; ++c) {
+            const double a = fabs(mok_bf16_to_float(v[r * stride + c]));
+            if (isfinite(a) && a > amax) amax = a;
+        }
+    int e = -124;
+    while (amax > ldexp(448.0, e)) ++e;
+    if (amax == 0.0) e = 0;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < width; ++c) {
+            const float scaled = (float)ldexp(mok_bf16_to_float(v[r * stride + c]), -e);
+            out[r * stride + c] = ldexp(mok_e4m3_to_float(mok_e4m3_from_float(scaled)), e);
+        }
+}
+
+/* A matrix [rows, cols] (count of them) as the GEMMs see it: bf16 widened, or for FP8 its 128 x 128
+ * blocks (weights) or 1 x 128 row blocks (activations) quantized. */
+static double *operand_values(const layer *L, const uint16_t *m, int64_t count, int64_t rows, int64_t cols,
+                              int weights) {
+    double *out = malloc((size_t)(count * rows * cols) * sizeof(double) + 8);
+    if (!out) return NULL;
+    for (int64_t i = 0; i < count * rows * cols; ++i) out[i] = mok_bf16_to_float(m[i]);
+    if (L->shape.precision != MOK_PRECISION_FP8) return out;
+    const int64_t block_rows = weights ? MOK_FP8_BLOCK : 1;
+    for (int64_t e = 0; e < count; ++e)
+        for (int64_t r = 0; r < rows; r += block_rows)
+            for (int64_t c = 0; c < cols; c += MOK_FP8_BLOCK)
+                fp8_block_values(m + e * rows * cols + r * cols + c, block_rows, MOK_FP8_BLOCK, cols,
+                                 out + e * rows * cols + r * cols + c);
+    return out;
+}
+
 int layer_avoid_clamp_flips(layer *L) {
     if (!(L->swiglu_limit > 0.0f)) return 0;
-    const int64_t H = L->shape.hidden, I = L->shape.intermediate, k = L->shape.topk, El = local_experts(L);
+    const int64_t H = L->shape.hidden, I = L->shape.intermediate, Is = L->shape.shared_intermediate;
+    const int64_t k = L->shape.topk, El = local_experts(L);
     const double midpoint = clamp_midpoint(L->swiglu_limit);
-    int redrawn = 0;
-    for (int p = 0; p < L->nranks; ++p)
+    double *gate[MOK_MAX_RANKS] = {0}, *up[MOK_MAX_RANKS] = {0}, *s_gate = NULL, *s_up = NULL;
+    double *x = malloc((size_t)H * sizeof(double));
+    int ok = x != NULL, redrawn = 0;
+    for (int p = 0; ok && p < L->nranks; ++p) {
+        gate[p] = operand_values(L, L->w[LAYER_GATE][p], El, I, H, 1);
+        up[p] = operand_values(L, L->w[LAYER_UP][p], El, I, H, 1);
+        ok = gate[p] && up[p];
+    }
+    if (ok && L->s[LAYER_GATE]) {
+        s_gate = operand_values(L, L->s[LAYER_GATE], 1, Is, H, 1);
+        s_up = operand_values(L, L->s[LAYER_UP], 1, Is, H, 1);
+        ok = s_gate && s_up;
+    }
+    for (int p = 0; ok && p < L->nranks; ++p)
         for (int64_t t = 0; t < L->num_tokens[p]; ++t) {
-            uint16_t *x = L->x[p] + t * H;
+            uint16_t *row = L->x[p] + t * H;
             for (int attempt = 0; attempt < 64; ++attempt) {
-                int near = L->s[LAYER_GATE] &&
-                           near_clamp_flip(x, L->s[LAYER_GATE], L->s[LAYER_UP], L->shape.shared_intermediate, H, midpoint);
+                double *values = operand_values(L, row, 1, 1, H, 0);
+                if (!values) break;
+                memcpy(x, values, (size_t)H * sizeof(double));
+                free(values);
+                int near = s_gate && near_clamp_flip(x, s_gate, s_up, Is, H, midpoint);
                 for (int64_t j = 0; j < k && !near; ++j) {
                     const int32_t e = L->topk_ids[p][t * k + j];
                     if (e < 0) continue;
-                    near = near_clamp_flip(x, L->w[LAYER_GATE][e / El] + (e % El) * I * H,
-                                           L->w[LAYER_UP][e / El] + (e % El) * I * H, I, H, midpoint);
+                    near = near_clamp_flip(x, gate[e / El] + (e % El) * I * H, up[e / El] + (e % El) * I * H, I, H,
+                                           midpoint);
                 }
                 if (!near) break;
                 rng r = rng_make(L->seed ^ 0x636c616d70ull, (uint64_t)(p * 64 + attempt), (uint64_t)t);
-                fill_bf16(x, H, 1.0, &r);
+                fill_bf16(row, H, 1.0, &r);
                 ++redrawn;
             }
         }
+    for (int p = 0; p < L->nranks; ++p) {
+        free(gate[p]);
+        free(up[p]);
+    }
+    free(s_gate);
+    free(s_up);
+    free(x);
     return redrawn;
 }
 
@@ -330,6 +433,7 @@ void layer_result_free(layer_result *r) {
         free(r->d_router_w[p]);
         free(r->schedule[p]);
         free(r->context[p]);
+        free(r->fp8_weights[p]);
         for (int m = 0; m < 3; ++m) {
             free(r->dw[m][p]);
             free(r->ds[m][p]);
@@ -384,6 +488,7 @@ void layer_forward_args(const layer *L, const layer_result *r, mok_forward_args 
         a->s_down = L->s[LAYER_DOWN];
         a->y = r->y[p];
         a->context = r->context[p];
+        a->fp8_weights = r->fp8_weights[p];
     }
 }
 
@@ -412,6 +517,7 @@ void layer_backward_args(const layer *L, const layer_result *r, int accumulate, 
         a->ds_gate = r->ds[LAYER_GATE][p];
         a->ds_up = r->ds[LAYER_UP][p];
         a->ds_down = r->ds[LAYER_DOWN][p];
+        a->fp8_weights = r->fp8_weights[p];
     }
 }
 
@@ -444,9 +550,29 @@ mok_status layer_backend_forward(layer_backend *B, const layer *L, layer_result 
         memset(out->schedule[p], 0xa5, out->schedule_bytes);
         fill_u16(out->context[p], out->context_bytes / 2, LAYER_POISON_BF16);
     }
+    mok_status st;
+    if (L->shape.precision == MOK_PRECISION_FP8) { /* the weights, quantized into poisoned buffers */
+        mok_fp8_layout layout;
+        st = mok_workspace_fp8_layout(B->workspace, &layout);
+        if (note(out->message, sizeof out->message, st, "mok_workspace_fp8_layout") != MOK_OK) return st;
+        mok_quantize_args qargs[MOK_MAX_RANKS];
+        out->fp8_bytes = layout.bytes;
+        for (int p = 0; p < P; ++p) {
+            if (!out->fp8_weights[p] && !(out->fp8_weights[p] = alloc_aligned(layout.bytes))) {
+                snprintf(out->message, sizeof out->message, "layer_backend_forward: out of memory");
+                return MOK_ERR_OUT_OF_MEMORY;
+            }
+            memset(out->fp8_weights[p], 0xa5, layout.bytes);
+            qargs[p] = (mok_quantize_args){L->w[LAYER_GATE][p], L->w[LAYER_UP][p], L->w[LAYER_DOWN][p],
+                                           L->s[LAYER_GATE],     L->s[LAYER_UP],     L->s[LAYER_DOWN],
+                                           out->fp8_weights[p],  NULL};
+        }
+        st = mok_quantize_weights(B->workspace, qargs);
+        if (note(out->message, sizeof out->message, st, "mok_quantize_weights") != MOK_OK) return st;
+    }
     mok_schedule_args sargs[MOK_MAX_RANKS] = {{0}};
     for (int p = 0; p < P; ++p) sargs[p] = (mok_schedule_args){L->num_tokens[p], L->topk_ids[p], out->schedule[p], NULL};
-    mok_status st = mok_schedule_build(B->workspace, sargs);
+    st = mok_schedule_build(B->workspace, sargs);
     if (note(out->message, sizeof out->message, st, "mok_schedule_build") != MOK_OK) return st;
     for (int p = 0; p < P; ++p) {
         st = mok_schedule_read(B->workspace, out->schedule[p], p, &out->info[p]);
@@ -599,15 +725,17 @@ typedef struct tensor_cmp {
     int64_t empty_slot;     /* d_router_w of a -1 slot that is not exactly 0 */
 } tensor_cmp;
 
-/* One block: count elements from `first` of rank `rank`'s arrays. got holds bf16 (got_f32 = 0) or
- * fp32 values, init (may be NULL) the fp32 starting values to subtract; ref holds bf16 or fp32.
- * scale >= 0 replaces the block's own max |ref| as the scale of the tolerance. */
-static void compare_block(tensor_cmp *c, int tensor, int rank, int64_t first, int64_t count, const void *got,
-                          int got_f32, const float *init, const void *ref, int ref_f32, double scale_ref) {
+/* One block of rank `rank`'s arrays: elements first + r * stride + c for r < rows, c < width (a
+ * contiguous run of width elements when rows = 1). got holds bf16 (got_f32 = 0) or fp32 values,
+ * init (may be NULL) the fp32 starting values to subtract; ref holds bf16 or fp32. scale >= 0
+ * replaces the block's own max |ref| as the scale of the tolerance. */
+static void compare_block(const tolerance *tolerances, tensor_cmp *c, int tensor, int rank, int64_t first,
+                          int64_t rows, int64_t width, int64_t stride, const void *got, int got_f32, const float *init,
+                          const void *ref, int ref_f32, double scale_ref) {
     double max_ref = 0.0, max_err = 0.0, got_v = 0.0, ref_v = 0.0;
     int64_t worst = -1;
-    for (int64_t n = 0; n < count; ++n) {
-        const int64_t i = first + n;
+    for (int64_t n = 0; n < rows * width; ++n) {
+        const int64_t i = first + n / width * stride + n % width;
         double g = got_f32 ? f32_at(got, i) : bf16_at(got, i);
         double r = ref_f32 ? f32_at(ref, i) : bf16_at(ref, i);
         if (init && isfinite(g)) g -= (double)init[i];
@@ -697,15 +825,32 @@ static void describe(const layer *L, int tensor, const tensor_cmp *c, char *out,
     }
 }
 
+/* A matrix [rows, cols] at `first` of rank p's arrays: one block, or (column_block > 0) one block
+ * per column_block columns. */
+static void compare_matrix(const tolerance *tolerances, tensor_cmp *c, int tensor, int p, int64_t first, int64_t rows,
+                           int64_t cols, int64_t column_block, const void *got, int got_f32, const float *init,
+                           const void *ref) {
+    if (column_block <= 0) {
+        compare_block(tolerances, c, tensor, p, first, 1, rows * cols, 0, got, got_f32, init, ref,
+                      1 - (tensor <= T_DX), -1.0);
+        return;
+    }
+    for (int64_t c0 = 0; c0 < cols; c0 += column_block)
+        compare_block(tolerances, c, tensor, p, first + c0, rows, column_block, cols, got, got_f32, init, ref,
+                      1 - (tensor <= T_DX), -1.0);
+}
+
 /* layer_compare over the ranks [first, end) of got; ref holds every rank (the d_router_w scale is
  * taken over all of them, so a rank is judged as it is in a comparison of the whole layer). */
 static double compare_ranks(const layer *L, const layer_result *got, const layer_result *ref, int first, int end,
-                            const char *tag) {
+                            int64_t column_block, const char *tag) {
     const int P = L->nranks;
     const int64_t H = L->shape.hidden, k = L->shape.topk, El = local_experts(L), per = L->shape.intermediate * H;
+    const int64_t I = L->shape.intermediate, Is = L->shape.shared_intermediate;
     const int has_shared = L->shape.shared_intermediate > 0;
     int has_backward = 0;
     for (int p = first; p < end; ++p) has_backward |= got->dw[0][p] != NULL;
+    const tolerance *tolerances = tolerances_of(L);
     double worst = 0.0, drw_scale = 0.0; /* d_router_w: max |ref| over every rank */
     for (int p = 0; has_backward && p < P; ++p)
         for (int64_t s = 0; s < L->num_tokens[p] * k; ++s)
@@ -718,23 +863,26 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
         c.worst_index = -1;
         for (int p = first; p < end; ++p) {
             const int64_t T = L->num_tokens[p];
-            if (tensor == T_Y && T > 0) compare_block(&c, tensor, p, 0, T * H, got->y[p], 0, NULL, ref->y[p], 0, -1.0);
-            if (tensor == T_DX && T > 0) compare_block(&c, tensor, p, 0, T * H, got->dx[p], 0, NULL, ref->dx[p], 0, -1.0);
+            if (tensor == T_Y && T > 0)
+                compare_matrix(tolerances, &c, tensor, p, 0, T, H, column_block, got->y[p], 0, NULL, ref->y[p]);
+            if (tensor == T_DX && T > 0)
+                compare_matrix(tolerances, &c, tensor, p, 0, T, H, column_block, got->dx[p], 0, NULL, ref->dx[p]);
             if (tensor == T_DRW && T > 0) {
-                compare_block(&c, tensor, p, 0, T * k, got->d_router_w[p], 1, NULL, ref->d_router_w[p], 1, drw_scale);
+                compare_block(tolerances, &c, tensor, p, 0, 1, T * k, 0, got->d_router_w[p], 1, NULL,
+                              ref->d_router_w[p], 1, drw_scale);
                 for (int64_t s = 0; s < T * k; ++s)
                     if (L->topk_ids[p][s] < 0 && got->d_router_w[p][s] != 0.0f) ++c.empty_slot;
             }
             if (tensor >= T_DW_GATE && tensor <= T_DW_DOWN) {
                 const int m = tensor - T_DW_GATE;
                 for (int64_t e = 0; e < El; ++e)
-                    compare_block(&c, tensor, p, e * per, per, got->dw[m][p], got->grads_f32, got->dw_init[m][p],
-                                  ref->dw[m][p], 1, -1.0);
+                    compare_matrix(tolerances, &c, tensor, p, e * per, m == LAYER_DOWN ? H : I, m == LAYER_DOWN ? I : H,
+                                   column_block, got->dw[m][p], got->grads_f32, got->dw_init[m][p], ref->dw[m][p]);
             }
             if (tensor >= T_DS_GATE) {
                 const int m = tensor - T_DS_GATE;
-                compare_block(&c, tensor, p, 0, shared_elems(L), got->ds[m][p], got->grads_f32, got->ds_init[m][p],
-                              ref->ds[m][p], 1, -1.0);
+                compare_matrix(tolerances, &c, tensor, p, 0, m == LAYER_DOWN ? H : Is, m == LAYER_DOWN ? Is : H,
+                               column_block, got->ds[m][p], got->grads_f32, got->ds_init[m][p], ref->ds[m][p]);
             }
         }
         double error = c.worst;
@@ -771,12 +919,17 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
 }
 
 double layer_compare(const layer *L, const layer_result *got, const layer_result *ref, const char *tag) {
-    return compare_ranks(L, got, ref, 0, L->nranks, tag);
+    return compare_ranks(L, got, ref, 0, L->nranks, 0, tag);
 }
 
 double layer_compare_rank(const layer *L, const layer_result *got, const layer_result *ref, int rank,
                           const char *tag) {
-    return compare_ranks(L, got, ref, rank, rank + 1, tag);
+    return compare_ranks(L, got, ref, rank, rank + 1, 0, tag);
+}
+
+double layer_compare_columns(const layer *L, const layer_result *got, const layer_result *ref, int64_t column_block,
+                             const char *tag) {
+    return compare_ranks(L, got, ref, 0, L->nranks, column_block, tag);
 }
 
 static int bytes_equal(const void *a, const void *b, size_t bytes, int64_t elem, int64_t *index) {

@@ -75,8 +75,9 @@ void layer_free(layer *L);
  * just above the limit instead of the one at or below it; an fp32 and an fp64 sum that straddle
  * that one rounding midpoint disagree by a whole gradient element, which no tolerance covers.
  * This redraws (uniform in [-1, 1], from a fresh stream) the x rows of tokens with a g or u value,
- * of the shared expert or any expert they are routed to, within 2^-16 of such a midpoint. Call it
- * after setting L->swiglu_limit. Returns the number of rows redrawn. */
+ * of the shared expert or any expert they are routed to, within 2^-16 of such a midpoint (for an
+ * FP8 layer, g and u of the quantized x and weights). Call it after setting L->swiglu_limit.
+ * Returns the number of rows redrawn. */
 int layer_avoid_clamp_flips(layer *L);
 
 /* Everything one run produced, backend or reference. A result starts zeroed ({0}) and is given
@@ -95,6 +96,10 @@ typedef struct layer_result {
     void *schedule[MOK_MAX_RANKS];         /* backend only */
     void *context[MOK_MAX_RANKS];          /* backend only: the forward's context, poisoned with
                                               bf16 0x7fc1 before the forward */
+    void *fp8_weights[MOK_MAX_RANKS];      /* backend only, FP8 layers: each rank's weights as
+                                              mok_quantize_weights wrote them (before the forward,
+                                              into a poisoned buffer) */
+    size_t fp8_bytes;
     size_t schedule_bytes, context_bytes;
     mok_schedule_info info[MOK_MAX_RANKS]; /* mok_schedule_read of every rank */
     char message[1024];                    /* mok_last_error() of the call that failed */
@@ -145,7 +150,7 @@ mok_status layer_run_reference(const layer *L, layer_result *ref);
 mok_status layer_run_reference_forward(const layer *L, layer_result *ref);
 
 /* Compares got (backend) with ref (reference), tensor by tensor, with the tolerance table of
- * layer.c: error = max |got - ref| / (atol + rtol * max |ref|), the max taken per block (one rank
+ * layer.c (its FP8 rows for an FP8 layer): error = max |got - ref| / (atol + rtol * max |ref|), the max taken per block (one rank
  * of y, dx and the shared gradients; one expert of the routed gradients; all of d_router_w), so a
  * small expert is judged at its own scale. An element that is non-finite on one side only is an
  * infinite error (a poison value left in place is counted as unwritten); non-finite on both sides
@@ -159,6 +164,12 @@ double layer_compare(const layer *L, const layer_result *got, const layer_result
  * For a process that ran one rank of a group against the reference of the whole layer. */
 double layer_compare_rank(const layer *L, const layer_result *got, const layer_result *ref, int rank,
                           const char *tag);
+
+/* layer_compare with every matrix judged per column_block columns (y, dx: a rank's rows; the
+ * gradients: an expert's, or the shared expert's, rows), each block at its own scale: for layers
+ * whose column blocks differ in magnitude by design. */
+double layer_compare_columns(const layer *L, const layer_result *got, const layer_result *ref, int64_t column_block,
+                             const char *tag);
 
 /* 1 when every output of a and b (y, dx, d_router_w, gradients) is bitwise equal; else 0 and
  * what names the first difference. Both must come from the same layer and gradient type. */

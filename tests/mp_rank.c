@@ -315,7 +315,7 @@ static int run_rank(mok_backend backend, int rank, int nranks, const char *id_pa
         t0 = now_ms();
         mok_schedule_args sa = {(int64_t)T, b[B_IDS], b[B_SCHEDULE], NULL};
         mok_forward_args fa = {(int64_t)T, b[B_SCHEDULE], b[B_X], b[B_RW], b[B_W], b[B_W + 1], b[B_W + 2],
-                               b[B_S], b[B_S + 1], b[B_S + 2], b[B_Y], b[B_CONTEXT], NULL};
+                               b[B_S], b[B_S + 1], b[B_S + 2], b[B_Y], b[B_CONTEXT], NULL, NULL};
         st = mok_schedule_build(r.ws, &sa);
         if (st == MOK_OK) st = mok_forward(r.ws, &fa);
         ok = report_pass(r.ws, st, nranks, rank, "forward", t0);
@@ -325,7 +325,7 @@ static int run_rank(mok_backend backend, int rank, int nranks, const char *id_pa
         t0 = now_ms();
         mok_backward_args ba = {(int64_t)T, b[B_SCHEDULE], b[B_CONTEXT], b[B_DY], b[B_X], b[B_RW], b[B_W], b[B_W + 1],
                                 b[B_W + 2], b[B_S], b[B_S + 1], b[B_S + 2], b[B_DX], b[B_DRW], 0, b[B_DW],
-                                b[B_DW + 1], b[B_DW + 2], b[B_DS], b[B_DS + 1], b[B_DS + 2], NULL};
+                                b[B_DW + 1], b[B_DW + 2], b[B_DS], b[B_DS + 1], b[B_DS + 2], NULL, NULL};
         st = mok_backward(r.ws, &ba);
         ok = report_pass(r.ws, st, nranks, rank, "backward", t0);
     }

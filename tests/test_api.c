@@ -163,7 +163,7 @@ static void sched_args(mok_schedule_args a[TP], const tiny *L, tiny_out *o) {
 static void fwd_args(mok_forward_args a[TP], const tiny *L, tiny_out *o) {
     for (int p = 0; p < TP; ++p)
         a[p] = (mok_forward_args){L->T[p], o->sched[p], L->x[p], L->rw[p], L->w[0][p], L->w[1][p], L->w[2][p],
-                                  L->s[0], L->s[1], L->s[2], o->y[p], o->ctx[p], NULL};
+                                  L->s[0], L->s[1], L->s[2], o->y[p], o->ctx[p], NULL, NULL};
 }
 
 static void bwd_args(mok_backward_args a[TP], const tiny *L, tiny_out *o) {
@@ -392,7 +392,10 @@ MOK_TEST(api_shape_rules) {
         {"E = 0", {64, 64, 0, 1, 64, 40, 0}, MOK_ERR_INVALID_ARGUMENT, "shape.num_experts"},
         {"max_tokens < 1", {64, 64, 4, 2, 64, 0, 0}, MOK_ERR_INVALID_ARGUMENT, "shape.max_tokens"},
         {"max_tokens negative", {64, 64, 4, 2, 64, -3, 0}, MOK_ERR_INVALID_ARGUMENT, "shape.max_tokens"},
-        {"fp8", {64, 64, 4, 2, 64, 40, MOK_PRECISION_FP8}, MOK_ERR_UNSUPPORTED, "shape.precision"},
+        {"fp8, H = 64", {64, 128, 4, 2, 128, 40, MOK_PRECISION_FP8}, MOK_ERR_INVALID_ARGUMENT, "shape.hidden"},
+        {"fp8, I = 192", {128, 192, 4, 2, 128, 40, MOK_PRECISION_FP8}, MOK_ERR_INVALID_ARGUMENT, "shape.intermediate"},
+        {"fp8, I_s = 64", {128, 128, 4, 2, 64, 40, MOK_PRECISION_FP8}, MOK_ERR_INVALID_ARGUMENT,
+         "shape.shared_intermediate"},
         {"precision 7", {64, 64, 4, 2, 64, 40, 7}, MOK_ERR_INVALID_ARGUMENT, "shape.precision"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -472,6 +475,15 @@ MOK_TEST(api_config_rules) {
     CONFIG_CASE("trace 2", c_.trace = 2, "config.trace");
     CONFIG_CASE("fwd_comm_sms -1", c_.fwd_comm_sms = -1, "config.fwd_comm_sms");
     CONFIG_CASE("bwd_comm_sms 1025", c_.bwd_comm_sms = 1025, "config.bwd_comm_sms");
+    /* With cpu_threads = 0 the comm threads come on top of one thread per core: bounded too. */
+    CONFIG_CASE("cpu_comm_threads 1030 of auto threads", (c_.cpu_threads = 0, c_.cpu_comm_threads = 1030),
+                "config.cpu_comm_threads");
+    CONFIG_CASE("cpu_comm_threads INT_MAX of auto threads", (c_.cpu_threads = 0, c_.cpu_comm_threads = 2147483647),
+                "config.cpu_comm_threads");
+    /* Deadlines are int64 nanoseconds: a timeout past 1e9 ms would overflow them. */
+    CONFIG_CASE("peer_timeout_ms 1e13", c_.peer_timeout_ms = 1e13, "config.peer_timeout_ms");
+    CONFIG_CASE("peer_timeout_ms 9.3e12", c_.peer_timeout_ms = 9.3e12, "config.peer_timeout_ms");
+    CONFIG_CASE("peer_timeout_ms inf", c_.peer_timeout_ms = INFINITY, "config.peer_timeout_ms");
 #undef CONFIG_CASE
     for (int i = 0; i < n; ++i) {
         char label[160];
@@ -531,6 +543,57 @@ MOK_TEST(api_config_rules) {
         good_run_on(ws, &L, "after the config rules");
         tiny_free(&L);
     }
+    mok_workspace_destroy(ws);
+    mok_group_destroy(g);
+}
+
+MOK_TEST(api_config_bounds_run) {
+    /* The largest values the rules allow work: one thread per core plus 1024 comm threads (more
+       workers than a fixed table of 1024 held), and the longest peer timeout. */
+    mok_shape shape = tiny_shape(64);
+    tiny L;
+    tiny_make(&L, &shape, 17);
+    mok_config cfg = tiny_config();
+    cfg.cpu_threads = 0;
+    cfg.cpu_comm_threads = 1024;
+    cfg.peer_timeout_ms = 1e9;
+    EXPECT_OK(mok_config_validate(&cfg));
+    mok_group *g = NULL;
+    mok_workspace *ws = NULL;
+    EXPECT_OK(mok_group_create_local(&g, MOK_BACKEND_CPU, TP, NULL, &cfg));
+    if (g) EXPECT_OK(mok_workspace_create(&ws, g, &shape, NULL));
+    if (ws) good_run_on(ws, &L, "1024 comm threads on top of the cores, peer_timeout_ms 1e9");
+    mok_workspace_destroy(ws);
+    mok_group_destroy(g);
+    tiny_free(&L);
+}
+
+MOK_TEST(api_sizes_beyond_memory) {
+    /* Sizes no allocation can hold are refused, never wrapped around to a small block. */
+    mok_config cfg = tiny_config();
+    mok_group *g = NULL;
+    EXPECT_OK(mok_group_create_local(&g, MOK_BACKEND_CPU, 1, NULL, &cfg));
+    if (!g) return;
+    void *p = (void *)&cfg;
+    EXPECT_ERR(mok_memory_alloc(g, 0, SIZE_MAX, &p), MOK_ERR_INVALID_ARGUMENT, "bytes");
+    CHECK(p == NULL, "mok_memory_alloc(SIZE_MAX) left a pointer");
+    EXPECT_ERR(mok_memory_alloc(g, 0, SIZE_MAX - 15, &p), MOK_ERR_INVALID_ARGUMENT, "bytes");
+    EXPECT_ERR(mok_memory_alloc(g, 0, (size_t)PTRDIFF_MAX + 1, &p), MOK_ERR_INVALID_ARGUMENT, "bytes");
+    EXPECT_OK(mok_memory_alloc(g, 0, 100, &p));
+    if (p) {
+        memset(p, 1, 100);
+        EXPECT_OK(mok_memory_free(g, 0, p));
+    }
+    /* A shape within every rule whose workspace sizes would pass 2^64 bytes (the weight-gradient
+       carry: about 2^22 macrobatches of 3 * 2^40 fp32): refused at once, naming the sizes. */
+    mok_shape huge = {1 << 20, 1 << 20, 32, 32, 0, 1 << 24, MOK_PRECISION_BF16};
+    EXPECT_OK(mok_shape_validate(&huge, 1));
+    mok_config ring = tiny_config();
+    ring.minibatch_rows = 128;
+    ring.ring_rows = 128;
+    mok_workspace *ws = NULL;
+    EXPECT_ERR(mok_workspace_create(&ws, g, &huge, &ring), MOK_ERR_INVALID_ARGUMENT, "bytes");
+    CHECK(ws == NULL, "huge workspace handle");
     mok_workspace_destroy(ws);
     mok_group_destroy(g);
 }

@@ -102,7 +102,8 @@ static mok_status gpu_issue(gpu_run *G, const layer *L, int recompute, void *str
     for (int p = 0; p < L->nranks; ++p) {
         sa[p] = (mok_schedule_args){L->num_tokens[p], G->ids[p], G->schedule[p], stream};
         fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p], G->rw[p], G->w[0][p], G->w[1][p],
-                                   G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream};
+                                   G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream,
+                                   NULL};
     }
     mok_status st = mok_schedule_build(G->ws, sa);
     if (st == MOK_OK) st = recompute ? mok_recompute_context(G->ws, fa) : mok_forward(G->ws, fa);
@@ -767,7 +768,7 @@ static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer
         ba[p] = (mok_backward_args){(int64_t)T, G->schedule[p], G->context[p], dev[p][0], G->x[p], G->rw[p],
                                     G->w[0][p], G->w[1][p], G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p],
                                     dev[p][1], dev[p][2], accumulate, dev[p][3], dev[p][4], dev[p][5],
-                                    dev[p][6], dev[p][7], dev[p][8], NULL};
+                                    dev[p][6], dev[p][7], dev[p][8], NULL, NULL};
     }
     if (st == MOK_OK) st = mok_backward(G->ws, ba);
     if (st == MOK_OK) st = mok_synchronize(G->ws);
@@ -1242,7 +1243,7 @@ MOK_TEST(cuda_bad_inputs) {
           "misaligned ids: %s", mok_last_error());
     CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "good run: %s", G.message);
     mok_forward_args fa = {100, G.schedule[0], NULL, G.rw[0], G.w[0][0], G.w[1][0], G.w[2][0], G.s[0][0],
-                           G.s[1][0], G.s[2][0], G.y[0], G.context[0], NULL};
+                           G.s[1][0], G.s[2][0], G.y[0], G.context[0], NULL, NULL};
     CHECK(mok_forward(G.ws, &fa) == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "x"), "NULL x: %s",
           mok_last_error());
     fa.x = G.x[0];
@@ -1257,6 +1258,280 @@ MOK_TEST(cuda_bad_inputs) {
           mok_status_string(st), mok_last_error());
     CHECK(mok_trace_write(G.ws, "build/x.json") == MOK_ERR_INVALID_ARGUMENT, "trace off: %s", mok_last_error());
     CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "good run after the refusals: %s", G.message);
+    gpu_close(&G);
+    layer_free(&L);
+}
+
+/* ---- the per-rank protocol on GPUs ----------------------------------------------------------
+ * As test_protocol.c on the cpu backend, with one thread per rank, each holding its own group
+ * handle (mok_group_create, device = rank): ranks put out of step on purpose fail alike (the device
+ * barrier carries each call to the peers, and the error word reports it at the next call or
+ * mok_synchronize), configs that differ are refused at creation on every rank, and after a
+ * timeout a rank keeps its window so that a late peer's kernels write into live memory. */
+#include <pthread.h>
+
+enum { G_END = 0, G_CREATE, G_SCHEDULE, G_FORWARD, G_BACKWARD, G_SYNC, G_DESTROY, G_MEET };
+
+typedef struct gpu_rank_run {
+    const layer *L;
+    int rank, P;
+    const mok_unique_id *id;
+    mok_config config;
+    const int (*script)[2];
+    pthread_barrier_t *meet;
+    mok_group *group;
+    mok_workspace *ws;
+    mok_sizes sizes;
+    void *x, *ids, *rw, *dy, *dx, *drw, *y, *context, *schedule[2], *w[3], *s[3], *dw[3], *ds[3];
+    mok_status status[16];
+    char message[16][512];
+} gpu_rank_run;
+
+static void *rank_upload(gpu_rank_run *r, const void *host, size_t bytes, mok_status *st) {
+    void *d = NULL;
+    if (*st != MOK_OK) return NULL;
+    *st = mok_memory_alloc(r->group, 0, bytes, &d);
+    if (*st == MOK_OK && host && bytes) *st = mok_memory_copy(r->group, 0, d, host, bytes, MOK_COPY_HOST_TO_RANK);
+    return d;
+}
+
+static mok_status rank_buffers(gpu_rank_run *r) {
+    const layer *L = r->L;
+    const int p = r->rank;
+    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
+    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
+    const size_t T = (size_t)L->num_tokens[p];
+    mok_status st = mok_workspace_sizes(r->ws, &r->sizes);
+    r->x = rank_upload(r, L->x[p], T * H * 2 + 16, &st);
+    r->ids = rank_upload(r, L->topk_ids[p], T * k * 4 + 16, &st);
+    r->rw = rank_upload(r, L->router_w[p], T * k * 4 + 16, &st);
+    r->dy = rank_upload(r, L->dy[p], T * H * 2 + 16, &st);
+    r->dx = rank_upload(r, NULL, T * H * 2 + 16, &st);
+    r->drw = rank_upload(r, NULL, T * k * 4 + 16, &st);
+    r->y = rank_upload(r, NULL, T * H * 2 + 16, &st);
+    r->context = rank_upload(r, NULL, r->sizes.context_bytes, &st);
+    for (int b = 0; b < 2; ++b) r->schedule[b] = rank_upload(r, NULL, r->sizes.schedule_bytes, &st);
+    for (int m = 0; m < 3; ++m) {
+        r->w[m] = rank_upload(r, L->w[m][p], El * I * H * 2, &st);
+        r->dw[m] = rank_upload(r, NULL, El * I * H * 2, &st);
+        r->s[m] = Is ? rank_upload(r, L->s[m], Is * H * 2, &st) : NULL;
+        r->ds[m] = Is ? rank_upload(r, NULL, Is * H * 2, &st) : NULL;
+    }
+    return st;
+}
+
+static void rank_free_buffers(gpu_rank_run *r) {
+    void *all[] = {r->x, r->ids, r->rw, r->dy, r->dx, r->drw, r->y, r->context, r->schedule[0], r->schedule[1],
+                   r->w[0], r->w[1], r->w[2], r->s[0], r->s[1], r->s[2], r->dw[0], r->dw[1], r->dw[2],
+                   r->ds[0], r->ds[1], r->ds[2]};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) mok_memory_free(r->group, 0, all[i]);
+}
+
+static mok_status rank_op(gpu_rank_run *r, int op, int arg) {
+    const layer *L = r->L;
+    const int64_t T = L->num_tokens[r->rank];
+    switch (op) {
+    case G_CREATE: {
+        mok_status st = mok_workspace_create(&r->ws, r->group, &L->shape, &r->config);
+        return st == MOK_OK ? rank_buffers(r) : st;
+    }
+    case G_SCHEDULE: {
+        mok_schedule_args a = {T, r->ids, r->schedule[arg], NULL};
+        return mok_schedule_build(r->ws, &a);
+    }
+    case G_FORWARD: {
+        mok_forward_args a = {T, r->schedule[arg], r->x, r->rw, r->w[0], r->w[1], r->w[2], r->s[0], r->s[1], r->s[2],
+                              r->y, r->context, NULL, NULL};
+        return mok_forward(r->ws, &a);
+    }
+    case G_BACKWARD: {
+        mok_backward_args a = {T, r->schedule[arg], r->context, r->dy, r->x, r->rw, r->w[0], r->w[1], r->w[2],
+                               r->s[0], r->s[1], r->s[2], r->dx, r->drw, 0, r->dw[0], r->dw[1], r->dw[2],
+                               r->ds[0], r->ds[1], r->ds[2], NULL, NULL};
+        return mok_backward(r->ws, &a);
+    }
+    case G_SYNC: return mok_synchronize(r->ws);
+    case G_DESTROY: {
+        rank_free_buffers(r);
+        mok_status st = mok_workspace_destroy(r->ws);
+        r->ws = NULL;
+        return st;
+    }
+    case G_MEET: pthread_barrier_wait(r->meet); return MOK_OK;
+    }
+    return MOK_OK;
+}
+
+static void *gpu_rank_main(void *arg) {
+    gpu_rank_run *r = arg;
+    for (int i = 0; i < 16; ++i) r->status[i] = (mok_status)-1;
+    mok_status st = mok_group_create(&r->group, MOK_BACKEND_CUDA, r->P, r->rank, r->id, r->rank, &r->config);
+    r->status[0] = st;
+    snprintf(r->message[0], sizeof r->message[0], "%s", st == MOK_OK ? "" : mok_last_error());
+    for (int i = 0; st == MOK_OK && r->script[i][0] != G_END && i < 15; ++i) {
+        if (r->script[i][0] != G_MEET && r->script[i][0] != G_CREATE && !r->ws) continue;
+        mok_status s = rank_op(r, r->script[i][0], r->script[i][1]);
+        r->status[i + 1] = s;
+        snprintf(r->message[i + 1], sizeof r->message[i + 1], "%s", s == MOK_OK ? "" : mok_last_error());
+    }
+    if (r->ws) {
+        rank_free_buffers(r);
+        mok_workspace_destroy(r->ws);
+    }
+    if (r->group) mok_group_destroy(r->group);
+    return NULL;
+}
+
+/* Runs the scripts of ranks 0 and 1 (step i's result in status[i + 1]; status[0]: the group). */
+static void gpu_ranks(gpu_rank_run *r, const layer *L, const mok_config *c0, const mok_config *c1,
+                      const int (*s0)[2], const int (*s1)[2]) {
+    static mok_unique_id id;
+    CHECK(mok_unique_id_create(MOK_BACKEND_CUDA, &id) == MOK_OK, "unique id: %s", mok_last_error());
+    pthread_barrier_t meet;
+    pthread_barrier_init(&meet, NULL, 2);
+    pthread_t t[2];
+    for (int p = 0; p < 2; ++p) {
+        memset(&r[p], 0, sizeof r[p]);
+        r[p] = (gpu_rank_run){.L = L, .rank = p, .P = 2, .id = &id, .config = p ? *c1 : *c0, .script = p ? s1 : s0,
+                              .meet = &meet};
+        pthread_create(&t[p], NULL, gpu_rank_main, &r[p]);
+    }
+    for (int p = 0; p < 2; ++p) pthread_join(t[p], NULL);
+    pthread_barrier_destroy(&meet);
+}
+
+static int gpu_rank_layer(layer *L) {
+    const int64_t T[2] = {200, 137};
+    mok_shape s = small_shape(256, 128, 8, 2, 128);
+    return layer_make(L, &s, 2, T, mok_test_seed() ^ 0x70c0, LAYER_ROUTE_HOLES) == 0;
+}
+
+static void expect_step(const gpu_rank_run *r, int step, mok_status want, const char *needle, int line) {
+    const int ok = r->status[step] == want && (!needle || strstr(r->message[step], needle));
+    if (!ok)
+        mok_test_fail(__FILE__, line, "rank %d step %d: status %d (%s), want %d; message '%s' (want '%s')", r->rank, step,
+                      (int)r->status[step], mok_status_string(r->status[step]), (int)want, r->message[step],
+                      needle ? needle : "");
+}
+#define EXPECT_STEP(r, step, want, needle) expect_step(&(r), (step), (want), (needle), __LINE__)
+
+/* Workspaces whose configs differ in a field of the protocol: refused on both ranks, naming it. */
+MOK_TEST(cuda_protocol_configs_differ_ep2) {
+    if (skip(2, "cuda_protocol_configs_differ_ep2")) return;
+    layer L;
+    if (!gpu_rank_layer(&L)) return;
+    mok_config c0 = mok_config_default(), c1 = c0;
+    c0.peer_timeout_ms = c1.peer_timeout_ms = 10000;
+    c1.ring_rows = 2 * c0.ring_rows;
+    const int script[][2] = {{G_CREATE, 0}, {G_END, 0}};
+    gpu_rank_run r[2];
+    gpu_ranks(r, &L, &c0, &c1, script, script);
+    for (int p = 0; p < 2; ++p) {
+        EXPECT_STEP(r[p], 0, MOK_OK, NULL);
+        EXPECT_STEP(r[p], 1, MOK_ERR_INVALID_ARGUMENT, "config.ring_rows");
+    }
+    /* equal configs: a pass runs */
+    const int good[][2] = {{G_CREATE, 0}, {G_SCHEDULE, 0}, {G_FORWARD, 0}, {G_SYNC, 0}, {G_END, 0}};
+    gpu_ranks(r, &L, &c0, &c0, good, good);
+    for (int p = 0; p < 2; ++p)
+        for (int i = 1; i <= 4; ++i) EXPECT_STEP(r[p], i, MOK_OK, NULL);
+    layer_free(&L);
+}
+
+/* Rank 0 runs a forward where rank 1 runs the backward, then schedule builds that differ: each
+ * is reported on both ranks, neither pass runs, and matching calls work again afterwards. */
+MOK_TEST(cuda_protocol_calls_differ_ep2) {
+    if (skip(2, "cuda_protocol_calls_differ_ep2")) return;
+    layer L;
+    if (!gpu_rank_layer(&L)) return;
+    mok_config c = mok_config_default();
+    c.peer_timeout_ms = 10000;
+    const int s0[][2] = {{G_CREATE, 0},  {G_SCHEDULE, 0}, {G_SCHEDULE, 1}, {G_FORWARD, 0}, {G_SYNC, 0},
+                         {G_FORWARD, 0}, {G_SYNC, 0},     {G_FORWARD, 0},  {G_SYNC, 0},    {G_FORWARD, 1},
+                         {G_BACKWARD, 1}, {G_SYNC, 0},    {G_END, 0}};
+    const int s1[][2] = {{G_CREATE, 0},  {G_SCHEDULE, 0}, {G_SCHEDULE, 1}, {G_FORWARD, 0}, {G_SYNC, 0},
+                         {G_BACKWARD, 0}, {G_SYNC, 0},    {G_FORWARD, 1},  {G_SYNC, 0},    {G_FORWARD, 1},
+                         {G_BACKWARD, 1}, {G_SYNC, 0},    {G_END, 0}};
+    gpu_rank_run r[2];
+    gpu_ranks(r, &L, &c, &c, s0, s1);
+    for (int p = 0; p < 2; ++p) {
+        for (int i = 1; i <= 5; ++i) EXPECT_STEP(r[p], i, MOK_OK, NULL);
+        /* forward meets backward (step 6: call, 7: its report) */
+        const int reported = r[p].status[6] != MOK_OK ? 6 : 7;
+        EXPECT_STEP(r[p], reported, MOK_ERR_INVALID_ARGUMENT, p ? "was in mok_forward #4" : "was in mok_backward #4");
+        /* schedule builds #2 and #3 (steps 8, 9) */
+        const int reported2 = r[p].status[8] != MOK_OK ? 8 : 9;
+        EXPECT_STEP(r[p], reported2, MOK_ERR_INVALID_ARGUMENT, "schedule build #");
+        for (int i = 10; i <= 12; ++i) EXPECT_STEP(r[p], i, MOK_OK, NULL);
+    }
+    layer_free(&L);
+}
+
+/* Rank 1 misses the forward: rank 0 times out and destroys its workspace, keeping its window;
+ * then rank 1's forward writes its barrier into that window and times out too. Neither GPU may
+ * fault (memory stays usable on both afterwards). */
+MOK_TEST(cuda_protocol_timeout_keeps_window_ep2) {
+    if (skip(2, "cuda_protocol_timeout_keeps_window_ep2")) return;
+    layer L;
+    if (!gpu_rank_layer(&L)) return;
+    mok_config c = mok_config_default();
+    c.peer_timeout_ms = 2000;
+    const int s0[][2] = {{G_CREATE, 0}, {G_SCHEDULE, 0}, {G_FORWARD, 0}, {G_SYNC, 0},
+                         {G_DESTROY, 0}, {G_MEET, 0}, {G_MEET, 0}, {G_END, 0}};
+    const int s1[][2] = {{G_CREATE, 0}, {G_SCHEDULE, 0}, {G_MEET, 0}, {G_FORWARD, 0}, {G_SYNC, 0},
+                         {G_MEET, 0}, {G_DESTROY, 0}, {G_END, 0}};
+    gpu_rank_run r[2];
+    gpu_ranks(r, &L, &c, &c, s0, s1);
+    EXPECT_STEP(r[0], 4, MOK_ERR_TIMEOUT, NULL);
+    EXPECT_STEP(r[0], 5, MOK_OK, NULL);
+    /* rank 0 reached the forward's opening barrier before it gave up, so rank 1 passes it; rank
+       0's closing barrier says it failed: rank 1 reports that instead of a result without rank
+       0's rows */
+    EXPECT_STEP(r[1], 5, MOK_ERR_INVALID_ARGUMENT, "rank 0's part of mok_forward");
+    for (int p = 0; p < 2; ++p) {
+        /* the devices are healthy: a fresh group and pass on each */
+        int devices[1] = {p};
+        mok_group *g = NULL;
+        void *ptr = NULL;
+        mok_status st = mok_group_create_local(&g, MOK_BACKEND_CUDA, 1, devices, NULL);
+        if (st == MOK_OK) st = mok_memory_alloc(g, 0, 1 << 20, &ptr);
+        CHECK(st == MOK_OK, "GPU %d after the timeout: %s", p, mok_last_error());
+        if (ptr) mok_memory_free(g, 0, ptr);
+        mok_group_destroy(g);
+    }
+    layer_free(&L);
+}
+
+/* The ledger on the cuda backend (host-side, no device read): a backward whose schedule build had
+ * no forward is refused; a schedule read as another local rank is refused. */
+MOK_TEST(cuda_protocol_ledger) {
+    if (skip(1, "cuda_protocol_ledger")) return;
+    const int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {100, 60};
+    mok_shape s = small_shape(128, 64, 4, 2, 64);
+    layer L;
+    layer_make(&L, &s, P, tokens, mok_test_seed() ^ 0x1ed9, LAYER_ROUTE_UNIFORM);
+    gpu_run G;
+    if (gpu_open(&G, &L, NULL) == MOK_OK) {
+        mok_schedule_args sa[2];
+        for (int p = 0; p < P; ++p) sa[p] = (mok_schedule_args){L.num_tokens[p], G.ids[p], G.schedule[p], NULL};
+        CHECK(mok_schedule_build(G.ws, sa) == MOK_OK, "build: %s", mok_last_error());
+        layer_result got = {0};
+        mok_status st = gpu_backward(&G, &L, 0, &got);
+        CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(G.message, "no mok_forward"), "backward without a forward: %s",
+              G.message);
+        layer_result_free(&got);
+        if (P == 2) {
+            mok_schedule_info info;
+            st = mok_schedule_read(G.ws, G.schedule[0], 1, &info);
+            CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "built for rank 0"),
+                  "rank 0's schedule read as local rank 1: %s", mok_last_error());
+        }
+        CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "forward: %s", G.message);
+        st = gpu_backward(&G, &L, 0, &got);
+        CHECK(st == MOK_OK, "backward after its forward: %s", G.message);
+        layer_result_free(&got);
+    }
     gpu_close(&G);
     layer_free(&L);
 }

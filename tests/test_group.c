@@ -187,7 +187,7 @@ static mok_schedule_args sched_arg(const glayer *L, gout *o, int p) {
 
 static mok_forward_args fwd_arg(const glayer *L, gout *o, int p) {
     return (mok_forward_args){L->T[p], o->sched[p], L->x[p], L->rw[p], L->w[0][p], L->w[1][p], L->w[2][p],
-                              L->s[0], L->s[1], L->s[2], o->y[p], o->ctx[p], NULL};
+                              L->s[0], L->s[1], L->s[2], o->y[p], o->ctx[p], NULL, NULL};
 }
 
 static mok_backward_args bwd_arg(const glayer *L, gout *o, int p, int accumulate) {

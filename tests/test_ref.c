@@ -848,7 +848,7 @@ MOK_TEST(ref_rejects_bad_inputs) {
     b->shape.shared_intermediate = -1, bad_expect(b, bad, "shared_intermediate", "I_s < 0");
     b->shape.max_tokens = 0, bad_expect(b, bad, "max_tokens", "T_max = 0");
     b->shape.precision = 7, bad_expect(b, bad, "precision", "unknown precision");
-    b->shape.precision = MOK_PRECISION_FP8, bad_expect(b, MOK_ERR_UNSUPPORTED, "precision", "fp8");
+    b->shape.precision = MOK_PRECISION_FP8, bad_expect(b, bad, "precision", "fp8 with H = I = I_s = 64");
     b->layer.swiglu_limit = -1.0f, bad_expect(b, bad, "swiglu_limit", "negative limit");
     b->layer.swiglu_limit = NAN, bad_expect(b, bad, "swiglu_limit", "NaN limit");
     b->layer.num_tokens = NULL, bad_expect(b, bad, "num_tokens", "num_tokens NULL");

@@ -147,6 +147,7 @@ class ForwardArgs(Structure):
         ("y", c_void_p),
         ("context", c_void_p),
         ("stream", c_void_p),
+        ("fp8_weights", c_void_p),
     ]
 
 
@@ -175,6 +176,7 @@ class BackwardArgs(Structure):
         ("ds_up", c_void_p),
         ("ds_down", c_void_p),
         ("stream", c_void_p),
+        ("fp8_weights", c_void_p),
     ]
 
 

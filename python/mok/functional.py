@@ -591,10 +591,13 @@ def _contexts(ws, contexts, schedules):
     return items
 
 
-def build_schedule(ws, topk_ids_per_rank, *, streams=None):
+def build_schedule(ws, topk_ids_per_rank, *, streams=None, out=None):
     """Builds every local rank's schedule from its topk_ids [T, k] int32 (global expert ids, -1 =
-    empty slot). Collective. Returns one Schedule per local rank (bare for a bare argument)."""
+    empty slot). Collective. Returns one Schedule per local rank (bare for a bare argument).
+    out: caller buffers to build into (uint8 [sizes.schedule_bytes] per local rank, of the
+    arrays' kind), for callers that own their memory (the custom ops of mok.ops)."""
     ids, bare = _per_rank(ws, topk_ids_per_rank, "topk_ids")
+    outs, _ = _per_rank(ws, out, "out", broadcast=True)
     call = _Call(ws, "build_schedule")
     args = (_lib.ScheduleArgs * ws.num_local_ranks)()
     kept, out = [], []
@@ -604,7 +607,8 @@ def build_schedule(ws, topk_ids_per_rank, *, streams=None):
                              f"{getattr(a, 'shape', type(a).__name__)}")
         T = int(a.shape[0])
         a = call.check(a, f"topk_ids[{r}]", "i32", (T, ws.topk), r)
-        buf = call.empty((ws.sizes.schedule_bytes,), "u8", r)
+        buf = call.empty((ws.sizes.schedule_bytes,), "u8", r) if outs[r] is None else \
+            call.check(outs[r], f"out[{r}]", "u8", (ws.sizes.schedule_bytes,), r, output=True)
         kept.append(a)
         out.append(Schedule(ws, r, buf, T))
         args[r].num_tokens = T
@@ -634,8 +638,9 @@ def _weights(call, ws, r, w_gate, w_up, w_down, s_gate, s_up, s_down, need_down=
 
 
 def _forward_common(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, recompute, streams,
-                    what):
+                    what, out_contexts=None):
     scheds = _schedules(ws, schedules)
+    out_contexts, _ = _per_rank(ws, out_contexts, "out", broadcast=True)
     xs, bare = _per_rank(ws, x, "x")
     rws, _ = _per_rank(ws, router_w, "router_w")
     w_gate, _ = _per_rank(ws, w_gate, "w_gate")
@@ -654,7 +659,8 @@ def _forward_common(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate, s_
         rw = call.check(rws[r], f"router_w[{r}]", "f32", (T, k), r)
         weights = _weights(call, ws, r, w_gate, w_up, w_down, s_gate, s_up, s_down, need_down=not recompute)
         y = None if recompute else call.empty((T, H), "bf16", r)
-        ctx = call.empty((ws.sizes.context_bytes,), "u8", r)
+        ctx = call.empty((ws.sizes.context_bytes,), "u8", r) if out_contexts[r] is None else \
+            call.check(out_contexts[r], f"out[{r}]", "u8", (ws.sizes.context_bytes,), r, output=True)
         kept.append((xr, rw, weights))
         ys.append(y)
         contexts.append(Context(ws, r, ctx, T, scheds[r]))
@@ -681,11 +687,13 @@ def forward(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate=None, s_up=
                            "forward")
 
 
-def recompute_forward_context(ws, schedules, x, router_w, w_gate, w_up, s_gate=None, s_up=None, *, streams=None):
+def recompute_forward_context(ws, schedules, x, router_w, w_gate, w_up, s_gate=None, s_up=None, *, streams=None,
+                              out=None):
     """Rebuilds the contexts forward returned (activation checkpointing), bitwise equal to them.
-    Collective. The down projections are not needed."""
+    Collective. The down projections are not needed. out: caller buffers to write the contexts
+    into (uint8 [sizes.context_bytes] per local rank, of the arrays' kind)."""
     _, contexts = _forward_common(ws, schedules, x, router_w, w_gate, w_up, None, s_gate, s_up, None, True, streams,
-                                  "recompute_forward_context")
+                                  "recompute_forward_context", out)
     return contexts
 
 

@@ -1,10 +1,12 @@
 """torch.py — the PyTorch layer: mok.torch.MoE, an nn.Module whose routed and shared experts run
-through mok inside one autograd Function (schedule + forward in its forward, mok's backward in its
-backward), with a plain PyTorch router (fp32 softmax, top-k, renormalised) in front.
+through mok, with a plain PyTorch router (fp32 softmax, top-k, renormalised) in front, and
+mok.torch.MoEExperts, the same experts over parameters another module owns (what the Hugging Face
+and Megatron integrations use). Both run through the mok:: custom ops of mok.ops (schedule,
+forward with autograd registered on it, backward), so torch.compile(fullgraph=True) traces them.
 
-The one idea: the router stays ordinary autograd. The Function takes the router weights as an input
-and returns mok's d_router_w as their gradient, so the gradient reaches the router's Linear (and x)
-through softmax and top-k without mok knowing about the router.
+The one idea: the router stays ordinary autograd. The forward op takes the router weights as an
+input and its backward returns mok's d_router_w as their gradient, so the gradient reaches the
+router (and x) through softmax and top-k without mok knowing about the router.
 
 PyTorch is imported on first use of MoE / MoEFunction / moe_function, so `import mok.torch`
 works without it. Expert parallelism: pass a torch.distributed process group as `group`; each rank
@@ -13,16 +15,20 @@ gradients of those experts already include every rank's tokens (do not all-reduc
 EP group); the router and the shared expert are replicated and their gradients are this rank's own
 (all-reduce them as data-parallel parameters).
 """
+import itertools
 import threading
+import weakref
 
 import mok
 
-__all__ = ["MoE", "MoEFunction", "moe_function", "mok_group_from_process_group"]
+__all__ = ["MoE", "MoEExperts", "MoEFunction", "moe_function", "mok_group_from_process_group", "inside_checkpoint"]
 
 _lock = threading.Lock()
 _built = {}
 _groups = {}      # (process group key, backend, device) -> mok.Group
 _workspaces = {}  # (group key, shape..., config) -> mok.Workspace
+_experts = {}     # MoEExperts key -> weakref to it, for the workspace look-up under torch.compile
+_next_key = itertools.count(1)
 
 
 def _torch():
@@ -86,7 +92,8 @@ def _local_group(backend, device, config):
 
 def _workspace(group, hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config):
     """One workspace per (group, shape, config), shared by every layer of that shape: a workspace
-    serves one pass at a time, and each call keeps its own schedule and context."""
+    serves one pass at a time, and each call keeps its own schedule and context (so a model of
+    many MoE layers of one shape holds one workspace)."""
     key = (id(group), hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config)
     with _lock:  # NOTE: not held across the (collective) creation, which waits for the peers
         ws = _workspaces.get(key)
@@ -98,10 +105,136 @@ def _workspace(group, hidden, intermediate, num_experts, topk, shared_intermedia
     return ws
 
 
+def inside_checkpoint():
+    """Whether the caller runs inside torch.utils.checkpoint (non-reentrant: HF's gradient
+    checkpointing, Megatron's and most stacks'), in its forward or its recomputation: the
+    checkpoint's saved-tensor hooks are the innermost ones then."""
+    top = getattr(_torch()._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # a PyTorch without the query: treated as outside (the context is kept)
+        return False
+    hooks = top(False)
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+
+
+def _keep_saved(t):
+    return t
+
+
 def _build():
     torch = _torch()
     nn = torch.nn
     F = torch.nn.functional
+    from . import ops  # registers the mok:: custom ops
+
+    @torch._dynamo.assume_constant_result
+    def workspace_entry(key, device_type, device_index):
+        """(op id, schedule bytes) of the workspace of MoEExperts `key` for tensors on that device,
+        made on first use (collective then). torch.compile calls this once while it traces and
+        keeps the result as a constant, so that the traced graph holds the custom ops alone."""
+        experts = _experts[key]()
+        device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+        ws = experts.mok_workspace(device)
+        return ops.register_workspace(ws), ws.sizes.schedule_bytes
+
+    class MoEExperts(nn.Module):
+        """mok's experts of one MoE layer over parameters that someone else owns (a model's own
+        experts, Megatron's, mok.torch.MoE's): forward(x [T, H], topk_ids [T, k], router_w [T, k],
+        w_gate, w_up [E_local, I, H], w_down [E_local, H, I], s_gate, s_up [I_s, H], s_down [H, I_s])
+        -> y [T, H] bf16, through the mok:: custom ops (autograd, torch.compile and CUDA graphs
+        included). No parameters: the state dict of the model around it does not change.
+
+        The workspace is chosen by (group, shape, config) and shared with every layer of the same.
+        recompute_context: False keeps the forward's context for the backward; True keeps only x,
+        router_w and the schedule and rebuilds the context with recompute_forward_context in the
+        backward; "auto" (the default) does so inside torch.utils.checkpoint, where the layer's
+        saved tensors are then held outside the checkpoint (its recomputation stops before the
+        layer when nothing after it in the checkpointed block saves tensors) so that the layer's
+        forward runs once and its backward rebuilds only the context. Under torch.compile "auto"
+        keeps the context (compile's own rematerialisation decides)."""
+
+        def __init__(self, hidden, intermediate, num_experts, topk, shared_intermediate=0, group=None, config=None,
+                     backend="auto", max_tokens=4096, recompute_context="auto"):
+            super().__init__()
+            if backend not in ("auto", "cpu", "cuda"):
+                raise ValueError(f"MoEExperts: backend={backend!r} is not 'auto', 'cpu' or 'cuda'")
+            if recompute_context not in ("auto", True, False):
+                raise ValueError(f"MoEExperts: recompute_context={recompute_context!r} is not 'auto', True or False")
+            if isinstance(group, mok.Group):
+                if group.num_local_ranks != 1:
+                    raise ValueError("MoEExperts: a mok.Group must drive one local rank (Group.create)")
+                nranks, rank = group.nranks, group.first_rank
+            elif group is not None:
+                dist = torch.distributed
+                nranks, rank = dist.get_world_size(group), dist.get_rank(group)
+            else:
+                nranks, rank = 1, 0
+            if num_experts % nranks != 0:
+                raise ValueError(f"MoEExperts: num_experts={num_experts} is not divisible by the group size {nranks}")
+            if not 1 <= topk <= num_experts:
+                raise ValueError(f"MoEExperts: topk={topk} is not in [1, num_experts={num_experts}]")
+            for name, value in (("hidden", hidden), ("intermediate", intermediate),
+                                ("shared_intermediate", shared_intermediate)):
+                if value % mok.DIM_TILE or (value <= 0 and name != "shared_intermediate") or value < 0:
+                    raise ValueError(f"MoEExperts: {name}={value} must be a positive multiple of {mok.DIM_TILE}"
+                                     + (" (or 0: no shared expert)" if name == "shared_intermediate" else ""))
+            self.hidden, self.intermediate = int(hidden), int(intermediate)
+            self.num_experts, self.topk = int(num_experts), int(topk)
+            self.shared_intermediate, self.max_tokens = int(shared_intermediate), int(max_tokens)
+            self.config, self.backend, self.group = config, backend, group
+            self.nranks, self.rank = nranks, rank
+            self.num_local_experts = num_experts // nranks
+            self.first_expert = rank * self.num_local_experts
+            self.recompute_context = recompute_context
+            self._key = next(_next_key)
+            _experts[self._key] = weakref.ref(self)
+            weakref.finalize(self, _experts.pop, self._key, None)
+
+        def mok_workspace(self, device):
+            """The mok workspace for tensors on `device` (made on first use; collective then)."""
+            backend = _backend_for(device, self.backend)
+            if isinstance(self.group, mok.Group):
+                group = self.group
+                if group.backend != backend:
+                    raise ValueError(f"MoEExperts: the mok group is {group.backend} but the tensors are on {device}")
+            elif self.group is not None:
+                group = mok_group_from_process_group(self.group, backend, device, self.config)
+            else:
+                group = _local_group(backend, device, self.config)
+            return _workspace(group, self.hidden, self.intermediate, self.num_experts, self.topk,
+                              self.shared_intermediate, self.max_tokens, self.config)
+
+        def forward(self, x, topk_ids, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None):
+            device = x.device
+            workspace, schedule_bytes = workspace_entry(self._key, device.type,
+                                                        -1 if device.index is None else device.index)
+            x = x.to(torch.bfloat16).contiguous()
+            topk_ids = topk_ids.to(torch.int32).contiguous()
+            router_w = router_w.to(torch.float32).contiguous()
+            schedule = torch.empty((schedule_bytes,), dtype=torch.uint8, device=device)
+            torch.ops.mok.build_schedule(workspace, topk_ids, schedule)
+            if torch.compiler.is_compiling():
+                keep = self.recompute_context is not True
+                y, _ = torch.ops.mok.forward(workspace, schedule, x, router_w, w_gate, w_up, w_down, s_gate, s_up,
+                                             s_down, keep)
+                return y
+            checkpointed = self.recompute_context == "auto" and torch.is_grad_enabled() and inside_checkpoint()
+            keep = not (self.recompute_context is True or checkpointed)
+            if not checkpointed:
+                y, _ = torch.ops.mok.forward(workspace, schedule, x, router_w, w_gate, w_up, w_down, s_gate, s_up,
+                                             s_down, keep)
+                return y
+            # NOTE: the identity hooks keep this layer's saved tensors (x, router_w, the schedule) out
+            # of the checkpoint's bookkeeping in its forward and its recomputation alike, so both
+            # count the same saved tensors and the recomputation need not reach this layer.
+            with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _keep_saved):
+                y, _ = torch.ops.mok.forward(workspace, schedule, x, router_w, w_gate, w_up, w_down, s_gate, s_up,
+                                             s_down, keep)
+            return y
+
+        def extra_repr(self):
+            return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+                    f"topk={self.topk}, shared_intermediate={self.shared_intermediate}, nranks={self.nranks}, "
+                    f"rank={self.rank}, max_tokens={self.max_tokens}, recompute_context={self.recompute_context!r}")
 
     class MoEFunction(torch.autograd.Function):
         """y = mok(x, router_w, experts) for this rank's tokens; backward through mok's backward.
@@ -139,13 +272,16 @@ def _build():
         per process, expert parallel across it) or a mok.Group of one local rank. backend: "auto"
         (follow the tensors: cpu tensors -> cpu backend, cuda tensors -> cuda), "cpu" or "cuda".
         max_tokens: the most tokens one forward may take on this rank (the workspace is sized by it).
+        recompute_context: as MoEExperts's ("auto": rebuild the context in the backward inside
+        torch.utils.checkpoint, keep it otherwise).
 
         Parameters: router.weight [E, H] (fp32 by default), w_gate, w_up [E_local, I, H], w_down
         [E_local, H, I], and with a shared expert s_gate, s_up [I_s, H], s_down [H, I_s] (bf16).
         forward(x [..., H]) -> y [..., H] in x's dtype (computed in bf16)."""
 
         def __init__(self, hidden, intermediate, num_experts, topk, shared_intermediate=0, group=None, config=None,
-                     backend="auto", max_tokens=4096, device=None, router_dtype=torch.float32):
+                     backend="auto", max_tokens=4096, device=None, router_dtype=torch.float32,
+                     recompute_context="auto"):
             super().__init__()
             if backend not in ("auto", "cpu", "cuda"):
                 raise ValueError(f"MoE: backend={backend!r} is not 'auto', 'cpu' or 'cuda'")
@@ -171,6 +307,8 @@ def _build():
             self.nranks, self.rank = nranks, rank
             self.num_local_experts = num_experts // nranks
             self.first_expert = rank * self.num_local_experts
+            self.kernel = MoEExperts(hidden, intermediate, num_experts, topk, shared_intermediate, group, config,
+                                     backend, max_tokens, recompute_context)
             E, H, I, Is = self.num_local_experts, self.hidden, self.intermediate, self.shared_intermediate
             bf = dict(dtype=torch.bfloat16, device=device)
             self.router = nn.Linear(H, num_experts, bias=False, device=device, dtype=router_dtype)
@@ -200,17 +338,7 @@ def _build():
 
         def mok_workspace(self, device):
             """The mok workspace for tensors on `device` (made on first use; collective then)."""
-            backend = _backend_for(device, self.backend)
-            if isinstance(self.group, mok.Group):
-                group = self.group
-                if group.backend != backend:
-                    raise ValueError(f"MoE: the mok group is {group.backend} but the tensors are on {device}")
-            elif self.group is not None:
-                group = mok_group_from_process_group(self.group, backend, device, self.config)
-            else:
-                group = _local_group(backend, device, self.config)
-            return _workspace(group, self.hidden, self.intermediate, self.num_experts, self.topk,
-                              self.shared_intermediate, self.max_tokens, self.config)
+            return self.kernel.mok_workspace(device)
 
         def route(self, x):
             """The router on x [T, H]: (topk_ids [T, k] int32, router_w [T, k] fp32, probs [T, E] fp32).
@@ -227,9 +355,8 @@ def _build():
             lead = x.shape[:-1]
             flat = x.reshape(-1, self.hidden)
             ids, router_w, _ = self.route(flat)
-            ws = self.mok_workspace(flat.device)
-            y = MoEFunction.apply(ws, ids, flat.to(torch.bfloat16).contiguous(), router_w, self.w_gate, self.w_up,
-                                  self.w_down, self.s_gate, self.s_up, self.s_down)
+            y = self.kernel(flat, ids, router_w, self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up,
+                            self.s_down)
             return y.to(x.dtype).reshape(*lead, self.hidden)
 
         def extra_repr(self):
@@ -237,11 +364,11 @@ def _build():
                     f"topk={self.topk}, shared_intermediate={self.shared_intermediate}, nranks={self.nranks}, "
                     f"rank={self.rank}, max_tokens={self.max_tokens}")
 
-    return {"MoE": MoE, "MoEFunction": MoEFunction, "moe_function": moe_function}
+    return {"MoE": MoE, "MoEExperts": MoEExperts, "MoEFunction": MoEFunction, "moe_function": moe_function}
 
 
 def __getattr__(name):
-    if name in ("MoE", "MoEFunction", "moe_function"):
+    if name in ("MoE", "MoEExperts", "MoEFunction", "moe_function"):
         with _lock:
             if not _built:
                 _built.update(_build())

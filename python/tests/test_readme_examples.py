@@ -1,6 +1,7 @@
 """test_readme_examples.py — every ```python block of python/README.md runs as written, each in a
 fresh interpreter (the binding's environment: MOK_LIBRARY, PYTHONPATH), so the README cannot rot.
-A block that uses torch is skipped, with the reason, where torch is not importable.
+A block that uses torch is skipped, with the reason, where torch is not importable. Sketches that
+need what a test cannot have (a model's weights, a Megatron setup) are fenced ```py instead.
 """
 import os
 import re

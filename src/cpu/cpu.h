@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "core/fp8.h"
 #include "core/tasks.h"
 #include "internal.h"
 
@@ -20,28 +21,52 @@
 /* What ranks of one group share: the rendezvous, the cross-rank barrier, and the table of
  * each workspace's symmetric regions. In one-process-per-rank mode it is found by unique id in
  * a process-wide registry; in local mode it belongs to the one group handle. */
+/* NOTE (failures): a rank that gives up on a peer (a barrier timeout) or leaves a workspace out of
+ * step (its destroy met a peer in another call) poisons the domain: every rank's next barrier, and
+ * every wait of a pass in progress, fails at once. A peer may still be inside a pass that reads and
+ * writes the poisoning rank's region (it passed the barrier the poisoning rank timed out at), so
+ * after a poisoning no region of a per-rank group is freed while any handle is attached: a workspace
+ * destroyed then hands its regions to the graveyard, freed with the domain. */
+typedef struct cpu_grave {
+    void *region;
+    struct cpu_grave *next;
+} cpu_grave;
+
+enum { CPU_POISON_TIMEOUT = 1, CPU_POISON_DESTROY = 2 };
+
 typedef struct cpu_domain {
     mok_unique_id id;
     int nranks;
     int registered;                              /* in the registry (per-rank mode) */
     int refs;                                    /* handles attached; guarded by the registry lock */
+    int claimed[MOK_MAX_RANKS];                  /* per-rank mode: a handle holds this rank (registry lock) */
     _Atomic int joined;
     _Atomic uint64_t arrived[MOK_MAX_RANKS];     /* barrier epoch each rank has reached */
     _Atomic uint64_t rejected[MOK_MAX_RANKS];    /* epoch at which a rank rejected its arguments */
+    /* The call each rank is in at its latest barrier, by the epoch's parity: a rank writes its slot
+       before it publishes its arrival at epoch e, peers read it after they see that arrival, and
+       the rank can reach epoch e + 2 (this slot again) only once every peer has arrived at e + 1,
+       after it read the slot of e. */
+    mok_call calls[2][MOK_MAX_RANKS];
+    _Atomic int poisoned;                        /* 0, or 1 + the rank that poisoned the domain */
+    _Atomic int poison_reason;                   /* CPU_POISON_* */
+    cpu_grave *graveyard;                        /* regions kept until the domain goes (registry lock) */
     _Atomic(char *) regions[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
     mok_shape shapes[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
+    mok_config configs[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
     struct cpu_domain *next;
 } cpu_domain;
 
 typedef struct cpu_group {
     cpu_domain *domain;
     uint64_t epoch[MOK_MAX_RANKS];  /* barriers passed by each local rank */
-    int workspaces[MOK_MAX_RANKS];  /* workspaces created by each local rank (collective order) */
 } cpu_group;
 
 /* Byte offsets inside a symmetric region (equal on every rank). */
 typedef struct cpu_sym_layout {
-    size_t x;        /* bf16 [T_max, H]: this rank's x; peers pull from it */
+    size_t x;        /* bf16 [T_max, H]: this rank's x; peers pull from it. FP8: its E4M3 codes
+                        [T_max, H], quantized once when the pass stages x */
+    size_t x_scale;  /* FP8: f32 [T_max, H / MOK_FP8_BLOCK], the scales of x's codes; bf16: empty */
     size_t router_w; /* f32 [T_max * k] */
     size_t ids;      /* i32 [T_max * k]: read by peers' schedule builds */
     size_t comb;     /* bf16 [T_max * k, H]: expert outputs pushed in by their owners */
@@ -50,7 +75,9 @@ typedef struct cpu_sym_layout {
     size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
     size_t tokens;   /* i64: this rank's T for the current pass */
     /* Read by peers only when a transfer direction other than the default is on (core/tasks.h): */
-    size_t ring_x;   /* bf16 [ring, H]: the rank's ring of routed x rows (cpu_rank.ring_x) */
+    size_t ring_x;   /* bf16 [ring, H]: the rank's ring of routed x rows (cpu_rank.ring_x); FP8:
+                        E4M3 [ring, H] (cpu_rank.ring_x8) */
+    size_t ring_x_scale; /* FP8: f32 [ring, H / MOK_FP8_BLOCK] (cpu_rank.ring_x_scale); bf16: empty */
     size_t ring_dy;  /* bf16 [ring, H]: routed dy rows (cpu_rank.ring_dy) */
     size_t ring_w;   /* f32 [ring]: their router weights (cpu_rank.ring_w) */
     size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs / dx parts (cpu_rank.ring_y) */
@@ -68,7 +95,9 @@ typedef struct cpu_rank {
     char *region;                 /* own symmetric region */
     char *peers[MOK_MAX_RANKS];   /* every rank's region (peers[rank] == region) */
     /* ring: row i of a pass lives in slot i % ring_rows */
-    uint16_t *ring_x;   /* [ring, H]; in the region (peers write it with dispatch_push) */
+    uint16_t *ring_x;   /* [ring, H]; in the region (peers write it with dispatch_push); NULL for FP8 */
+    uint8_t *ring_x8;   /* FP8: the x rows' E4M3 codes [ring, H], in the region like ring_x; else NULL */
+    float *ring_x_scale; /* FP8: their scales [ring, H / MOK_FP8_BLOCK], in the region; else NULL */
     uint16_t *ring_h;   /* [ring, I] */
     uint16_t *ring_y;   /* [ring, H]: expert outputs (forward), dx parts (backward); in the region */
     uint16_t *ring_dy;  /* [ring, H]; in the region (peers write it with combine_push) */
@@ -89,6 +118,11 @@ typedef struct cpu_rank {
     int64_t counters_cap;
     _Atomic int64_t cursor[2];
     _Atomic int abort;            /* a worker failed: the others stop waiting */
+    _Atomic int wait_failed;      /* why: CPU_WAIT_* of the first wait that gave up */
+    _Atomic int64_t wait_counter, wait_peer; /* and on which counter of which rank (-1: this one) */
+    _Atomic int64_t progress_ns;  /* when a task of the pass last finished (run.c's wait_counter) */
+    pthread_t *threads;           /* [workers]: the pass's worker threads (thread 0 is the rank's own) */
+    struct cpu_worker *jobs;      /* [workers] */
     float *scratch;               /* [workers, scratch_floats] */
     size_t scratch_floats;
     mok_trace_event *trace;       /* [MOK_TRACE_PASSES * trace_cap]: pass p's from p * trace_cap */
@@ -105,6 +139,10 @@ typedef struct cpu_workspace {
 
 /* domain.c */
 int64_t mok__cpu_now_ns(void);
+/* Makes the group unusable for every rank (the NOTE above); `reason` is a CPU_POISON_*. */
+void mok__cpu_poison(mok_group *group, int rank, int reason);
+/* Keeps `region` allocated until the domain is freed (the NOTE above). */
+void mok__cpu_bury(mok_group *group, void *region);
 
 /* Everything one pass needs on one rank, shared by its workers. */
 typedef struct cpu_pass {
@@ -126,6 +164,15 @@ enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };
 /* The trace buffer a pass records into (internal.h: forward and recompute 0, backward 1). */
 static inline int cpu_trace_pass(int kind) { return kind == CPU_PASS_BACKWARD; }
 
+/* Why a counter wait of a pass gave up (cpu_rank.wait_failed). */
+enum { CPU_WAIT_OK = 0, CPU_WAIT_TIMEOUT, CPU_WAIT_PEER_FAILED, CPU_WAIT_POISONED };
+
+/* One worker of a pass: its role (MOK_ROLE_*) and index. */
+typedef struct cpu_worker {
+    cpu_pass *pass;
+    int worker, role;
+} cpu_worker;
+
 /* tasks_fwd.c / tasks_bwd.c: run one task on one worker. */
 void mok__cpu_run_forward_task(cpu_pass *pass, const mok_task *task, float *scratch);
 void mok__cpu_run_backward_task(cpu_pass *pass, const mok_task *task, float *scratch);
@@ -138,6 +185,37 @@ void mok__cpu_rows_to_f32(float *dst, const uint16_t *src, int64_t ld, int rows,
 void mok__cpu_bt_from_nk(float *bt, const uint16_t *w, int64_t ldw, int64_t n0, int nt, int64_t k);
 void mok__cpu_bt_from_kn(float *bt, const uint16_t *w, int64_t ldw, int64_t n0, int nt, int64_t k);
 void mok__cpu_gemm(float *acc, const float *a, int rows, int64_t k, const float *bt, int nt);
+/* FP8 operands (include/mok.h, FP8 section): E4M3 values widened to fp32 beside their scales.
+ * A: a [rows, cols] and a_scale [rows, cols / MOK_FP8_BLOCK], from bf16 rows (quantized here) or
+ * from stored codes and scales. B: bt [k][nt] from an E4M3 [N, K] matrix (K-major, ld K) with its
+ * 128 x 128 block scales [N / 128, K / 128]; columns n0 .. n0 + nt lie in one block row, so B has
+ * one scale per 128 of K (b_scale [K / 128]). */
+void mok__cpu_rows_quantize(float *a, float *a_scale, const uint16_t *src, int rows, int64_t cols);
+void mok__cpu_rows_from_e4m3(float *a, float *a_scale, const uint8_t *codes, const float *scales, int rows,
+                             int64_t cols);
+void mok__cpu_bt_from_e4m3(float *bt, float *b_scale, const uint8_t *w, const float *w_scale, int64_t n0, int nt,
+                           int64_t k);
+/* acc[r][n] = sum over 128-blocks b of K, in order, of (sum_{k in b} a[r][k] · bt[k][n]) · (a_scale[r][b] ·
+ * b_scale[b]), every sum in fp32: the partial sums promoted every 128 of K. */
+void mok__cpu_gemm_fp8(float *acc, const float *a, const float *a_scale, int rows, int64_t k, const float *bt,
+                       const float *b_scale, int nt);
+
+/* FP8: the matrices of one rank's FP8 weights buffer (args fp8_weights), by mok_fp8_matrix. */
+typedef struct cpu_fp8_weights {
+    const uint8_t *codes[MOK_FP8_NUM_MATRICES];
+    const float *scales[MOK_FP8_NUM_MATRICES];
+} cpu_fp8_weights;
+cpu_fp8_weights mok__cpu_fp8_weights(const cpu_pass *pass);
+/* FP8: expert e's matrix m (rows x cols, e = 0 for the shared ones): its codes and its scales. */
+const uint8_t *mok__cpu_fp8_codes(const cpu_fp8_weights *w, int m, int64_t e, int64_t rows, int64_t cols);
+const float *mok__cpu_fp8_scales(const cpu_fp8_weights *w, int m, int64_t e, int64_t rows, int64_t cols);
+
+/* tasks_fwd.c: x of this rank's T tokens into its region before the start barrier: copied (bf16)
+ * or quantized per token per 128 of H (FP8: the dispatch then moves E4M3 rows and scales). */
+void mok__cpu_stage_x(const cpu_pass *pass, const void *x, int64_t num_tokens);
+/* One x row (bf16, or FP8 codes and scales) from token `token` of rank p's region into ring slot
+ * `slot` of rank q's ring. */
+void mok__cpu_copy_x_row(const cpu_pass *pass, int q, int64_t slot, int p, int64_t token);
 
 /* tasks_fwd.c: the facts of row tile rt (first row, real rows, local expert, ring slot of the
  * first row) and the gate/up tile shared by the forward and the backward's replay. */
@@ -146,6 +224,13 @@ typedef struct cpu_tile {
     int nreal, expert;
 } cpu_tile;
 cpu_tile mok__cpu_tile(const cpu_pass *pass, int64_t rt);
+/* FP8 tiles' scratch: the A operand's values go where a bf16 tile's do (the scratch's start), its
+ * scales here. */
+float *mok__cpu_scratch_a_scale(const cpu_pass *pass, float *scratch);
+/* FP8: acc [rows][CPU_N_TILE] = the A operand in scratch (K = k) times columns n0 .. n0 + CPU_N_TILE
+ * of FP8 weight matrix m of expert e (0 for the shared expert), an [N, k] matrix (K-major). */
+void mok__cpu_gemm_fp8_weight(const cpu_pass *pass, float *scratch, float *acc, int rows, int64_t k, int m, int64_t e,
+                              int64_t N, int64_t n0);
 void mok__cpu_gateup(const cpu_pass *pass, const cpu_tile *tile, int64_t n0, float *scratch, float *g, float *u);
 
 static inline uint16_t *sym_bf16(const cpu_rank *R, const cpu_sym_layout *L, int rank, size_t off) {

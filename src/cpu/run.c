@@ -19,11 +19,6 @@ typedef struct rank_job {
     char message[1024];
 } rank_job;
 
-typedef struct worker_job {
-    cpu_pass *pass;
-    int worker, role;
-} worker_job;
-
 /* ---- task execution ------------------------------------------------------------------------ */
 
 /* The counters a task's wait[0] / done[0] names: this rank's, or peer q's (in q's region). */
@@ -37,32 +32,71 @@ static void abort_pass(const cpu_pass *pass) {
     atomic_store((_Atomic int32_t *)(pass->R->region + pass->cw->sym.failed), 1);
 }
 
-/* Spins until counters[counter] >= target; 0 if this rank's pass stopped, or peer q's (q >= 0:
- * the counter is q's). */
+/* Records why a wait gave up (the first reason wins) and stops the pass. */
+static int give_up(const cpu_pass *pass, int why, int q, int32_t counter) {
+    int none = CPU_WAIT_OK;
+    if (atomic_compare_exchange_strong(&pass->R->wait_failed, &none, why)) {
+        atomic_store(&pass->R->wait_counter, counter);
+        atomic_store(&pass->R->wait_peer, q);
+    }
+    abort_pass(pass);
+    return 0;
+}
+
+/* Spins until counters[counter] >= target (peer q's counters for q >= 0); 0 if this rank's pass
+ * stopped, peer q's pass failed, the group was poisoned or the wait outlived its deadline.
+ * NOTE: a wait on a peer's counter gives up peer_timeout_ms after it began. A wait on this rank's
+ * own counters gives up when, for peer_timeout_ms, neither that counter moved nor this rank
+ * finished a task: the rank's own work, however long, is not a peer's hang, while a rank that
+ * makes no progress at all is stuck (its own counters may wait on peers too, with turned
+ * transfers). */
 static int wait_counter(const cpu_pass *pass, int q, int32_t counter, int32_t target) {
     if (counter < 0) return 1;
     cpu_rank *R = pass->R;
     _Atomic int64_t *counters = counters_of(pass, q);
     _Atomic int32_t *peer_failed = q < 0 ? NULL : (_Atomic int32_t *)(R->peers[q] + pass->cw->sym.failed);
+    const cpu_domain *d = ((const cpu_group *)pass->ws->group->impl)->domain;
+    const int64_t timeout_ns = (int64_t)(pass->ws->config.peer_timeout_ms * 1e6);
+    int64_t since = 0, seen = -1, value;
     int round = 0;
-    while (atomic_load_explicit(&counters[counter], memory_order_acquire) < target) {
+    while ((value = atomic_load_explicit(&counters[counter], memory_order_acquire)) < target) {
         if (atomic_load_explicit(&R->abort, memory_order_relaxed)) return 0;
-        if (peer_failed && atomic_load_explicit(peer_failed, memory_order_relaxed)) return 0;
-        if (++round > 64) sched_yield();
+        if (peer_failed && atomic_load_explicit(peer_failed, memory_order_relaxed))
+            return give_up(pass, CPU_WAIT_PEER_FAILED, q, counter);
+        if (++round <= 64) continue;
+        sched_yield();
+        if ((round & 63) != 0) continue;
+        if (atomic_load_explicit(&d->poisoned, memory_order_relaxed)) return give_up(pass, CPU_WAIT_POISONED, q, counter);
+        const int64_t now = mok__cpu_now_ns();
+        if (!since) since = now;
+        if (q < 0 || q == R->rank) {
+            const int64_t progress = atomic_load_explicit(&R->progress_ns, memory_order_relaxed);
+            if (value != seen) seen = value, since = now;
+            if (progress > since) since = progress;
+        }
+        if (now - since > timeout_ns) return give_up(pass, CPU_WAIT_TIMEOUT, q, counter);
     }
     return 1;
 }
 
 static void *worker_main(void *arg) {
-    worker_job *job = arg;
+    cpu_worker *job = arg;
     cpu_pass *pass = job->pass;
     cpu_rank *R = pass->R;
+    const cpu_domain *domain = ((const cpu_group *)pass->ws->group->impl)->domain;
     float *scratch = R->scratch + (size_t)job->worker * R->scratch_floats;
     for (;;) {
         int64_t i = atomic_fetch_add_explicit(&R->cursor[job->role], 1, memory_order_relaxed);
         if (i >= R->num_tasks) break;
         const mok_task *t = &R->tasks[i];
         if (t->role != job->role) continue;
+        /* A failed pass (here, on a peer whose counter a wait named, or a poisoned group) runs
+           no more tasks: its peers are stopping too. */
+        if (atomic_load_explicit(&R->abort, memory_order_relaxed)) break;
+        if (atomic_load_explicit(&domain->poisoned, memory_order_relaxed)) {
+            give_up(pass, CPU_WAIT_POISONED, -1, -1);
+            break;
+        }
         if (!wait_counter(pass, t->wait_peer, t->wait[0], t->target[0]) ||
             !wait_counter(pass, -1, t->wait[1], t->target[1])) {
             abort_pass(pass); /* a task of this rank will not run: the pass has failed */
@@ -85,6 +119,7 @@ static void *worker_main(void *arg) {
                                                 .start_ns = start,
                                                 .end_ns = mok__cpu_now_ns()};
         }
+        atomic_store_explicit(&R->progress_ns, mok__cpu_now_ns(), memory_order_relaxed);
         /* NOTE: release: the tile's writes are visible to whoever acquires this counter (a peer's
            counter too, with combine_pull). */
         for (int d = 0; d < 2; ++d)
@@ -97,10 +132,10 @@ static void *worker_main(void *arg) {
 
 static mok_status run_workers(cpu_pass *pass) {
     cpu_workspace *cw = pass->cw;
-    worker_job jobs[1024];
-    pthread_t threads[1024];
+    cpu_worker *jobs = pass->R->jobs;
+    pthread_t *threads = pass->R->threads;
     int n = cw->workers;
-    for (int w = 0; w < n; ++w) jobs[w] = (worker_job){pass, w, w < cw->comm_workers ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE};
+    for (int w = 0; w < n; ++w) jobs[w] = (cpu_worker){pass, w, w < cw->comm_workers ? MOK_ROLE_COMM : MOK_ROLE_COMPUTE};
     int started = 1;
     for (int w = 1; w < n; ++w, ++started)
         if (pthread_create(&threads[w], NULL, worker_main, &jobs[w]) != 0) break;
@@ -116,6 +151,34 @@ static mok_status run_workers(cpu_pass *pass) {
 }
 
 /* ---- passes ---------------------------------------------------------------------------------- */
+
+/* What of a schedule's contents breaks the bounds the tasks rely on (every index they take from it
+ * stays inside the ring, the peers' buffers and the task list's capacity), or NULL. A buffer that
+ * was written after its build must not make a pass read or write out of bounds; this costs one
+ * pass over the padded rows. */
+static const char *schedule_rows_broken(const cpu_pass *pass) {
+    const mok_workspace *ws = pass->ws;
+    const mok_sched_view *v = &pass->sched;
+    const mok_sched_header *h = v->header;
+    const int P = ws->group->nranks, L = (int)ws->num_local_experts;
+    const int64_t k = ws->shape.topk, padded = h->padded_rows;
+    if (padded < 0 || padded > ws->sched_layout.max_rows || padded % MOK_ROW_TILE != 0) return "padded_rows";
+    for (int p = 0; p < P; ++p)
+        if (h->num_tokens[p] < 0 || h->num_tokens[p] > ws->shape.max_tokens) return "a rank's num_tokens";
+    if (v->expert_start[0] != 0 || v->expert_start[L] != padded) return "the experts' segments";
+    for (int l = 0; l < L; ++l) {
+        const int64_t start = v->expert_start[l], n = v->expert_rows[l];
+        if (n < 0 || n > padded || v->expert_start[l + 1] - start != (n + MOK_ROW_TILE - 1) / MOK_ROW_TILE * MOK_ROW_TILE)
+            return "the experts' segments";
+        for (int64_t row = start; row < start + n; ++row) {
+            const int32_t p = v->row_peer[row], slot = v->row_slot[row];
+            if (p < 0 || p >= P || slot < 0 || slot >= h->num_tokens[p] * k) return "a row's source rank or slot";
+        }
+        for (int64_t row = start + n; row < v->expert_start[l + 1]; ++row)
+            if (v->row_peer[row] != -1) return "a padding row";
+    }
+    return NULL;
+}
 
 static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t num_tokens) {
     mok_workspace *ws = pass->ws;
@@ -133,6 +196,11 @@ static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t nu
     if (h->num_tokens[rank] != num_tokens)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].num_tokens: %lld differs from the %lld of the schedule",
                          pass->local_rank, (long long)num_tokens, (long long)h->num_tokens[rank]);
+    const char *broken = schedule_rows_broken(pass);
+    if (broken)
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                         "args[%d].schedule: changed since its build (%s); build it again with mok_schedule_build",
+                         pass->local_rank, broken);
     return MOK_OK;
 }
 
@@ -197,8 +265,18 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     atomic_store(&R->cursor[0], 0);
     atomic_store(&R->cursor[1], 0);
     atomic_store(&R->abort, 0);
+    atomic_store(&R->wait_failed, CPU_WAIT_OK);
+    atomic_store(&R->progress_ns, 0);
     atomic_store(&R->trace_count[cpu_trace_pass(pass->kind)], 0);
     return MOK_OK;
+}
+
+/* Barrier `step` of the job's call (api.c set ws->call; the schedule build is this rank's). */
+static mok_status barrier(const rank_job *job, int step, int ok) {
+    mok_call call = job->ws->call;
+    call.step = step;
+    call.build = job->ws->call_build[job->local_rank];
+    return mok__cpu_barrier(job->ws->group, job->local_rank, &call, ok);
 }
 
 static void stage(void *dst, const void *src, size_t bytes) {
@@ -213,7 +291,7 @@ static mok_status run_schedule_build(rank_job *job) {
     const int64_t k = ws->shape.topk, P = ws->group->nranks;
     *(int64_t *)(R->region + cw->sym.tokens) = a->num_tokens;
     stage(R->region + cw->sym.ids, a->topk_ids, (size_t)(a->num_tokens * k) * 4);
-    mok_status st = mok__cpu_barrier(ws->group, job->local_rank, 1);
+    mok_status st = barrier(job, 0, 1);
     if (st != MOK_OK) return st;
     int64_t tokens[MOK_MAX_RANKS];
     const int32_t *ids[MOK_MAX_RANKS];
@@ -238,8 +316,29 @@ static mok_status run_schedule_build(rank_job *job) {
         st = mok__fail(MOK_ERR_INTERNAL, "schedule: build error %d", err);
     }
     /* Peers read this rank's ids until they pass this barrier. */
-    mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, 1);
+    mok_status bst = barrier(job, 1, 1);
     return st != MOK_OK ? st : bst;
+}
+
+/* The error of a pass whose workers stopped early (cpu_rank.wait_failed). A wait that timed out
+ * poisons the group: a peer's pass may be stuck in a way no barrier will settle. */
+static mok_status wait_failure(const cpu_pass *pass) {
+    const cpu_rank *R = pass->R;
+    const int why = atomic_load(&R->wait_failed);
+    const long long counter = (long long)atomic_load(&R->wait_counter), q = (long long)atomic_load(&R->wait_peer);
+    if (why == CPU_WAIT_POISONED) return mok__cpu_poisoned_error(pass->ws->group, R->rank);
+    if (why == CPU_WAIT_TIMEOUT) {
+        mok__cpu_poison(pass->ws->group, R->rank, CPU_POISON_TIMEOUT);
+        if (q < 0)
+            return mok__fail(MOK_ERR_TIMEOUT,
+                             "rank %d: a task waited more than peer_timeout_ms = %.0f for this rank's counter %lld",
+                             R->rank, pass->ws->config.peer_timeout_ms, counter);
+        return mok__fail(MOK_ERR_TIMEOUT, "rank %d: a task waited more than peer_timeout_ms = %.0f for rank %lld's "
+                         "counter %lld", R->rank, pass->ws->config.peer_timeout_ms, q, counter);
+    }
+    if (why == CPU_WAIT_PEER_FAILED)
+        return mok__fail(MOK_ERR_BACKEND, "rank %d: the pass stopped early: rank %lld's pass failed", R->rank, q);
+    return mok__fail(MOK_ERR_BACKEND, "rank %d: the pass stopped early (a worker of this rank failed)", R->rank);
 }
 
 static mok_status run_pass(rank_job *job) {
@@ -262,7 +361,7 @@ static mok_status run_pass(rank_job *job) {
         T = pass.ba->num_tokens;
         st = prepare(&pass, T, pass.ba->schedule, pass.ba->accumulate);
         if (st == MOK_OK) {
-            stage(R->region + cw->sym.x, pass.ba->x, (size_t)T * H * 2);
+            mok__cpu_stage_x(&pass, pass.ba->x, T);
             stage(R->region + cw->sym.dy, pass.ba->dy, (size_t)T * H * 2);
             stage(R->region + cw->sym.router_w, pass.ba->router_w, (size_t)T * k * 4);
         }
@@ -271,7 +370,7 @@ static mok_status run_pass(rank_job *job) {
         T = pass.fa->num_tokens;
         st = prepare(&pass, T, pass.fa->schedule, 0);
         if (st == MOK_OK) {
-            stage(R->region + cw->sym.x, pass.fa->x, (size_t)T * H * 2);
+            mok__cpu_stage_x(&pass, pass.fa->x, T);
             stage(R->region + cw->sym.router_w, pass.fa->router_w, (size_t)T * k * 4);
         }
     }
@@ -279,20 +378,20 @@ static mok_status run_pass(rank_job *job) {
        arguments makes every rank return an error here instead of waiting for it. */
     char message[1024] = "";
     if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
-    mok_status bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
-    if (st != MOK_OK) return mok__fail(st, "%s", message);
+    mok_status bst = barrier(job, 0, st == MOK_OK);
+    if (st != MOK_OK) return mok__cpu_settle(st, message, bst);
     if (bst != MOK_OK) return bst;
     if (mok__plan_names_peers(&pass.plan)) {
         st = build_list(&pass);
         if (st != MOK_OK) abort_pass(&pass); /* its workers run nothing; peers waiting on it stop */
     }
     if (st == MOK_OK) st = run_workers(&pass);
-    if (st == MOK_OK && atomic_load(&R->abort))
-        st = mok__fail(MOK_ERR_BACKEND, "cpu backend: the pass stopped early (a peer's pass failed)");
+    if (st == MOK_OK && atomic_load(&R->abort)) st = wait_failure(&pass);
+    if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
     /* End barrier: every push into this rank's buffers has landed, and no peer still reads from
        this rank's region. */
-    bst = mok__cpu_barrier(ws->group, job->local_rank, st == MOK_OK);
-    if (st != MOK_OK) return st;
+    bst = barrier(job, 1, st == MOK_OK);
+    if (st != MOK_OK) return mok__cpu_settle(st, message, bst);
     if (bst != MOK_OK) return bst;
     if (job->kind == CPU_PASS_FORWARD) mok__cpu_forward_epilogue(&pass, 0, T);
     else if (job->kind == CPU_PASS_BACKWARD) mok__cpu_backward_epilogue(&pass, 0, T);

@@ -6,7 +6,15 @@
  * Weight gradients: one task owns a tile and walks its expert's rows of a macrobatch in
  * schedule order, adding each row in turn to an fp32 accumulator that it carries to the next
  * macrobatch (the caller's fp32 buffer in accumulate mode, else a carry slot), so the result
- * does not depend on ring or minibatch sizes. */
+ * does not depend on ring or minibatch sizes.
+ *
+ * FP8 (include/mok.h): the ring keeps dy and dg, du in bf16 (the weight gradients take them so)
+ * and the dh and dx tiles quantize the rows they load; x arrives in the ring as E4M3 rows and
+ * scales. The dh tile's h^ needs its row's amax over the whole 128 columns of I around the tile,
+ * so it also forms h for the other tiles of that block (from the context, or replayed); it
+ * leaves h^ (dequantized: exact in bf16) in ring_h, where the down projection's weight gradient
+ * reads it. */
+#include "core/fp8.h"
 #include "cpu.h"
 
 #define NT CPU_N_TILE
@@ -26,6 +34,19 @@ static float *scratch_acc(const cpu_pass *p, float *s, int which) {
     return scratch_bt(p, s, 2) + (size_t)which * MOK_ROW_TILE * NT;
 }
 
+static int is_fp8(const cpu_pass *pass) { return pass->ws->shape.precision == MOK_PRECISION_FP8; }
+
+/* FP8: h^'s scale per row of a tile whose h is h(r, n) for n < NT (bf16-rounded values): folds
+ * the tile's h into the rows' running amax. */
+static void fold_h_amax(float *amax, int rows, const float *g, const float *u, float limit) {
+    for (int r = 0; r < rows; ++r)
+        for (int n = 0; n < NT; ++n)
+            amax[r] = mok__fp8_amax(amax[r], mok__round_bf16(mok__swiglu(g[r * NT + n], u[r * NT + n], limit)));
+}
+
+/* The 128-column block of I around columns [n0, n0 + NT), as tiles: the first tile's column. */
+static int64_t fp8_block_first(int64_t n0) { return n0 - n0 % MOK_FP8_BLOCK; }
+
 static int token_rows(const cpu_pass *pass, int64_t t0) {
     int64_t left = pass->plan.num_tokens - t0;
     return (int)(left < MOK_ROW_TILE ? left : MOK_ROW_TILE);
@@ -37,16 +58,40 @@ static void shared_dh(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
     const float limit = pass->ws->config.swiglu_limit;
     int rows = token_rows(pass, t0);
     float *a = scratch, *bt = scratch_bt(pass, scratch, 0), *dh = scratch_acc(pass, scratch, 0);
-    mok__cpu_rows_to_f32(a, (const uint16_t *)pass->ba->dy + t0 * H, H, rows, H);
-    mok__cpu_bt_from_kn(bt, pass->ba->s_down, Is, n0, NT, H);
-    mok__cpu_gemm(dh, a, rows, H, bt, NT);
     const uint16_t *ctx = (const uint16_t *)((const char *)pass->ba->context + pass->ws->context_shared_offset);
+    const int fp8 = is_fp8(pass);
+    float h_scale[MOK_ROW_TILE], h_inverse[MOK_ROW_TILE];
+    if (fp8) {
+        mok__cpu_rows_quantize(a, mok__cpu_scratch_a_scale(pass, scratch), (const uint16_t *)pass->ba->dy + t0 * H,
+                               rows, H);
+        mok__cpu_gemm_fp8_weight(pass, scratch, dh, rows, H, MOK_FP8_S_DOWN_T, 0, Is, n0);
+        /* h^'s scales: h over the whole 128-column block, from the context's g, u */
+        float *g = scratch_acc(pass, scratch, 1), *u = scratch_acc(pass, scratch, 2), amax[MOK_ROW_TILE] = {0};
+        for (int64_t c0 = fp8_block_first(n0); c0 < fp8_block_first(n0) + MOK_FP8_BLOCK; c0 += NT) {
+            for (int r = 0; r < rows; ++r)
+                for (int n = 0; n < NT; ++n) {
+                    g[r * NT + n] = mok__bf16_to_f32(ctx[(t0 + r) * 2 * Is + c0 + n]);
+                    u[r * NT + n] = mok__bf16_to_f32(ctx[(t0 + r) * 2 * Is + Is + c0 + n]);
+                }
+            fold_h_amax(amax, rows, g, u, limit);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const int e = mok__fp8_scale_exp(amax[r]);
+            h_scale[r] = mok__fp8_pow2(e);
+            h_inverse[r] = mok__fp8_pow2(-e);
+        }
+    } else {
+        mok__cpu_rows_to_f32(a, (const uint16_t *)pass->ba->dy + t0 * H, H, rows, H);
+        mok__cpu_bt_from_kn(bt, pass->ba->s_down, Is, n0, NT, H);
+        mok__cpu_gemm(dh, a, rows, H, bt, NT);
+    }
     for (int r = 0; r < rows; ++r) {
         const int64_t t = t0 + r;
         for (int n = 0; n < NT; ++n) {
             float g = mok__bf16_to_f32(ctx[t * 2 * Is + n0 + n]), u = mok__bf16_to_f32(ctx[t * 2 * Is + Is + n0 + n]);
             float h, dg, du;
             mok__swiglu_with_backward(dh[r * NT + n], g, u, limit, &h, &dg, &du);
+            if (fp8) h = mok__fp8_round(mok__round_bf16(h), h_scale[r], h_inverse[r]); /* h^, exact in bf16 */
             pass->R->sh_h[t * Is + n0 + n] = mok__bf16_from_f32(h);
             pass->R->sh_dgu[t * 2 * Is + n0 + n] = mok__bf16_from_f32(dg);
             pass->R->sh_dgu[t * 2 * Is + Is + n0 + n] = mok__bf16_from_f32(du);
@@ -54,15 +99,33 @@ static void shared_dh(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
     }
 }
 
-/* dx part = dg · W_gate + du · W_up: one K loop over [dg | du] against [W_gate ; W_up]. */
-static void dx_tile(const cpu_pass *pass, const uint16_t *dgu, int rows, int64_t inter, const uint16_t *w_gate,
-                    const uint16_t *w_up, int64_t n0, float *scratch, uint16_t *out, int64_t ld_out) {
+/* dx part = dg · W_gate + du · W_up: one K loop over [dg | du] against [W_gate ; W_up]. FP8: dg^,
+ * du^ (the rows quantized per 128 of I as they load) against the transposed copies, K-major
+ * [H, inter]; expert: the local expert, or -1 for the shared one. */
+static void dx_tile(const cpu_pass *pass, const uint16_t *dgu, int rows, int64_t inter, int expert,
+                    const uint16_t *w_gate, const uint16_t *w_up, int64_t n0, float *scratch, uint16_t *out,
+                    int64_t ld_out) {
     const int64_t H = pass->ws->shape.hidden;
     float *a = scratch, *bt = scratch_bt(pass, scratch, 0), *acc = scratch_acc(pass, scratch, 0);
-    mok__cpu_rows_to_f32(a, dgu, 2 * inter, rows, 2 * inter);
-    mok__cpu_bt_from_kn(bt, w_gate, H, n0, NT, inter);
-    mok__cpu_bt_from_kn(bt + inter * NT, w_up, H, n0, NT, inter);
-    mok__cpu_gemm(acc, a, rows, 2 * inter, bt, NT);
+    if (is_fp8(pass)) {
+        const cpu_fp8_weights w = mok__cpu_fp8_weights(pass);
+        const int shared = expert < 0, gate = shared ? MOK_FP8_S_GATE_T : MOK_FP8_W_GATE_T;
+        const int up = shared ? MOK_FP8_S_UP_T : MOK_FP8_W_UP_T;
+        const int64_t e = shared ? 0 : expert;
+        float *a_scale = mok__cpu_scratch_a_scale(pass, scratch);
+        float *b_scale = a_scale + (size_t)MOK_ROW_TILE * (kmax_of(&pass->ws->shape) / MOK_FP8_BLOCK);
+        mok__cpu_rows_quantize(a, a_scale, dgu, rows, 2 * inter);
+        mok__cpu_bt_from_e4m3(bt, b_scale, mok__cpu_fp8_codes(&w, gate, e, H, inter),
+                              mok__cpu_fp8_scales(&w, gate, e, H, inter), n0, NT, inter);
+        mok__cpu_bt_from_e4m3(bt + inter * NT, b_scale + inter / MOK_FP8_BLOCK, mok__cpu_fp8_codes(&w, up, e, H, inter),
+                              mok__cpu_fp8_scales(&w, up, e, H, inter), n0, NT, inter);
+        mok__cpu_gemm_fp8(acc, a, a_scale, rows, 2 * inter, bt, b_scale, NT);
+    } else {
+        mok__cpu_rows_to_f32(a, dgu, 2 * inter, rows, 2 * inter);
+        mok__cpu_bt_from_kn(bt, w_gate, H, n0, NT, inter);
+        mok__cpu_bt_from_kn(bt + inter * NT, w_up, H, n0, NT, inter);
+        mok__cpu_gemm(acc, a, rows, 2 * inter, bt, NT);
+    }
     for (int r = 0; r < rows; ++r)
         for (int n = 0; n < NT; ++n) out[r * ld_out + n0 + n] = mok__bf16_from_f32(acc[r * NT + n]);
 }
@@ -70,8 +133,8 @@ static void dx_tile(const cpu_pass *pass, const uint16_t *dgu, int rows, int64_t
 static void shared_dx(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
     const mok_shape *s = &pass->ws->shape;
     const int64_t H = s->hidden, Is = s->shared_intermediate, t0 = mt * MOK_ROW_TILE;
-    dx_tile(pass, pass->R->sh_dgu + t0 * 2 * Is, token_rows(pass, t0), Is, pass->ba->s_gate, pass->ba->s_up, nt * NT,
-            scratch, pass->R->sh_out + t0 * H, H);
+    dx_tile(pass, pass->R->sh_dgu + t0 * 2 * Is, token_rows(pass, t0), Is, -1, pass->ba->s_gate, pass->ba->s_up,
+            nt * NT, scratch, pass->R->sh_out + t0 * H, H);
 }
 
 static void pull(cpu_pass *pass, int64_t rt) {
@@ -83,8 +146,24 @@ static void pull(cpu_pass *pass, int64_t rt) {
         int p = pass->sched.row_peer[tile.row0 + r];
         int64_t slot = pass->sched.row_slot[tile.row0 + r], token = slot / k;
         memcpy(R->ring_dy + (tile.ring0 + r) * H, sym_bf16(R, L, p, L->dy) + token * H, (size_t)H * 2);
-        memcpy(R->ring_x + (tile.ring0 + r) * H, sym_bf16(R, L, p, L->x) + token * H, (size_t)H * 2);
+        mok__cpu_copy_x_row(pass, R->rank, tile.ring0 + r, p, token);
         R->ring_w[tile.ring0 + r] = ((const float *)(R->peers[p] + L->router_w))[slot];
+    }
+}
+
+/* g, u ([nreal][NT], bf16 values) of the tile's columns [c0, c0 + NT): from the context, or, for
+ * rows the context does not keep, replayed exactly as the forward computed them. */
+static void load_gu(const cpu_pass *pass, const cpu_tile *tile, int64_t c0, float *scratch, float *g, float *u) {
+    const int64_t I = pass->ws->shape.intermediate;
+    if (tile->row0 < pass->ws->context_rows) {
+        const uint16_t *ctx = (const uint16_t *)pass->ba->context;
+        for (int r = 0; r < tile->nreal; ++r)
+            for (int n = 0; n < NT; ++n) {
+                g[r * NT + n] = mok__bf16_to_f32(ctx[(tile->row0 + r) * 2 * I + c0 + n]);
+                u[r * NT + n] = mok__bf16_to_f32(ctx[(tile->row0 + r) * 2 * I + I + c0 + n]);
+            }
+    } else {
+        mok__cpu_gateup(pass, tile, c0, scratch, g, u);
     }
 }
 
@@ -97,19 +176,31 @@ static void dh_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     if (tile.nreal == 0) return;
     float *dh = scratch_acc(pass, scratch, 0), *g = scratch_acc(pass, scratch, 1), *u = scratch_acc(pass, scratch, 2);
     float *a = scratch, *bt = scratch_bt(pass, scratch, 0);
-    mok__cpu_rows_to_f32(a, R->ring_dy + tile.ring0 * H, H, tile.nreal, H);
-    mok__cpu_bt_from_kn(bt, (const uint16_t *)pass->ba->w_down + (int64_t)tile.expert * H * I, I, n0, NT, H);
-    mok__cpu_gemm(dh, a, tile.nreal, H, bt, NT);
-    if (tile.row0 < pass->ws->context_rows) {
-        const uint16_t *ctx = (const uint16_t *)pass->ba->context;
-        for (int r = 0; r < tile.nreal; ++r)
-            for (int n = 0; n < NT; ++n) {
-                g[r * NT + n] = mok__bf16_to_f32(ctx[(tile.row0 + r) * 2 * I + n0 + n]);
-                u[r * NT + n] = mok__bf16_to_f32(ctx[(tile.row0 + r) * 2 * I + I + n0 + n]);
-            }
+    const int fp8 = is_fp8(pass);
+    if (fp8) { /* dy^ · W^_down, against its transposed copy [I, H] (K-major) */
+        mok__cpu_rows_quantize(a, mok__cpu_scratch_a_scale(pass, scratch), R->ring_dy + tile.ring0 * H, tile.nreal, H);
+        mok__cpu_gemm_fp8_weight(pass, scratch, dh, tile.nreal, H, MOK_FP8_W_DOWN_T, tile.expert, I, n0);
     } else {
-        /* Replay: the context does not keep this row; recompute g and u exactly as the forward. */
-        mok__cpu_gateup(pass, &tile, n0, scratch, g, u);
+        mok__cpu_rows_to_f32(a, R->ring_dy + tile.ring0 * H, H, tile.nreal, H);
+        mok__cpu_bt_from_kn(bt, (const uint16_t *)pass->ba->w_down + (int64_t)tile.expert * H * I, I, n0, NT, H);
+        mok__cpu_gemm(dh, a, tile.nreal, H, bt, NT);
+    }
+    /* FP8: h^'s scale of each row needs h over the whole 128-column block: the other tiles of the
+       block first (g, u of columns c0 then overwritten by the tile's own) */
+    float amax[MOK_ROW_TILE] = {0}, h_scale[MOK_ROW_TILE], h_inverse[MOK_ROW_TILE];
+    for (int64_t c0 = fp8_block_first(n0); fp8 && c0 < fp8_block_first(n0) + MOK_FP8_BLOCK; c0 += NT)
+        if (c0 != n0) {
+            load_gu(pass, &tile, c0, scratch, g, u);
+            fold_h_amax(amax, tile.nreal, g, u, limit);
+        }
+    load_gu(pass, &tile, n0, scratch, g, u);
+    if (fp8) {
+        fold_h_amax(amax, tile.nreal, g, u, limit);
+        for (int r = 0; r < tile.nreal; ++r) {
+            const int e = mok__fp8_scale_exp(amax[r]);
+            h_scale[r] = mok__fp8_pow2(e);
+            h_inverse[r] = mok__fp8_pow2(-e);
+        }
     }
     for (int r = 0; r < tile.nreal; ++r) {
         const int64_t ring = tile.ring0 + r;
@@ -118,6 +209,8 @@ static void dh_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
         for (int n = 0; n < NT; ++n) {
             const int i = r * NT + n;
             uint16_t hb = mok__bf16_from_f32(mok__swiglu(g[i], u[i], limit));
+            /* FP8: h^ (exact in bf16) takes h's place in the router dot and the weight gradient */
+            if (fp8) hb = mok__bf16_from_f32(mok__fp8_round(mok__bf16_to_f32(hb), h_scale[r], h_inverse[r]));
             R->ring_h[ring * I + n0 + n] = hb;
             dot += dh[i] * mok__bf16_to_f32(hb);
             float dg, du;
@@ -136,7 +229,7 @@ static void dx_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     if (tile.nreal == 0) return;
     const uint16_t *wg = (const uint16_t *)pass->ba->w_gate + (int64_t)tile.expert * I * H;
     const uint16_t *wu = (const uint16_t *)pass->ba->w_up + (int64_t)tile.expert * I * H;
-    dx_tile(pass, pass->R->ring_dgu + tile.ring0 * 2 * I, tile.nreal, I, wg, wu, nt * NT, scratch,
+    dx_tile(pass, pass->R->ring_dgu + tile.ring0 * 2 * I, tile.nreal, I, tile.expert, wg, wu, nt * NT, scratch,
             pass->R->ring_y + tile.ring0 * H, H);
 }
 
@@ -181,13 +274,13 @@ static void scatter(cpu_pass *pass, int q, int64_t rt) {
     cpu_rank *R = pass->R;
     const cpu_sym_layout *L = &pass->cw->sym;
     const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
-    uint16_t *ring_dy = (uint16_t *)(R->peers[q] + L->ring_dy), *ring_x = (uint16_t *)(R->peers[q] + L->ring_x);
+    uint16_t *ring_dy = (uint16_t *)(R->peers[q] + L->ring_dy);
     float *ring_w = (float *)(R->peers[q] + L->ring_w);
     for (int64_t row = rt * MOK_ROW_TILE; row < (rt + 1) * MOK_ROW_TILE; ++row) {
         if (v.row_peer[row] != R->rank) continue;
         const int64_t slot = v.row_slot[row], token = slot / k, r = row % ring;
         memcpy(ring_dy + r * H, sym_bf16(R, L, R->rank, L->dy) + token * H, (size_t)H * 2);
-        memcpy(ring_x + r * H, sym_bf16(R, L, R->rank, L->x) + token * H, (size_t)H * 2);
+        mok__cpu_copy_x_row(pass, q, r, R->rank, token);
         ring_w[r] = ((const float *)(R->region + L->router_w))[slot];
     }
 }
@@ -199,7 +292,9 @@ typedef struct wgrad_job {
     int64_t cols;          /* row length of the output matrix */
     int64_t inter;         /* I (routed) or I_s (shared) */
     const uint16_t *dgu;   /* [rows, 2 inter] */
-    const uint16_t *x;     /* [rows, H] */
+    const uint16_t *x;     /* [rows, H]; NULL for FP8 */
+    const uint8_t *x8;     /* FP8: x^'s codes [rows, H] and scales [rows, H / 128]; else NULL */
+    const float *x_scale;
     const uint16_t *dy;    /* [rows, H] */
     const uint16_t *h;     /* [rows, inter] */
     const float *w;        /* [rows] router weights, NULL = 1 */
@@ -219,7 +314,12 @@ static void wgrad_rows(const cpu_pass *pass, const wgrad_job *j, int64_t first, 
         } else {
             const int64_t off = j->matrix == MOK_WGRAD_UP ? j->inter : 0;
             for (int ii = 0; ii < WT; ++ii) coef[ii] = mok__bf16_to_f32(j->dgu[r * 2 * j->inter + off + j->i0 + ii]);
-            for (int jj = 0; jj < WT; ++jj) vec[jj] = mok__bf16_to_f32(j->x[r * H + j->j0 + jj]);
+            if (j->x8) { /* x^ dequantized (exact); the tile's columns lie in one 128-block */
+                const float scale = j->x_scale[r * (H / MOK_FP8_BLOCK) + j->j0 / MOK_FP8_BLOCK];
+                for (int jj = 0; jj < WT; ++jj) vec[jj] = mok__e4m3_to_f32(j->x8[r * H + j->j0 + jj]) * scale;
+            } else {
+                for (int jj = 0; jj < WT; ++jj) vec[jj] = mok__bf16_to_f32(j->x[r * H + j->j0 + jj]);
+            }
         }
         for (int ii = 0; ii < WT; ++ii) {
             float *restrict out = acc + ii * WT;
@@ -254,8 +354,9 @@ static void wgrad(cpu_pass *pass, const mok_task *t, float *scratch) {
     const int e = t->expert;
     int64_t first, end;
     mok__expert_rows_in(&pass->plan, e, t->minibatch, &first, &end);
-    wgrad_job j = {t->matrix, (int64_t)t->a * WT, (int64_t)t->b * WT, t->matrix == MOK_WGRAD_DOWN ? I : H, I,
-                   R->ring_dgu, R->ring_x, R->ring_dy, R->ring_h, R->ring_w};
+    wgrad_job j = {t->matrix, (int64_t)t->a * WT,   (int64_t)t->b * WT, t->matrix == MOK_WGRAD_DOWN ? I : H,
+                   I,         R->ring_dgu,          R->ring_x,          R->ring_x8,
+                   R->ring_x_scale, R->ring_dy,     R->ring_h,          R->ring_w};
     const int64_t mat_elems = I * H, offset = (int64_t)e * mat_elems + j.i0 * j.cols + j.j0;
     float *acc = scratch_acc(pass, scratch, 3), *vec = acc + WT * WT;
     const int64_t start = pass->sched.expert_start[e];
@@ -277,8 +378,19 @@ static void shared_wgrad(cpu_pass *pass, const mok_task *t, float *scratch) {
     const mok_shape *s = &pass->ws->shape;
     const int64_t H = s->hidden, Is = s->shared_intermediate;
     cpu_rank *R = pass->R;
-    wgrad_job j = {t->matrix, (int64_t)t->a * WT, (int64_t)t->b * WT, t->matrix == MOK_WGRAD_DOWN ? Is : H, Is,
-                   R->sh_dgu, pass->ba->x, pass->ba->dy, R->sh_h, NULL};
+    const int fp8 = is_fp8(pass); /* FP8: x^ as staged in this rank's region */
+    wgrad_job j = {t->matrix,
+                   (int64_t)t->a * WT,
+                   (int64_t)t->b * WT,
+                   t->matrix == MOK_WGRAD_DOWN ? Is : H,
+                   Is,
+                   R->sh_dgu,
+                   fp8 ? NULL : pass->ba->x,
+                   fp8 ? (const uint8_t *)(R->region + pass->cw->sym.x) : NULL,
+                   fp8 ? (const float *)(R->region + pass->cw->sym.x_scale) : NULL,
+                   pass->ba->dy,
+                   R->sh_h,
+                   NULL};
     const int64_t offset = j.i0 * j.cols + j.j0;
     float *acc = scratch_acc(pass, scratch, 3), *vec = acc + WT * WT;
     void *dest = wgrad_dest(pass->ba, t->matrix, 1);

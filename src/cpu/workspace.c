@@ -1,6 +1,7 @@
 /* workspace.c — the cpu backend's memory: every rank's symmetric region (registered in the
  * domain's table so peers can reach it), its ring, the shared expert's buffers, the task list
  * and counters of a pass, and the workers' scratch. All of it is allocated here, once. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -18,15 +19,20 @@ static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
     const mok_plan worst = worst_plan(ws);
     const size_t counters = (size_t)mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
+    /* FP8: x travels as E4M3 codes (1 byte) plus a scale per 128 of H */
+    const int fp8 = s->precision == MOK_PRECISION_FP8;
+    const size_t x_elem = fp8 ? 1 : 2, x_scales = fp8 ? H / MOK_FP8_BLOCK * 4 : 0;
     L->tokens = off; off = align64(off + sizeof(int64_t));
-    L->x = off; off = align64(off + T * H * 2);
+    L->x = off; off = align64(off + T * H * x_elem);
+    L->x_scale = off; off = align64(off + T * x_scales);
     L->router_w = off; off = align64(off + T * k * 4);
     L->ids = off; off = align64(off + T * k * 4);
     L->comb = off; off = align64(off + T * k * H * 2);
     L->dy = off; off = align64(off + T * H * 2);
     L->dxbuf = off; off = align64(off + T * k * H * 2);
     L->drw = off; off = align64(off + T * k * 4);
-    L->ring_x = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
+    L->ring_x = off; off = align64(off + (size_t)ws->config.ring_rows * H * x_elem);
+    L->ring_x_scale = off; off = align64(off + (size_t)ws->config.ring_rows * x_scales);
     L->ring_y = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
     L->ring_dy = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
     L->ring_w = off; off = align64(off + (size_t)ws->config.ring_rows * 4);
@@ -48,6 +54,7 @@ static void rank_free(cpu_rank *R) {
     free(R->ring_dgu);
     free(R->sh_h); free(R->sh_out); free(R->sh_dgu);
     free(R->carry); free(R->tasks); free(R->scratch); free(R->trace);
+    free(R->threads); free(R->jobs);
     memset(R, 0, sizeof *R);
 }
 
@@ -77,12 +84,14 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->carry = alloc_bytes((size_t)R->carry_slots * 3 * I * H * 4, total);
     R->tasks = alloc_bytes((size_t)R->tasks_cap * sizeof(mok_task), total);
     R->scratch = alloc_bytes((size_t)cw->workers * R->scratch_floats * 4, total);
+    R->threads = alloc_bytes((size_t)cw->workers * sizeof(pthread_t), total);
+    R->jobs = alloc_bytes((size_t)cw->workers * sizeof(cpu_worker), total);
     if (ws->config.trace) {
         R->trace_cap = R->tasks_cap + 16;
         R->trace = alloc_bytes((size_t)(MOK_TRACE_PASSES * R->trace_cap) * sizeof(mok_trace_event), total);
     }
     if (!R->region || !R->ring_h || !R->ring_dgu ||
-        !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->scratch ||
+        !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->scratch || !R->threads || !R->jobs ||
         (ws->config.trace && !R->trace)) {
         rank_free(R);
         return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory (%zu bytes per rank)", *total);
@@ -91,7 +100,10 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->ring_y = (uint16_t *)(R->region + cw->sym.ring_y);
     R->counters = (_Atomic int64_t *)(R->region + cw->sym.counters);
     R->ring_rdot = (float *)(R->region + cw->sym.ring_rdot);
-    R->ring_x = (uint16_t *)(R->region + cw->sym.ring_x);
+    const int fp8 = ws->shape.precision == MOK_PRECISION_FP8;
+    R->ring_x = fp8 ? NULL : (uint16_t *)(R->region + cw->sym.ring_x);
+    R->ring_x8 = fp8 ? (uint8_t *)(R->region + cw->sym.ring_x) : NULL;
+    R->ring_x_scale = fp8 ? (float *)(R->region + cw->sym.ring_x_scale) : NULL;
     R->ring_dy = (uint16_t *)(R->region + cw->sym.ring_dy);
     R->ring_w = (float *)(R->region + cw->sym.ring_w);
     return MOK_OK;
@@ -101,6 +113,31 @@ static int shapes_equal(const mok_shape *a, const mok_shape *b) {
     return a->hidden == b->hidden && a->intermediate == b->intermediate && a->num_experts == b->num_experts &&
            a->topk == b->topk && a->shared_intermediate == b->shared_intermediate && a->max_tokens == b->max_tokens &&
            a->precision == b->precision;
+}
+
+/* Every rank's shape and protocol config (config.c's NOTE) against this rank's: 0, or the status
+ * whose message names the first rank and field that differ. Every rank reads the same table, so
+ * every rank decides alike. */
+static mok_status compare_ranks(const mok_workspace *ws, const cpu_domain *d, const cpu_rank *R) {
+    for (int p = 0; p < ws->group->nranks; ++p) {
+        const mok_shape *o = &d->shapes[R->slot][p];
+        if (!shapes_equal(o, &ws->shape))
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                             "shape: rank %d's shape (H %lld, I %lld, E %lld, k %lld, I_s %lld, T_max %lld) "
+                             "differs from rank %d's (H %lld, I %lld, E %lld, k %lld, I_s %lld, T_max %lld)",
+                             R->rank, (long long)ws->shape.hidden, (long long)ws->shape.intermediate,
+                             (long long)ws->shape.num_experts, (long long)ws->shape.topk,
+                             (long long)ws->shape.shared_intermediate, (long long)ws->shape.max_tokens, p,
+                             (long long)o->hidden, (long long)o->intermediate, (long long)o->num_experts,
+                             (long long)o->topk, (long long)o->shared_intermediate, (long long)o->max_tokens);
+        char diff[256];
+        if (mok__config_protocol_diff(&ws->config, &d->configs[R->slot][p], p, diff, sizeof diff))
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                             "%s (rank %d); every rank's workspace needs the same minibatch_rows, ring_rows, "
+                             "context_rows, swiglu_limit and transfer directions",
+                             diff, R->rank);
+    }
+    return MOK_OK;
 }
 
 mok_status mok__cpu_workspace_create(mok_workspace *ws) {
@@ -130,9 +167,13 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
         total = mine;
         cpu_rank *R = &cw->ranks[lr];
         R->rank = g->first_rank + lr;
-        R->slot = cg->workspaces[lr]++ % CPU_MAX_WORKSPACES;
+        /* NOTE: a slot is reused by the workspace CPU_MAX_WORKSPACES creations later; the table is
+           read only here, after the creation barrier, and that later creation cannot begin on any
+           rank before every rank has passed this one's barrier. */
+        R->slot = (int)(ws->index % CPU_MAX_WORKSPACES);
         if (st == MOK_OK) {
             d->shapes[R->slot][R->rank] = ws->shape;
+            d->configs[R->slot][R->rank] = ws->config;
             atomic_store(&d->regions[R->slot][R->rank], R->region);
         }
     }
@@ -141,31 +182,19 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     /* Collective: every rank registers its region, then everyone reads the table. In local mode
        all ranks registered above, in one thread, and no barrier is needed. */
     if (g->num_local_ranks == 1 && g->nranks > 1) {
-        mok_status bst = mok__cpu_barrier(g, 0, st == MOK_OK);
-        if (st == MOK_OK) st = bst;
+        char message[1024] = "";
+        if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
+        const mok_call call = {MOK_CALL_WORKSPACE_CREATE, 0, ws->index, 0, 0, 0};
+        mok_status bst = mok__cpu_barrier(g, 0, &call, st == MOK_OK);
+        st = st != MOK_OK ? mok__cpu_settle(st, message, bst) : bst;
     }
-    if (st == MOK_OK) {
-        for (int lr = 0; lr < cw->num_local; ++lr) {
-            cpu_rank *R = &cw->ranks[lr];
-            for (int p = 0; p < g->nranks; ++p) {
-                if (!shapes_equal(&d->shapes[R->slot][p], &ws->shape)) {
-                    const mok_shape *o = &d->shapes[R->slot][p];
-                    st = mok__fail(MOK_ERR_INVALID_ARGUMENT,
-                                   "shape: rank %d's shape (H %lld, I %lld, E %lld, k %lld, I_s %lld, T_max %lld) "
-                                   "differs from rank %d's (H %lld, I %lld, E %lld, k %lld, I_s %lld, T_max %lld)",
-                                   R->rank, (long long)ws->shape.hidden, (long long)ws->shape.intermediate,
-                                   (long long)ws->shape.num_experts, (long long)ws->shape.topk,
-                                   (long long)ws->shape.shared_intermediate, (long long)ws->shape.max_tokens, p,
-                                   (long long)o->hidden, (long long)o->intermediate, (long long)o->num_experts,
-                                   (long long)o->topk, (long long)o->shared_intermediate, (long long)o->max_tokens);
-                    break;
-                }
-                R->peers[p] = atomic_load(&d->regions[R->slot][p]);
-            }
-        }
+    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
+        cpu_rank *R = &cw->ranks[lr];
+        st = compare_ranks(ws, d, R);
+        for (int p = 0; p < g->nranks && st == MOK_OK; ++p) R->peers[p] = atomic_load(&d->regions[R->slot][p]);
     }
     if (st != MOK_OK) {
-        /* Peers may still be reading the table, not the regions: freeing is safe. */
+        /* No peer got this rank's region (they read it only when every rank agrees): freeing is safe. */
         for (int lr = 0; lr < cw->num_local; ++lr) rank_free(&cw->ranks[lr]);
         free(cw->ranks);
         free(cw);
@@ -174,17 +203,36 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     return st;
 }
 
-void mok__cpu_workspace_destroy(mok_workspace *ws) {
+/* Per-rank mode: a barrier whose call every rank agrees on (each destroys this workspace), after
+ * which no peer touches this rank's region again: it is freed. If the group is poisoned, or this
+ * barrier fails (a peer timed out, or is in another call), a peer may still be inside a pass that
+ * touches the region: it is kept until the group's last handle goes (cpu.h's NOTE), and the group
+ * is poisoned so that the peers' next calls fail at once. In local mode every rank's thread has
+ * returned before any call returns: nothing touches the regions. */
+mok_status mok__cpu_workspace_destroy(mok_workspace *ws) {
     cpu_workspace *cw = ws->impl;
-    if (!cw) return;
+    if (!cw) return MOK_OK;
     mok_group *g = ws->group;
-    /* Peers may still pull from or push into this rank's region until they finish their last
-       pass: wait for them (bounded) before freeing. */
-    if (g->num_local_ranks == 1 && g->nranks > 1 && !g->failed) (void)mok__cpu_barrier(g, 0, 1);
-    for (int lr = 0; lr < cw->num_local; ++lr) rank_free(&cw->ranks[lr]);
+    const int per_rank = g->num_local_ranks == 1 && g->nranks > 1;
+    mok_status st = MOK_OK;
+    if (per_rank && !mok__cpu_poisoned(g)) {
+        const mok_call call = {MOK_CALL_WORKSPACE_DESTROY, 0, ws->index, 0, ws->digest, 0};
+        st = mok__cpu_barrier(g, 0, &call, 1);
+        if (st != MOK_OK && !mok__cpu_poisoned(g)) mok__cpu_poison(g, g->first_rank, CPU_POISON_DESTROY);
+        if (st == MOK_ERR_STATE) st = MOK_OK; /* poisoned by a peer before: the rule below, not an error */
+    }
+    const int keep = per_rank && mok__cpu_poisoned(g);
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        if (keep) {
+            mok__cpu_bury(g, cw->ranks[lr].region);
+            cw->ranks[lr].region = NULL;
+        }
+        rank_free(&cw->ranks[lr]);
+    }
     free(cw->ranks);
     free(cw);
     ws->impl = NULL;
+    return st;
 }
 
 /* ---- memory for callers: plain host memory ------------------------------------------------ */

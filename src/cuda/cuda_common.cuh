@@ -74,6 +74,12 @@ extern "C" {
 #define MOK_KERR_TOKENS 3        /* a peer's T outside [0, T_max] */
 #define MOK_KERR_STALL 4         /* a local counter wait timed out (an internal inconsistency) */
 #define MOK_KERR_SCHEDULE 5      /* the schedule buffer was not built for this pass */
+#define MOK_KERR_MISMATCH 6      /* a peer's barrier carried another call (workspace.cu: call words) */
+#define MOK_KERR_PEER_FAILED 7   /* a peer reached a barrier of this call after its own error */
+
+/* The host mirror of a rank's error word: the code, then (MOK_KERR_MISMATCH) the peer and both
+ * call words, written by the thread that set the code, before it. */
+enum { MIRROR_CODE = 0, MIRROR_PEER = 1, MIRROR_THEIRS = 2, MIRROR_MINE = 4, MIRROR_INTS = 6 };
 
 /* A rank's error word (the NOTE in workspace.cu says who writes and who clears it, in which
  * order): device memory, so that the first-error-wins CAS is a device-scope atomic, with a mirror
@@ -96,6 +102,9 @@ typedef struct cuda_group {
 /* Byte offsets in a symmetric region; equal on every rank. */
 typedef struct cuda_sym_layout {
     size_t flags;    /* u64 [MOK_MAX_RANKS]: barrier epoch written by each peer */
+    size_t calls;    /* u64 [2][MOK_MAX_RANKS]: the call word of each peer's latest barrier, by the
+                        epoch's parity (workspace.cu: barrier_kernel) */
+    size_t blob;     /* the rank's shape and config, read by the peers once, at workspace creation */
     size_t tokens;   /* i64: this rank's T for the current pass */
     size_t x;        /* bf16 [T_max, H] */
     size_t router_w; /* f32 [T_max * k] */
@@ -153,7 +162,7 @@ typedef struct cuda_rank {
     long long *num_groups;
     int *comm_dev;                      /* device: the pass's comm CTA count (groups_kernel) */
     cuda_error_word *error_word;        /* device: the error word (NOTE in workspace.cu) */
-    int *error_mirror;                  /* mapped pinned: its mirror, the host's view of it */
+    int *error_mirror;                  /* mapped pinned [MIRROR_INTS]: its mirror, the host's view of it */
     int error_clear_pending;            /* host: an argument error was reported, and the device
                                            word is cleared by the next call on this rank */
     int in_window;                      /* counters and ring_{x,y,dy,dyw,w,rdot} point into sym
@@ -231,7 +240,10 @@ static __device__ __forceinline__ int4 bf16x8_from_f32(const float (&f)[8]) {
 #endif
 
 /* Host side, defined in the .cu files. */
-mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish);
+/* Barrier `step` of the workspace's call in progress (ws->call; the rank's schedule build), on
+ * `stream`; publishes T when tokens_to_publish >= 0. */
+mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish,
+                             int step);
 mok_status mok__cuda_check_error_word(mok_workspace *ws);
 /* The stream-ordered half of clearing the error word (NOTE in workspace.cu): every call that issues
  * work on a rank calls this first, on that work's stream. */

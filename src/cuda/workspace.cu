@@ -11,6 +11,72 @@
 
 static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
 
+/* What every rank's workspace must agree on, as it publishes it at creation (workspace_agree). */
+typedef struct cuda_blob {
+    mok_shape shape;
+    mok_config config;
+} cuda_blob;
+
+/* NOTE (call words): each barrier carries the call its rank is in (mok_call), packed into 64 bits
+ * so that one store reaches each peer: kind (bits 0-2), step (3), workspace index (4-11, mod 256),
+ * call number (12-31, mod 2^20), the workspace's digest (32-47, its low bits) and the schedule
+ * build (48-63: 0 unknown, else 1 + build mod 65535). Two words agree when every field does, the
+ * build only when both know it; the wrapped fields can hide a mismatch between calls 2^20 apart,
+ * never invent one. A rank writes its word into every peer's slot of the epoch, then (same thread,
+ * release) its flag; a peer reads the slot after it acquires the flag. The slots go by epoch mod
+ * CALL_SLOTS = 4: a rank whose error word is set passes the rest of its failed call's barriers
+ * without waiting, so it can be two epochs ahead of a peer that still reads its slot, never four
+ * (the next call clears the word first, and its opening barrier waits). */
+#define CALL_SLOTS 4
+#define CALL_LOW_BITS ((1ull << 48) - 1)
+/* The word of a rank whose error word is set when it reaches the barrier: its part of the call has
+ * failed (a timeout, a bad argument found on the device), so its peers' parts cannot complete
+ * either; they report MOK_KERR_PEER_FAILED instead of a result that lacks that rank's rows. */
+#define CALL_FAILED (~0ull)
+
+static unsigned long long call_word(const mok_call *c, int step, int64_t build) {
+    const unsigned long long packed_build = build > 0 ? 1ull + (unsigned long long)(build % 65535) : 0ull;
+    return ((unsigned long long)c->kind & 7ull) | ((unsigned long long)(step & 1) << 3) |
+           (((unsigned long long)c->workspace & 0xffull) << 4) | (((unsigned long long)c->seq & 0xfffffull) << 12) |
+           ((c->digest & 0xffffull) << 32) | (packed_build << 48);
+}
+
+static __device__ __forceinline__ bool words_agree(unsigned long long a, unsigned long long b) {
+    if (a == CALL_FAILED || b == CALL_FAILED) return a == b;
+    const unsigned long long ba = a >> 48, bb = b >> 48;
+    return ((a ^ b) & CALL_LOW_BITS) == 0 && (ba == 0 || bb == 0 || ba == bb);
+}
+
+/* The call a word names, for messages (call numbers and builds as the word keeps them). */
+static void describe_word(unsigned long long w, char *out, size_t size) {
+    mok_call c;
+    memset(&c, 0, sizeof c);
+    c.kind = (int32_t)(w & 7ull);
+    c.step = (int32_t)((w >> 3) & 1ull);
+    c.workspace = (int64_t)((w >> 4) & 0xffull);
+    c.seq = (int64_t)((w >> 12) & 0xfffffull);
+    c.build = (w >> 48) ? (int64_t)(w >> 48) - 1 : 0;
+    mok__call_describe(&c, out, size);
+}
+
+/* Sets `code` (MOK_KERR_MISMATCH, MOK_KERR_PEER_FAILED) unless an earlier error is there; the winner
+ * writes the peer and both words into the mirror before the code (set_error's rules,
+ * cuda_common.cuh). */
+static __device__ void set_peer_error(int *error, int code, int peer, unsigned long long theirs,
+                                      unsigned long long mine) {
+    cuda_error_word *e = (cuda_error_word *)error;
+    if (atomicCAS(&e->word, 0, code) != 0) return;
+    int *m = e->mirror;
+    st_relaxed_sys(m + MIRROR_PEER, peer);
+    st_relaxed_sys(m + MIRROR_THEIRS, (int)(theirs & 0xffffffffull));
+    st_relaxed_sys(m + MIRROR_THEIRS + 1, (int)(theirs >> 32));
+    st_relaxed_sys(m + MIRROR_MINE, (int)(mine & 0xffffffffull));
+    st_relaxed_sys(m + MIRROR_MINE + 1, (int)(mine >> 32));
+    __threadfence_system();
+    st_relaxed_sys(m + MIRROR_CODE, code);
+    __threadfence_system();
+}
+
 /* Whether a transfer runs in other than its default direction: then the rings, counters and the
  * schedule's copy go into the window (cuda_sym_layout). */
 static int turned(const mok_config *c) {
@@ -23,6 +89,8 @@ static void sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t coun
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
     const size_t ring = (size_t)ws->config.ring_rows, I = (size_t)s->intermediate;
     L->flags = off; off = align256(off + 8 * MOK_MAX_RANKS);
+    L->calls = off; off = align256(off + 8 * CALL_SLOTS * MOK_MAX_RANKS);
+    L->blob = off; off = align256(off + sizeof(cuda_blob));
     L->tokens = off; off = align256(off + 8);
     L->x = off; off = align256(off + T * H * 2);
     L->router_w = off; off = align256(off + T * k * 4);
@@ -52,43 +120,62 @@ __global__ void peer_table_kernel(ncclWindow_t win, int nranks, char **peers) {
 }
 
 /* NOTE: every rank runs the same sequence of barriers, so the epochs agree. The epoch lives in
- * device memory and is bumped by the kernel itself, so a captured CUDA graph replays correctly. */
-__global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_tokens, int rank, int nranks,
-                               unsigned long long *epoch, long long tokens, int publish_tokens, int *error,
-                               long long timeout_ns) {
+ * device memory and is bumped by the kernel itself, so a captured CUDA graph replays correctly.
+ * With the epoch each rank publishes its call word (the NOTE above); a peer in another call sets
+ * MOK_KERR_MISMATCH on every rank that sees it (all do), and the pass behind the barrier skips its
+ * work (pass_start), as for any error. */
+__global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_calls, size_t off_tokens, int rank,
+                               int nranks, unsigned long long *epoch, long long tokens, int publish_tokens, int *error,
+                               long long timeout_ns, unsigned long long call) {
     __shared__ unsigned long long e;
+    __shared__ int failed;
     __threadfence_system();
     if (threadIdx.x == 0) {
         if (publish_tokens) *(volatile long long *)(peers[rank] + off_tokens) = tokens;
         e = *epoch + 1;
         *epoch = e;
+        failed = *(volatile int *)error != 0;
         __threadfence_system();
     }
     __syncthreads();
-    for (int p = threadIdx.x; p < nranks; p += blockDim.x)
+    if (failed) call = CALL_FAILED;
+    const size_t slot = (size_t)(e % CALL_SLOTS) * MOK_MAX_RANKS;
+    for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
+        *(volatile unsigned long long *)((unsigned long long *)(peers[p] + off_calls) + slot + rank) = call;
         st_release_sys((unsigned long long *)(peers[p] + off_flags) + rank, e);
+    }
     const unsigned long long *mine = (const unsigned long long *)(peers[rank] + off_flags);
+    const volatile unsigned long long *calls = (const volatile unsigned long long *)(peers[rank] + off_calls) + slot;
     long long start = globaltimer_ns();
     for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
+        bool arrived = true;
         while (ld_acquire_sys(mine + p) < e) {
-            if (*(volatile int *)error) break; /* the device word (cuda_error_word's first member) */
+            if (*(volatile int *)error) { /* the device word (cuda_error_word's first member) */
+                arrived = false;
+                break;
+            }
             if (globaltimer_ns() - start > timeout_ns) {
                 set_error(error, MOK_KERR_TIMEOUT);
                 __threadfence_system();
+                arrived = false;
                 break;
             }
         }
+        const unsigned long long theirs = arrived ? calls[p] : call;
+        if (theirs == CALL_FAILED && call != CALL_FAILED) set_peer_error(error, MOK_KERR_PEER_FAILED, p, theirs, call);
+        else if (!words_agree(theirs, call)) set_peer_error(error, MOK_KERR_MISMATCH, p, theirs, call);
     }
     __syncthreads();
 }
 
-mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish) {
+mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish, int step) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     cuda_rank *R = &cw->ranks[lr];
-    LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.tokens, R->rank,
+    const unsigned long long call = call_word(&ws->call, step, ws->call_build[lr]);
+    LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.calls, cw->sym.tokens, R->rank,
                                                       ws->group->nranks, R->epoch, (long long)tokens_to_publish,
                                                       tokens_to_publish >= 0, (int *)R->error_word,
-                                                      (long long)(ws->config.peer_timeout_ms * 1e6)));
+                                                      (long long)(ws->config.peer_timeout_ms * 1e6), call));
     return MOK_OK;
 }
 
@@ -100,10 +187,22 @@ mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int
 mok_status mok__cuda_check_error_word(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     for (int lr = 0; lr < cw->num_local; ++lr) {
-        int code = *(volatile int *)cw->ranks[lr].error_mirror;
+        volatile int *mirror = cw->ranks[lr].error_mirror;
+        int code = mirror[MIRROR_CODE];
         if (!code) continue;
         const int rank = cw->ranks[lr].rank;
-        if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE) {
+        if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE ||
+            code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
+            char theirs[160] = "", mine[160] = "";
+            const int peer = mirror[MIRROR_PEER];
+            if (code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
+                describe_word((unsigned long long)(unsigned)mirror[MIRROR_THEIRS] |
+                                  (unsigned long long)(unsigned)mirror[MIRROR_THEIRS + 1] << 32,
+                              theirs, sizeof theirs);
+                describe_word((unsigned long long)(unsigned)mirror[MIRROR_MINE] |
+                                  (unsigned long long)(unsigned)mirror[MIRROR_MINE + 1] << 32,
+                              mine, sizeof mine);
+            }
             for (int other = 0; other < cw->num_local; ++other) {
                 *(volatile int *)cw->ranks[other].error_mirror = 0;
                 cw->ranks[other].error_clear_pending = 1;
@@ -115,14 +214,27 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
             if (code == MOK_KERR_TOKENS)
                 return mok__fail(MOK_ERR_INVALID_ARGUMENT, "num_tokens: a peer of rank %d published T outside [0, T_max]",
                                  rank);
+            if (code == MOK_KERR_PEER_FAILED)
+                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                                 "call: rank %d's part of %s failed (it reports its own error), so rank %d's part "
+                                 "did not complete either",
+                                 peer, mine, rank);
+            if (code == MOK_KERR_MISMATCH)
+                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                                 "call: rank %d was in %s while rank %d was in %s (call numbers mod 2^20, the "
+                                 "workspace mod 256); every rank makes the same collective calls in the same order, "
+                                 "on the same schedule build; neither pass ran",
+                                 peer, theirs, rank, mine);
             return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                              "schedule: rank %d's pass got a schedule that was not built (successfully) for this "
                              "rank and num_tokens",
                              rank);
         }
+        /* A timeout or a stalled wait: peers may be out of step, and may still be inside a pass
+           that touches this rank's window (mok__cuda_workspace_destroy keeps it then). */
         ws->failed = 1;
+        ws->group->failed = 1;
         if (code == MOK_KERR_TIMEOUT) {
-            ws->group->failed = 1;
             return mok__fail(MOK_ERR_TIMEOUT, "rank %d: a peer did not reach a barrier within peer_timeout_ms = %.0f",
                              rank, ws->config.peer_timeout_ms);
         }
@@ -275,8 +387,8 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
      *   again later; mok_synchronize, which waits for the kernels before it reads, has none.
      * - Graphs: a call captured while a clear is pending records the memset as a node, and every
      *   replay then starts with a cleared word, as such a call would; other captures hold none. */
-    CUDA_TRY(cudaHostAlloc((void **)&R->error_mirror, sizeof(int), cudaHostAllocMapped));
-    *R->error_mirror = 0;
+    CUDA_TRY(cudaHostAlloc((void **)&R->error_mirror, sizeof(int) * MIRROR_INTS, cudaHostAllocMapped));
+    memset(R->error_mirror, 0, sizeof(int) * MIRROR_INTS);
     cuda_error_word word = {0, 0, NULL};
     CUDA_TRY(cudaHostGetDevicePointer((void **)&word.mirror, R->error_mirror, 0));
     ALLOC(R->error_word, sizeof(cuda_error_word));
@@ -298,12 +410,66 @@ static void window_buffers(const cuda_workspace *cw, cuda_rank *R) {
     R->ring_rdot = (float *)(R->sym + cw->sym.ring_rdot);
 }
 
+__global__ void blob_gather_kernel(char *const *peers, size_t off_blob, int nranks, cuda_blob *out) {
+    for (int p = threadIdx.x; p < nranks; p += blockDim.x) out[p] = *(const cuda_blob *)(peers[p] + off_blob);
+}
+
+static int shapes_equal(const mok_shape *a, const mok_shape *b) {
+    return a->hidden == b->hidden && a->intermediate == b->intermediate && a->num_experts == b->num_experts &&
+           a->topk == b->topk && a->shared_intermediate == b->shared_intermediate && a->max_tokens == b->max_tokens &&
+           a->precision == b->precision;
+}
+
+/* One process per rank: every rank publishes its shape and config in its window, meets the others
+ * at the workspace's first barrier, and reads theirs; a shape, or a config field of the protocol
+ * (config.c's NOTE), that differs fails the creation on every rank alike, naming the field. */
+static mok_status workspace_agree(mok_workspace *ws) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    cuda_rank *R = &cw->ranks[0];
+    const int P = ws->group->nranks;
+    const cuda_blob own = {ws->shape, ws->config};
+    const mok_call create = {MOK_CALL_WORKSPACE_CREATE, 0, ws->index, 0, 0, 0};
+    ws->call = create;
+    ws->call_build[0] = 0;
+    cudaSetDevice(R->device);
+    CUDA_TRY(cudaMemcpy(R->sym + cw->sym.blob, &own, sizeof own, cudaMemcpyHostToDevice));
+    mok_status st = mok__cuda_barrier(ws, 0, 0, -1, 0);
+    if (st != MOK_OK) return st;
+    CUDA_TRY(cudaDeviceSynchronize());
+    st = mok__cuda_check_error_word(ws);
+    if (st != MOK_OK) return st;
+    cuda_blob *dev = NULL, theirs[MOK_MAX_RANKS];
+    CUDA_TRY(cudaMalloc((void **)&dev, sizeof(cuda_blob) * (size_t)P));
+    blob_gather_kernel<<<1, MOK_MAX_RANKS>>>(R->peers, cw->sym.blob, P, dev);
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaMemcpy(theirs, dev, sizeof(cuda_blob) * (size_t)P, cudaMemcpyDeviceToHost);
+    cudaFree(dev);
+    if (e != cudaSuccess)
+        return mok__fail(MOK_ERR_BACKEND, "workspace: reading the peers' shapes and configs: %s", cudaGetErrorString(e));
+    for (int p = 0; p < P; ++p) {
+        if (!shapes_equal(&theirs[p].shape, &ws->shape))
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT, "shape: rank %d's shape differs from rank %d's", R->rank, p);
+        char diff[256];
+        if (mok__config_protocol_diff(&ws->config, &theirs[p].config, p, diff, sizeof diff))
+            return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                             "%s (rank %d); every rank's workspace needs the same minibatch_rows, ring_rows, "
+                             "context_rows, swiglu_limit and transfer directions",
+                             diff, R->rank);
+    }
+    return MOK_OK;
+}
+
 extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     mok_group *g = ws->group;
     cuda_group *cg = (cuda_group *)g->impl;
 #ifdef MOK_CUDA_NO_TRACE
     if (ws->config.trace) return mok__fail(MOK_ERR_UNSUPPORTED, "config.trace: this build has the trace compiled out (NO_TRACE=1)");
 #endif
+    /* Every rank refuses alike, before any collective call, so none waits on another. */
+    if (ws->shape.precision == MOK_PRECISION_FP8)
+        return mok__fail(MOK_ERR_UNSUPPORTED,
+                         "shape.precision: the cuda backend has no FP8 GEMM tiles yet; FP8 workspaces run on the cpu "
+                         "backend");
     cuda_workspace *cw = (cuda_workspace *)calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     {
@@ -368,6 +534,7 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         if (cudaGetLastError() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
             st = mok__fail(MOK_ERR_BACKEND, "workspace: fetching the peer pointers failed on rank %d", R->rank);
     }
+    if (st == MOK_OK && g->num_local_ranks < g->nranks) st = workspace_agree(ws);
     ws->sizes.symmetric_bytes = cw->sym.bytes;
     ws->sizes.workspace_bytes = total + cw->sym.bytes;
     cudaSetDevice(previous);
@@ -378,35 +545,57 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     return MOK_OK;
 }
 
-extern "C" void mok__cuda_workspace_destroy(mok_workspace *ws) {
+/* NOTE (freeing the window): after a timeout or a stall (group->failed, ws->failed), a rank of a
+ * group of one process per rank cannot know that its peers' kernels have left its window: their
+ * barrier and pass may still write into it until their own waits give up. Its window then stays
+ * allocated (and registered) for the life of the process, as mok.h says; so does it when the
+ * collective deregistration does not finish (a peer is not destroying the workspace with this
+ * rank). Otherwise every rank has synchronised its devices before it deregisters, so no kernel of
+ * any rank touches the window when it is freed. In local mode the synchronisation of every local
+ * device suffices. */
+extern "C" mok_status mok__cuda_workspace_destroy(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    if (!cw) return;
-    cuda_group *cg = (cuda_group *)ws->group->impl;
+    if (!cw) return MOK_OK;
+    mok_group *g = ws->group;
+    cuda_group *cg = (cuda_group *)g->impl;
+    const int per_rank = g->num_local_ranks < g->nranks;
+    int keep = per_rank && (g->failed || ws->failed);
+    mok_status st = MOK_OK;
     int previous = 0;
     cudaGetDevice(&previous);
-    /* No kernel may still use this memory, on this rank or (through the barrier) a peer. */
+    /* No kernel of this rank may still use this memory. */
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cudaSetDevice(cw->ranks[lr].device);
         cudaDeviceSynchronize();
     }
-    if (!ws->group->failed) {
+    if (!g->failed && !keep) {
         ncclGroupStart();
         for (int lr = 0; lr < cw->num_local; ++lr)
             if (cw->ranks[lr].win) {
                 cudaSetDevice(cw->ranks[lr].device);
                 ncclCommWindowDeregister(cg->comm[lr], cw->ranks[lr].win);
             }
-        nccl_finish(ws, ncclGroupEnd());
+        ncclResult_t r = nccl_finish(ws, ncclGroupEnd());
+        if (r != ncclSuccess && per_rank) {
+            keep = 1;
+            g->failed = 1;
+            st = mok__fail(r == ncclInProgress ? MOK_ERR_TIMEOUT : MOK_ERR_BACKEND,
+                           "workspace: the peers did not deregister its window with this rank (%s); the window stays "
+                           "allocated and the group is unusable",
+                           r == ncclInProgress ? "not within peer_timeout_ms" : ncclGetErrorString(r));
+        }
     }
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         cudaSetDevice(R->device);
-        if (R->sym) ncclMemFree(R->sym);
+        if (R->sym && !keep) ncclMemFree(R->sym);
+        R->sym = NULL; /* when kept: on purpose, the NOTE above */
         rank_release(R);
     }
     cudaSetDevice(previous);
     free(cw);
     ws->impl = NULL;
+    return st;
 }
 
 /* ---- memory for callers ------------------------------------------------------------------- */

@@ -2,8 +2,15 @@
  * against: plain loops over ranks, tokens and slots, every dot product accumulated in fp64, and
  * the rounding points of the contract applied one by one where the contract puts them.
  *
- * It shares no code with the backends (its own bf16 rounding, clamp and SiLU below), so that a
- * mistake in the shared code cannot hide by being made twice. The public entry points widen the
+ * It shares no code with the backends (its own bf16 rounding, E4M3 rounding, block scales, clamp
+ * and SiLU below), so that a mistake in the shared code cannot hide by being made twice.
+ *
+ * FP8 (shape precision MOK_PRECISION_FP8, with rounding on): the same loops on quantized operands.
+ * The weights and x are replaced by their dequantized block quantizations up front, h by its
+ * quantization once rounded to bf16; the backward takes dy^ for dy · W_down and the router dot,
+ * dg^, du^ for the dx part, and the unquantized bf16 dy, dg, du in the weight gradients. Every
+ * dequantized value is exact in fp64, so each dot product is the FP8 GEMM's exact value up to
+ * fp64's rounding. The public entry points widen the
  * bf16/fp32 inputs to fp64 and run the fp64 core (mok__ref_forward_ex / mok__ref_backward_ex,
  * see ref.h), whose rounding can be switched off for finite-difference tests. */
 #include <math.h>
@@ -95,6 +102,63 @@ static void ref_matvec(const double *m, const double *v, int64_t rows, int64_t c
     for (; r < rows; ++r) out[r] = ref_dot(m + r * cols, v, cols);
 }
 
+/* ---- E4M3 and block scales (FP8) ------------------------------------------------------------ */
+
+#define REF_FP8_BLOCK 128
+#define REF_E4M3_MAX 448.0
+#define REF_FP8_EXP_MIN (-124)
+
+/* The E4M3 value nearest to v, ties to the even mantissa, in one step: E4M3 keeps 4 significant
+ * bits (spacing 2^(exponent-3)) down to its smallest normal 2^-6, and a spacing of 2^-9 below.
+ * NaN for a non-finite v and for one that rounds past 448 (E4M3 has no infinities). */
+static double ref_e4m3(double v) {
+    if (!isfinite(v)) return NAN;
+    if (v == 0.0) return v;
+    int exponent;
+    frexp(fabs(v), &exponent); /* |v| in [2^(exponent-1), 2^exponent) */
+    int spacing = exponent - 4 < -9 ? -9 : exponent - 4;
+    double rounded = ldexp(rint(ldexp(fabs(v), -spacing)), spacing); /* rint: ties to even */
+    return rounded > REF_E4M3_MAX ? NAN : copysign(rounded, v);
+}
+
+/* The exponent of a block's scale: the smallest e >= -124 with amax <= 448 * 2^e (0 for amax = 0),
+ * found by counting up. */
+static int ref_fp8_exponent(double amax) {
+    if (amax == 0.0) return 0;
+    int e = REF_FP8_EXP_MIN;
+    while (amax > ldexp(REF_E4M3_MAX, e)) ++e;
+    return e;
+}
+
+/* One block of quantization: the count values at v[i * stride + j * inner] (i < count / width,
+ * j < width) replaced by their dequantized E4M3 values q * 2^e, in place. Non-finite values do not
+ * count in amax and become NaN. */
+static void ref_fp8_block(double *v, int64_t rows, int64_t width, int64_t stride) {
+    double amax = 0.0;
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < width; ++j)
+            if (isfinite(v[i * stride + j]) && fabs(v[i * stride + j]) > amax) amax = fabs(v[i * stride + j]);
+    int e = ref_fp8_exponent(amax);
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+            double *x = &v[i * stride + j];
+            *x = isfinite(*x) ? ldexp(ref_e4m3(ldexp(*x, -e)), e) : NAN;
+        }
+}
+
+/* Activations: every 1 x 128 block of each row of m [rows, cols]. */
+static void ref_fp8_rows(double *m, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; c += REF_FP8_BLOCK) ref_fp8_block(m + r * cols + c, 1, REF_FP8_BLOCK, cols);
+}
+
+/* Weights: every 128 x 128 block of m [rows, cols]. */
+static void ref_fp8_matrix(double *m, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r += REF_FP8_BLOCK)
+        for (int64_t c = 0; c < cols; c += REF_FP8_BLOCK)
+            ref_fp8_block(m + r * cols + c, REF_FP8_BLOCK, REF_FP8_BLOCK, cols);
+}
+
 /* ---- validation ----------------------------------------------------------------------------- */
 
 /* Every array the reference allocates has fewer elements than this. */
@@ -124,10 +188,15 @@ static mok_status ref_check_routing(const char *fn, const mok_shape *shape, int 
     if (shape->topk < 1 || shape->topk > shape->num_experts)
         return mok__fail(bad, "%s: shape->topk = %lld is outside [1, num_experts = %lld]", fn,
                          (long long)shape->topk, (long long)shape->num_experts);
-    if (shape->precision == MOK_PRECISION_FP8)
-        return mok__fail(MOK_ERR_UNSUPPORTED, "%s: shape->precision = MOK_PRECISION_FP8 is not supported", fn);
-    if (shape->precision != MOK_PRECISION_BF16)
+    if (shape->precision != MOK_PRECISION_BF16 && shape->precision != MOK_PRECISION_FP8)
         return mok__fail(bad, "%s: shape->precision = %d is not a mok_precision", fn, shape->precision);
+    if (shape->precision == MOK_PRECISION_FP8 &&
+        (shape->hidden % REF_FP8_BLOCK || shape->intermediate % REF_FP8_BLOCK ||
+         shape->shared_intermediate % REF_FP8_BLOCK))
+        return mok__fail(bad, "%s: shape->precision = MOK_PRECISION_FP8 needs hidden, intermediate and "
+                              "shared_intermediate multiples of %d (%lld, %lld, %lld)",
+                         fn, REF_FP8_BLOCK, (long long)shape->hidden, (long long)shape->intermediate,
+                         (long long)shape->shared_intermediate);
     if (!(swiglu_limit >= 0.0) || isinf(swiglu_limit))
         return mok__fail(bad, "%s: layer->swiglu_limit = %g is not finite and >= 0", fn, swiglu_limit);
     int64_t hidden = shape->hidden, inter = shape->intermediate, shared = shape->shared_intermediate;
@@ -195,6 +264,7 @@ typedef struct ref_expert {
     const double *gate, *up; /* [I, H] */
     const double *down;      /* [H, I] */
     int64_t inter;           /* I */
+    int fp8;                 /* the weights are quantized; h, dg, du get quantized where they are operands */
 } ref_expert;
 
 /* Expert e lives on rank e / E_local as local expert e % E_local. */
@@ -211,16 +281,17 @@ static ref_expert ref_routed_expert(const mok__ref_layer64 *layer, int32_t e) {
     int owner = ref_owner(layer, e);
     int64_t offset = ref_local(layer, e) * inter * hidden;
     ref_expert expert = {layer->w_gate[owner] + offset, layer->w_up[owner] + offset,
-                         layer->w_down[owner] + offset, inter};
+                         layer->w_down[owner] + offset, inter, 0};
     return expert;
 }
 
 static ref_expert ref_shared_expert(const mok__ref_layer64 *layer) {
-    ref_expert expert = {layer->s_gate, layer->s_up, layer->s_down, layer->shape->shared_intermediate};
+    ref_expert expert = {layer->s_gate, layer->s_up, layer->s_down, layer->shape->shared_intermediate, 0};
     return expert;
 }
 
-/* FFN of one expert on one token x [H]: g, u, h [I] and out [H], each rounded to bf16 when round. */
+/* FFN of one expert on one token x [H]: g, u, h [I] and out [H], each rounded to bf16 when round.
+ * FP8: x is x^ and h leaves as h^. */
 static void ref_ffn(ref_expert ex, int64_t hidden, const double *x, double limit, int round,
                     double *g, double *u, double *h, double *out) {
     ref_matvec(ex.gate, x, ex.inter, hidden, g);
@@ -231,23 +302,26 @@ static void ref_ffn(ref_expert ex, int64_t hidden, const double *x, double limit
         double gc = ref_clamp_gate(g[i], limit), uc = ref_clamp_up(u[i], limit);
         h[i] = ref_maybe_round(gc * ref_sigmoid(gc) * uc, round);
     }
+    if (ex.fp8) ref_fp8_rows(h, 1, ex.inter);
     ref_matvec(ex.down, h, hidden, ex.inter, out);
     for (int64_t o = 0; o < hidden; ++o) out[o] = ref_maybe_round(out[o], round);
 }
 
 /* Backward of one expert on one token with router weight w, given the forward's g, u, h: the dx
  * part [H] (rounded when round), and the weight gradients added into dw_gate, dw_up [I, H] and
- * dw_down [H, I]. dg, du [I] are scratch. */
+ * dw_down [H, I]. dg, du [I] are scratch; so are dgq, duq [I] (FP8). FP8: x is x^, h is h^, dy_q is
+ * dy^ (else dy itself): dy^ in W_down^T dy, dy in w · dy; dg, du quantized for the dx part only. */
 static void ref_ffn_backward(ref_expert ex, int64_t hidden, const double *x, const double *dy,
-                             double w, const double *g, const double *u, const double *h,
-                             double limit, int round, double *dg, double *du, double *dx_part,
-                             double *dw_gate, double *dw_up, double *dw_down) {
+                             const double *dy_q, double w, const double *g, const double *u,
+                             const double *h, double limit, int round, double *dg, double *du,
+                             double *dgq, double *duq, double *dx_part, double *dw_gate,
+                             double *dw_up, double *dw_down) {
     int64_t inter = ex.inter;
     /* Transposed products walk the weights row by row; each sum still adds its terms in
      * increasing index order. dg holds dh0 = W_down^T dy until it is overwritten. */
     for (int64_t i = 0; i < inter; ++i) dg[i] = 0.0;
     for (int64_t o = 0; o < hidden; ++o)
-        for (int64_t i = 0; i < inter; ++i) dg[i] += ex.down[o * inter + i] * dy[o];
+        for (int64_t i = 0; i < inter; ++i) dg[i] += ex.down[o * inter + i] * dy_q[o];
     for (int64_t i = 0; i < inter; ++i) {
         double dh = w * dg[i];
         double gc = ref_clamp_gate(g[i], limit), uc = ref_clamp_up(u[i], limit);
@@ -256,11 +330,18 @@ static void ref_ffn_backward(ref_expert ex, int64_t hidden, const double *x, con
         du[i] = ref_maybe_round(dh * gc * s * ref_up_mask(u[i], limit), round);
     }
     /* dx part = W_gate^T dg + W_up^T du: per element the gate terms, then the up terms. */
+    const double *dg_op = dg, *du_op = du;
+    if (ex.fp8) {
+        for (int64_t i = 0; i < inter; ++i) dgq[i] = dg[i], duq[i] = du[i];
+        ref_fp8_rows(dgq, 1, inter);
+        ref_fp8_rows(duq, 1, inter);
+        dg_op = dgq, du_op = duq;
+    }
     for (int64_t o = 0; o < hidden; ++o) dx_part[o] = 0.0;
     for (int64_t i = 0; i < inter; ++i)
-        for (int64_t o = 0; o < hidden; ++o) dx_part[o] += ex.gate[i * hidden + o] * dg[i];
+        for (int64_t o = 0; o < hidden; ++o) dx_part[o] += ex.gate[i * hidden + o] * dg_op[i];
     for (int64_t i = 0; i < inter; ++i)
-        for (int64_t o = 0; o < hidden; ++o) dx_part[o] += ex.up[i * hidden + o] * du[i];
+        for (int64_t o = 0; o < hidden; ++o) dx_part[o] += ex.up[i * hidden + o] * du_op[i];
     for (int64_t o = 0; o < hidden; ++o) dx_part[o] = ref_maybe_round(dx_part[o], round);
     for (int64_t i = 0; i < inter; ++i)
         for (int64_t o = 0; o < hidden; ++o) {
@@ -301,6 +382,7 @@ static void ref_ffn_rows(ref_expert ex, int64_t hidden, const double *const *xs,
             double gc = ref_clamp_gate(g[r * inter + i], limit), uc = ref_clamp_up(u[r * inter + i], limit);
             h[r * inter + i] = ref_maybe_round(gc * ref_sigmoid(gc) * uc, round);
         }
+    if (ex.fp8) ref_fp8_rows(h, n, inter);
     for (int64_t o = 0; o < hidden; ++o)
         for (int r = 0; r < n; ++r) outs[r][o] = ref_maybe_round(ref_dot(ex.down + o * inter, h + r * inter, inter), round);
 }
@@ -308,6 +390,7 @@ static void ref_ffn_rows(ref_expert ex, int64_t hidden, const double *const *xs,
 /* Scratch of one pass. */
 typedef struct ref_scratch {
     double *g, *u, *h, *dg, *du; /* g, u, h: [REF_BLOCK, max(I, I_s)]; dg, du: [max(I, I_s)] */
+    double *dgq, *duq;           /* FP8: dg^, du^ [max(I, I_s)] */
     double *out;                 /* [H] */
     /* Per rank p: the routed experts' outputs or dx parts [T_p, k, H], the shared expert's
      * [T_p, H]. */
@@ -320,6 +403,8 @@ static void ref_scratch_free(ref_scratch *s, int nranks) {
     free(s->h);
     free(s->dg);
     free(s->du);
+    free(s->dgq);
+    free(s->duq);
     free(s->out);
     for (int p = 0; p < nranks; ++p) {
         free(s->routed[p]);
@@ -339,8 +424,10 @@ static mok_status ref_scratch_alloc(const char *fn, const mok__ref_layer64 *laye
     s->h = malloc(wide_bytes * REF_BLOCK);
     s->dg = malloc(wide_bytes);
     s->du = malloc(wide_bytes);
+    s->dgq = malloc(wide_bytes);
+    s->duq = malloc(wide_bytes);
     s->out = malloc(hidden_bytes);
-    ok = s->g && s->u && s->h && s->dg && s->du && s->out;
+    ok = s->g && s->u && s->h && s->dg && s->du && s->dgq && s->duq && s->out;
     for (int p = 0; p < layer->nranks; ++p) {
         size_t tokens = (size_t)layer->num_tokens[p];
         s->routed[p] = malloc(tokens * (size_t)shape->topk * hidden_bytes + 1);
@@ -351,6 +438,72 @@ static mok_status ref_scratch_alloc(const char *fn, const mok__ref_layer64 *laye
         ref_scratch_free(s, layer->nranks);
         return mok__fail(MOK_ERR_OUT_OF_MEMORY, "%s: out of memory for scratch", fn);
     }
+    return MOK_OK;
+}
+
+/* FP8: a layer whose x and weights are their dequantized quantizations (x^ per token per 128 of
+ * H, W^ per 128 x 128 block), and dy^ beside it (backward), in arrays of its own. */
+typedef struct ref_fp8_layer {
+    mok__ref_layer64 layer;
+    const double *x[MOK_MAX_RANKS], *w_gate[MOK_MAX_RANKS], *w_up[MOK_MAX_RANKS], *w_down[MOK_MAX_RANKS];
+    const double *dy[MOK_MAX_RANKS];
+    double *arrays[5 * MOK_MAX_RANKS + 3]; /* everything allocated here */
+    int count;
+} ref_fp8_layer;
+
+static void ref_fp8_free(ref_fp8_layer *q) {
+    for (int i = 0; q && i < q->count; ++i) free(q->arrays[i]);
+    free(q);
+}
+
+/* A quantized copy of count matrices [rows, cols] (weights: 128 x 128 blocks, else 1 x 128 rows).
+ * NULL src gives NULL; returns 0 when out of memory. */
+static int ref_fp8_copy(ref_fp8_layer *q, const double *src, int64_t count, int64_t rows, int64_t cols,
+                        int weights, const double **out) {
+    *out = NULL;
+    if (!src || count * rows * cols == 0) return 1;
+    double *copy = malloc((size_t)(count * rows * cols) * sizeof(double));
+    if (!copy) return 0;
+    q->arrays[q->count++] = copy;
+    memcpy(copy, src, (size_t)(count * rows * cols) * sizeof(double));
+    for (int64_t m = 0; m < count; ++m) {
+        if (weights) ref_fp8_matrix(copy + m * rows * cols, rows, cols);
+        else ref_fp8_rows(copy + m * rows * cols, rows, cols);
+    }
+    *out = copy;
+    return 1;
+}
+
+static mok_status ref_fp8_quantize(const char *fn, const mok__ref_layer64 *src, const double *const *dy,
+                                   ref_fp8_layer **out) {
+    const mok_shape *shape = src->shape;
+    const int64_t H = shape->hidden, I = shape->intermediate, Is = shape->shared_intermediate;
+    const int64_t El = shape->num_experts / src->nranks;
+    ref_fp8_layer *q = calloc(1, sizeof *q);
+    int ok = q != NULL;
+    for (int p = 0; ok && p < src->nranks; ++p) {
+        const int64_t T = src->num_tokens[p];
+        ok = ref_fp8_copy(q, T > 0 ? src->x[p] : NULL, 1, T, H, 0, &q->x[p]) &&
+             ref_fp8_copy(q, dy && T > 0 ? dy[p] : NULL, 1, T, H, 0, &q->dy[p]) &&
+             ref_fp8_copy(q, src->w_gate[p], El, I, H, 1, &q->w_gate[p]) &&
+             ref_fp8_copy(q, src->w_up[p], El, I, H, 1, &q->w_up[p]) &&
+             ref_fp8_copy(q, src->w_down[p], El, H, I, 1, &q->w_down[p]);
+    }
+    if (ok) {
+        q->layer = *src;
+        ok = ref_fp8_copy(q, src->s_gate, 1, Is, H, 1, &q->layer.s_gate) &&
+             ref_fp8_copy(q, src->s_up, 1, Is, H, 1, &q->layer.s_up) &&
+             ref_fp8_copy(q, src->s_down, 1, H, Is, 1, &q->layer.s_down);
+    }
+    if (!ok) {
+        ref_fp8_free(q);
+        return mok__fail(MOK_ERR_OUT_OF_MEMORY, "%s: out of memory for the quantized layer", fn);
+    }
+    q->layer.x = q->x;
+    q->layer.w_gate = q->w_gate;
+    q->layer.w_up = q->w_up;
+    q->layer.w_down = q->w_down;
+    *out = q;
     return MOK_OK;
 }
 
@@ -365,6 +518,15 @@ mok_status mok__ref_forward_ex(const mok__ref_layer64 *layer, double *const *y, 
     double limit = layer->swiglu_limit;
     ref_scratch s;
     if ((status = ref_scratch_alloc(fn, layer, &s)) != MOK_OK) return status;
+    const int fp8 = round && shape->precision == MOK_PRECISION_FP8;
+    ref_fp8_layer *quantized = NULL;
+    if (fp8) {
+        if ((status = ref_fp8_quantize(fn, layer, NULL, &quantized)) != MOK_OK) {
+            ref_scratch_free(&s, layer->nranks);
+            return status;
+        }
+        layer = &quantized->layer;
+    }
 
     for (int p = 0; has_shared && p < layer->nranks; ++p)
         for (int64_t t0 = 0; t0 < layer->num_tokens[p]; t0 += REF_BLOCK) {
@@ -375,11 +537,14 @@ mok_status mok__ref_forward_ex(const mok__ref_layer64 *layer, double *const *y, 
                 xs[n] = layer->x[p] + t * hidden;
                 outs[n] = s.shared[p] + t * hidden;
             }
-            ref_ffn_rows(ref_shared_expert(layer), hidden, xs, n, limit, round, s.g, s.u, s.h, outs);
+            ref_expert ex = ref_shared_expert(layer);
+            ex.fp8 = fp8;
+            ref_ffn_rows(ex, hidden, xs, n, limit, round, s.g, s.u, s.h, outs);
         }
 
     for (int32_t e = 0; e < shape->num_experts; ++e) {
         ref_expert ex = ref_routed_expert(layer, e);
+        ex.fp8 = fp8;
         const double *xs[REF_BLOCK];
         double *outs[REF_BLOCK];
         int n = 0;
@@ -408,6 +573,7 @@ mok_status mok__ref_forward_ex(const mok__ref_layer64 *layer, double *const *y, 
                 y[p][t * hidden + o] = ref_maybe_round(sum, round);
             }
     ref_scratch_free(&s, layer->nranks);
+    ref_fp8_free(quantized);
     return MOK_OK;
 }
 
@@ -440,6 +606,17 @@ mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *con
     double limit = layer->swiglu_limit;
     ref_scratch s;
     if ((status = ref_scratch_alloc(fn, layer, &s)) != MOK_OK) return status;
+    const int fp8 = round && shape->precision == MOK_PRECISION_FP8;
+    ref_fp8_layer *quantized = NULL;
+    const double *const *dy_q = dy; /* dy^ for FP8 (W_down^T dy and the router dot), else dy */
+    if (fp8) {
+        if ((status = ref_fp8_quantize(fn, layer, dy, &quantized)) != MOK_OK) {
+            ref_scratch_free(&s, nranks);
+            return status;
+        }
+        layer = &quantized->layer;
+        dy_q = quantized->dy;
+    }
 
     /* Experts that receive no rows keep these zeros. */
     for (int p = 0; p < nranks; ++p) {
@@ -451,14 +628,16 @@ mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *con
     for (int p = 0; has_shared && p < nranks; ++p)
         for (int64_t t = 0; t < num_tokens[p]; ++t) {
             ref_expert ex = ref_shared_expert(layer);
-            const double *x = layer->x[p] + t * hidden, *dyt = dy[p] + t * hidden;
+            ex.fp8 = fp8;
+            const double *x = layer->x[p] + t * hidden, *dyt = dy[p] + t * hidden, *dyq = dy_q[p] + t * hidden;
             ref_ffn(ex, hidden, x, limit, round, s.g, s.u, s.h, s.out);
-            ref_ffn_backward(ex, hidden, x, dyt, 1.0, s.g, s.u, s.h, limit, round, s.dg, s.du,
+            ref_ffn_backward(ex, hidden, x, dyt, dyq, 1.0, s.g, s.u, s.h, limit, round, s.dg, s.du, s.dgq, s.duq,
                              s.shared[p] + t * hidden, ds_gate[p], ds_up[p], ds_down[p]);
         }
 
     for (int32_t e = 0; e < shape->num_experts; ++e) {
         ref_expert ex = ref_routed_expert(layer, e);
+        ex.fp8 = fp8;
         int owner = ref_owner(layer, e);
         int64_t offset = ref_local(layer, e) * inter * hidden;
         for (int p = 0; p < nranks; ++p)
@@ -466,14 +645,15 @@ mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *con
                 for (int64_t j = 0; j < topk; ++j) {
                     if (layer->topk_ids[p][t * topk + j] != e) continue;
                     const double *x = layer->x[p] + t * hidden, *dyt = dy[p] + t * hidden;
+                    const double *dyq = dy_q[p] + t * hidden;
                     double w = layer->router_w[p][t * topk + j];
                     ref_ffn(ex, hidden, x, limit, round, s.g, s.u, s.h, s.out);
                     /* <dy, W_down h>: the expert output before its bf16 rounding (the contract in
-                       mok.h); no division by w, so exact for w <= 0. */
+                       mok.h); no division by w, so exact for w <= 0. FP8: <dy^, W^_down h^>. */
                     ref_matvec(ex.down, s.h, hidden, ex.inter, s.out);
-                    d_router_w[p][t * topk + j] = ref_dot(dyt, s.out, hidden);
-                    ref_ffn_backward(ex, hidden, x, dyt, w, s.g, s.u, s.h, limit, round, s.dg, s.du,
-                                     s.routed[p] + (t * topk + j) * hidden, dw_gate[owner] + offset,
+                    d_router_w[p][t * topk + j] = ref_dot(dyq, s.out, hidden);
+                    ref_ffn_backward(ex, hidden, x, dyt, dyq, w, s.g, s.u, s.h, limit, round, s.dg, s.du, s.dgq,
+                                     s.duq, s.routed[p] + (t * topk + j) * hidden, dw_gate[owner] + offset,
                                      dw_up[owner] + offset, dw_down[owner] + offset);
                 }
     }
@@ -492,6 +672,7 @@ mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *con
             }
         }
     ref_scratch_free(&s, nranks);
+    ref_fp8_free(quantized);
     return MOK_OK;
 }
 

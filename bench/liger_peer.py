@@ -1,0 +1,112 @@
+"""LigerCute (LinkedIn's fused expert-parallel MoE for Hopper) on one case of the benchmark, in a
+process of its own, printing one JSON line.
+
+    bench/liger-env.sh SITE python3 bench/liger_peer.py --layer mixtral-8x7b --experts 8 --tokens 8192
+
+LigerCute takes top-k ids and weights and runs the routed experts only (no shared expert, no
+router), so it is compared with mok's routed-only layer on the same inputs (bench.make_inputs with
+the shared expert left out). Its NVSHMEM heap is sized by `configure` once per process and cannot
+grow, hence one process per case: each case's memory is its own. The environment it needs (its
+NVSHMEM host library preloaded, its CUDA 12 runtime on the library path) is bench/liger-env.sh's.
+
+Timed, CUDA-event medians after a warm-up:
+  forward_nograd_ms  the forward under torch.no_grad() (inference: nothing kept for a backward);
+  forward_ms         the forward as a training step runs it (autograd on, intermediates kept);
+  forward_backward_ms forward + backward of every input that has a gradient (x, the router weights,
+                     the three expert weights).
+memory_bytes: the most device memory the case held beyond its inputs (the allocator's peak plus
+memory outside it, such as the NVSHMEM heap), as bench.py measures mok's.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+import baselines as B  # noqa: E402
+import layers as LY  # noqa: E402
+import memory as M  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layer", required=True, choices=sorted(LY.LAYERS))
+    ap.add_argument("--experts", type=int, required=True)
+    ap.add_argument("--tokens", type=int, required=True)
+    ap.add_argument("--skew", type=float, default=0.0)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1234)
+    a = ap.parse_args()
+
+    import torch.distributed as dist
+    from liger_cute_kernels import MoEConfig, configure
+    from liger_kernel.ops.cute.ops.moe import moe_fused
+
+    layer = dict(LY.LAYERS[a.layer], shared=0)
+    H, I, k, E, T = layer["hidden"], layer["inter"], layer["topk"], a.experts, a.tokens
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+
+    i = B.make_inputs(layer, E, T, [dev], a.skew, a.seed)[0]  # the same inputs as mok's rows of the table
+    w = i["w"]
+    ids = i["ids"].to(torch.int32)
+    rw_bf16 = i["rw"].to(torch.bfloat16)  # LigerCute takes bf16 router weights
+    torch.cuda.synchronize()
+
+    # the autograd leaves are the inputs (no second copy), as mok's passes read the caller's tensors
+    leaves = dict(x=i["x"], rw=rw_bf16, w_gate=w["w_gate"], w_up=w["w_up"], w_down=w["w_down"])
+    leaves = {n: t.requires_grad_(True) for n, t in leaves.items()}
+    before = M.snapshot()
+    M.reset_peak()
+    configure(device=dev, moe=MoEConfig(max_tokens=T, hidden_size=H, num_experts=E, top_k=k, num_hosts=1,
+                                        gpus_per_host=1))
+    out = dict(peer="ligercute", layer=a.layer, experts=E, tokens=T, skew=a.skew)
+
+    with torch.no_grad():
+        y = moe_fused(i["x"], ids, rw_bf16, w["w_gate"], w["w_up"], w["w_down"], E, k, pg=None)
+        y_ref = B.forward_single(i["x"], i["ids"], i["rw"], w)
+    out["max_rel_err_vs_torch"] = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
+
+    with torch.no_grad():
+        out["forward_nograd_ms"] = B.time_cuda(
+            lambda: moe_fused(i["x"], ids, rw_bf16, w["w_gate"], w["w_up"], w["w_down"], E, k, pg=None),
+            reps=a.reps)
+
+    def forward():
+        return moe_fused(leaves["x"], ids, leaves["rw"], leaves["w_gate"], leaves["w_up"], leaves["w_down"], E, k,
+                         pg=None)
+
+    def forward_backward():
+        torch.autograd.grad(forward(), list(leaves.values()), i["dy"])
+
+    # A training forward keeps its intermediates until its backward: time it paired with a
+    # backward outside the timed region, so the symmetric stack does not grow.
+    times = []
+    for rep in range(a.reps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y = forward()
+        e.record()
+        torch.autograd.grad(y, list(leaves.values()), i["dy"])
+        e.synchronize()
+        if rep >= 3:
+            times.append(s.elapsed_time(e))
+    times.sort()
+    out["forward_ms"] = times[len(times) // 2]
+    out["forward_backward_ms"] = B.time_cuda(forward_backward, reps=max(3, a.reps // 2))
+    out["memory_bytes"] = M.held_since(before)
+    flops = B.flops_forward(T, k, H, I, 0)
+    out["forward_tflops"] = flops / out["forward_ms"] / 1e9
+    out["forward_backward_tflops"] = 3 * flops / out["forward_backward_ms"] / 1e9
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

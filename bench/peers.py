@@ -1,0 +1,28 @@
+"""Other MoE kernels benchmarked beside mok in the same run. Each runs in a process of its own
+(its own runtime and heap, sized for one case) and reports one JSON line; a peer that is not
+installed is skipped with a one-line reason."""
+import json
+import os
+import subprocess
+
+here = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_liger(site, layer, experts, tokens, skew, reps, timeout_s=300):
+    """LigerCute on one case (bench/liger_peer.py under bench/liger-env.sh): its JSON row, or
+    {"skipped": reason}."""
+    if not site:
+        return {"skipped": "LigerCute not set up (bench/liger-setup.sh BUNDLE SITE, then --liger SITE)"}
+    if not os.path.isdir(os.path.join(site, "liger_cute_kernels")):
+        return {"skipped": f"no liger_cute_kernels in {site}"}
+    cmd = [os.path.join(here, "liger-env.sh"), site, "python3", os.path.join(here, "liger_peer.py"), "--layer", layer,
+           "--experts", str(experts), "--tokens", str(tokens), "--skew", str(skew), "--reps", str(reps)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"LigerCute did not finish within {timeout_s} s"}
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"skipped": f"LigerCute failed (exit {done.returncode}): {tail[:200]}"}
+    return json.loads(rows[-1])
