@@ -1,6 +1,12 @@
-# mok — build: `make` (libmok.so, libmok.a, build/mok, build/mok_mp_rank), `make test`, `make sanitize`,
+# mok — build: `make` (in parallel; libmok.so, libmok.a, build/mok, build/mok_mp_rank), `make test`, `make sanitize`,
 # `make fuzz`, `make run`.
 # The CUDA backend is compiled in when nvcc is on PATH (override with CUDA=0 or CUDA=1).
+
+# Parallel by default: one job per core. A -jN on the command line wins, and a make started by
+# this one (sanitize) shares its parent's jobs instead of adding its own.
+ifeq ($(MAKELEVEL)$(filter -j%,$(MAKEFLAGS)),0)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)
+endif
 
 BUILD    ?= build
 CC       ?= cc
@@ -115,8 +121,10 @@ fuzz: $(FUZZ_DIR)/fuzz_api
 	$(FUZZ_DIR)/fuzz_api -max_total_time=$(FUZZ_SECONDS) -timeout=$(FUZZ_TIMEOUT) -rss_limit_mb=4096 \
 	    -artifact_prefix=$(FUZZ_DIR)/ -print_final_stats=1 $(FUZZ_DIR)/corpus tests/fuzz/corpus
 
+# The README's first run: DeepSeek-V3's layer scaled by 16 (E 16 and k 8 kept, the shared expert
+# too) on four ranks, checked against the reference.
 run: all
-	./$(BUILD)/mok run --preset qwen3-30b-a3b --scale 16 --ranks 4 --check --backend auto
+	./$(BUILD)/mok run --preset deepseek-v3 --scale 16 --ranks 4 --check --backend auto
 
 clean:
 	rm -rf build build-san

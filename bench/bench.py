@@ -374,9 +374,10 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out):
             sync_all(ranks)
             path = os.path.join(out, f"trace_{name}_ep{ranks}_skew{skew}_{phase}.json")
             run.ws.trace_write(path)
-            ev = timeline.load(path)
+            pass_name = "forward" if phase == "fwd" else "backward"  # the file holds both after the backward
+            ev = timeline.load(path, pass_name=pass_name)
             timeline.draw(ev, path[:-5] + ".png", title=f"{name}, EP{ranks}, {tokens} tokens/GPU: {phase}")
-            residents = timeline.load(path, resident=True)
+            residents = timeline.load(path, resident=True, pass_name=pass_name)
             first0 = None
             for r in sorted({e["pid"] for e in ev}):
                 mine = [e for e in ev if e["pid"] == r]

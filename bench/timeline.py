@@ -4,21 +4,23 @@
     python3 bench/timeline.py --demo [--out DIR]      # trace a small layer on the cpu backend, draw it
 
 The trace is Chrome trace JSON, {"traceEvents": [{"name", "cat": "comm"|"compute", "ph": "X",
-"pid": rank, "tid": worker, "ts": us, "dur": us, "args": {"minibatch": m}}]}, and holds the tasks
-of the workspace's last pass only (write it after each pass you want to see). One row per
-(rank, worker), comm rows labelled and shaded; bars coloured by task kind; time in ms from the
-first task. It also opens in chrome://tracing or https://ui.perfetto.dev.
+"pid": rank (forward) or 72 + rank (backward), "tid": worker, "ts": us, "dur": us, "args": {"rank": r,
+"pass": "forward"|"backward", "minibatch": m}}]} plus the processes' and threads' names ("M"
+events), and holds the tasks of the workspace's last forward and last backward on one time axis.
+One row per (rank, pass, worker), comm rows labelled and shaded; bars coloured by task kind; time
+in ms from the first task. It also opens in chrome://tracing or https://ui.perfetto.dev.
 
 From another script:
 
     import timeline
     events = timeline.load(path)            # list of dicts, "X" events only
+    forward = timeline.load(path, pass_name="forward")  # one pass, "pid" = rank
     print(timeline.summary(events))         # counts per kind, busy time per row, overlaps
     timeline.draw(events, "out.png", title="forward")   # or draw(path, ...)
 
 --demo: a 2-rank layer (one process drives both ranks, cpu backend, Config(trace=1)) through the
-functional API: schedule, forward, trace_write, backward, trace_write; draws both traces and
-prints how the task intervals compare with the wall time of each pass.
+functional API: schedule, forward, backward, trace_write; draws each pass and prints how the task
+intervals compare with the wall time of each pass.
 """
 import argparse
 import json
@@ -40,15 +42,18 @@ KIND_ORDER = list(KIND_COLORS)
 _FALLBACK = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#1f77b4", "#ff7f0e", "#2ca02c"]
 
 
-def load(path, resident=False):
+def load(path, resident=False, pass_name=None):
     """The complete ("X") task events of a trace file, as dicts, sorted by (pid, tid, ts).
     resident=True: instead the GPU CTAs' residency events (category "resident", one per CTA, from
-    the kernel's start on that CTA to its end)."""
+    the kernel's start on that CTA to its end). pass_name ("forward" or "backward"): only that
+    pass's events, each with "pid" set to its rank."""
     with open(path) as f:
         data = json.load(f)
     raw = data["traceEvents"] if isinstance(data, dict) else data  # the bare-array form is valid too
     events = [e for e in raw if e.get("ph", "X") == "X" and "ts" in e and "dur" in e
               and (e.get("cat") == "resident") == resident]
+    if pass_name is not None:
+        events = [dict(e, pid=e["args"]["rank"]) for e in events if e.get("args", {}).get("pass") == pass_name]
     events.sort(key=lambda e: (e.get("pid", 0), e.get("tid", 0), e["ts"]))
     return events
 
@@ -196,7 +201,10 @@ def draw(events_or_path, out_png, title=None, width=14.0, row_height=0.42, min_w
         if key[0] != keys[i - 1][0]:  # a line between ranks
             ax.axhline(len(keys) - i - 0.5, color="black", lw=0.8, zorder=1)
     ax.set_yticks(range(len(keys)))
-    ax.set_yticklabels([f"rank {k[0]} · w{k[1]} · {rows[k]['cat']}" for k in reversed(keys)], fontsize=8)
+    def label(key):  # a two-pass trace's pid is per (rank, pass): its events' args say which
+        args = rows[key]["events"][0].get("args", {})
+        return f"rank {args.get('rank', key[0])} {args.get('pass', '')} · w{key[1]} · {rows[key]['cat']}"
+    ax.set_yticklabels([label(k) for k in reversed(keys)], fontsize=8)
     for label, key in zip(ax.get_yticklabels(), reversed(keys)):
         if rows[key]["cat"] == "comm":
             label.set_color("#a63603")
@@ -277,19 +285,17 @@ def demo(out_dir, ranks=2, tokens=512, hidden=128, intermediate=128, experts=8, 
         t = time.perf_counter()
         y, ctxs = mok.forward(ws, scheds, xs, rws, wg, wu, wd, sg, su, sd)
         wall_fwd = (time.perf_counter() - t) * 1e6
-        fwd_path = os.path.join(out_dir, "trace_forward.json")
-        ws.trace_write(fwd_path)
         t = time.perf_counter()
         mok.backward(ws, scheds, ctxs, dys, xs, rws, wg, wu, wd, sg, su, sd)
         wall_bwd = (time.perf_counter() - t) * 1e6
-        bwd_path = os.path.join(out_dir, "trace_backward.json")
-        ws.trace_write(bwd_path)
+        path = os.path.join(out_dir, "trace.json")
+        ws.trace_write(path)  # the forward and the backward
         ws.close()
     finally:
         group.close()
-    for name, path, wall in (("forward", fwd_path, wall_fwd), ("backward", bwd_path, wall_bwd)):
-        events = load(path)
-        png = os.path.splitext(path)[0] + ".png"
+    for name, wall in (("forward", wall_fwd), ("backward", wall_bwd)):
+        events = load(path, pass_name=name)
+        png = os.path.join(out_dir, f"trace_{name}.png")
         s = draw(events, png, title=f"mok cpu backend, {name} pass ({ranks} ranks, T={tokens}/rank, E={experts}, "
                                     f"k={topk}, I_s={shared})")
         s = s or summary(events)

@@ -73,6 +73,8 @@
 extern "C" {
 #endif
 
+/* The one home of mok's version: the library (mok_version), the `mok` command (mok --version) and
+ * the Python package (python/setup.py reads these three lines; mok.__version__) take it from here. */
 #define MOK_VERSION_MAJOR 0
 #define MOK_VERSION_MINOR 1
 #define MOK_VERSION_PATCH 0
@@ -152,7 +154,8 @@ typedef struct mok_config {
                                and x rows and router weights into the peers' rings */
     int bwd_dispatch;       /* reverse-dispatch of dx parts: MOK_PUSH; MOK_PULL: each rank gathers
                                its dx parts and router-weight gradients */
-    int trace;              /* 1: record each worker's tasks for mok_trace_write */
+    int trace;              /* 1: record each worker's tasks for mok_trace_write (the last forward
+                               and the last backward, each in a buffer of its own) */
 } mok_config;
 
 #define MOK_CONFIG_INIT                                                                       \
@@ -448,7 +451,11 @@ mok_status mok_memory_copy(mok_group *group, int local_rank, void *dst, const vo
  * kernels recorded (timeouts, bad ids). On cpu every call is already synchronous. */
 mok_status mok_synchronize(mok_workspace *workspace);
 
-/* Writes the tasks recorded by the last pass (config.trace = 1) as Chrome trace JSON. */
+/* Writes the tasks recorded (config.trace = 1) by the workspace's last forward (or recompute) and
+ * its last backward as Chrome trace JSON, both passes on one time axis in microseconds: one
+ * process per (rank, pass), named "rank R forward" / "rank R backward" (pid R / MOK_MAX_RANKS + R),
+ * one thread per worker (cpu thread or GPU CTA), named "comm worker W" / "compute worker W", one
+ * complete event per task (args: rank, pass, minibatch). A pass not run yet adds nothing. */
 mok_status mok_trace_write(mok_workspace *workspace, const char *path);
 
 /* ---- reference (host memory, all ranks at once, fp64 accumulation; for tests) -------------

@@ -127,7 +127,13 @@ typedef struct mok_trace_event {
 /* The kind of a worker's residency event (entry to exit of a GPU CTA), beside the task kinds. */
 #define MOK_TRACE_RESIDENT 64
 
-/* trace.c: writes events of every local rank as Chrome trace JSON (opens in Perfetto). */
+/* A workspace records two passes (config.trace): its last forward or recompute (pass 0) and its
+ * last backward (pass 1), each into a buffer of its own, so that writing the trace after a
+ * backward still shows the forward before it. */
+#define MOK_TRACE_PASSES 2
+
+/* trace.c: writes the recorded events as Chrome trace JSON (opens in Perfetto). events[i] and
+ * counts[i] for i = pass * num_ranks + local rank: the events of that pass on that local rank. */
 mok_status mok__trace_write_json(const char *path, const mok_trace_event *const *events, const int64_t *counts,
                                  int num_ranks);
 

@@ -123,20 +123,138 @@ expect check-tokens-sampled 0 "ds_down     n/a (sampled tokens)" run --preset gl
 # A layer with H*I > 512*512 samples 32 tokens per rank by default.
 expect check-tokens-default 0 "the first 32 tokens of each rank" run --preset mixtral-8x7b --scale 8 --ranks 2 \
     --tokens 64 --repeat 1 --check --backend cpu
-expect check-tokens-all 0 "(fp64, all tokens," run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 48 \
+expect check-tokens-all 0 "(fp64, all tokens)" run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 48 \
     --check-tokens 48 --repeat 1 --check --backend cpu
 expect memory-symmetric 0 "of it symmetric" run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 1 --backend cpu
 expect link-bandwidth 0 "fwd link GB/s" run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 1 --backend cpu
+
+# ---- what a run shows while it runs ----------------------------------------------------------------
+# The version is include/mok.h's, the one home of it.
+header="$(dirname "$0")/../include/mok.h"
+version=$(awk '/^#define MOK_VERSION_(MAJOR|MINOR|PATCH) / { v = v (v == "" ? "" : ".") $3 } END { print v }' "$header")
+expect version 0 "mok $version" --version
+expect version-backends 0 "backends: cpu" --version
+# The header comes first, then one line per run with each pass's time and the time elapsed, then
+# the tables.
+expect progress-lines 0 "run 2/2   schedule " run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 2 --backend cpu
+order=$(grep -E "^(layer|memory|inputs|run 1/2|run 2/2|phase) " "$out" | awk '{ printf "%s|", $1 == "run" ? $1 " " $2 : $1 }')
+if [ "$order" = "layer|memory|inputs|run 1/2|run 2/2|phase|" ] && grep -q "^run 1/2 .*forward .*backward .*(elapsed " "$out"
+then
+    echo "PASS progress-order"
+    passed=$((passed + 1))
+else
+    echo "FAIL progress-order: the output's lines come as '$order'"
+    failed=$((failed + 1))
+fi
+# A long run shows its header and its first runs while it is still running.
+"$mok" run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 256 --repeat 100000 --backend cpu >"$out" 2>&1 &
+long=$!
+seen=0
+for _ in $(seq 1 100); do
+    if grep -q "^run 2/100000 .*(elapsed " "$out"; then
+        seen=1
+        break
+    fi
+    sleep 0.2
+done
+kill "$long" 2>/dev/null
+wait "$long" 2>/dev/null
+if [ "$seen" -eq 1 ] && grep -q "^layer " "$out"; then
+    echo "PASS progress-while-running"
+    passed=$((passed + 1))
+else
+    echo "FAIL progress-while-running: after 20 s of a long run the output is:"
+    head -n 20 "$out" | sed 's/^/    /'
+    failed=$((failed + 1))
+fi
+expect tokens-zero-header 0 "tokens   0 per rank (0 in all)" run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 0 \
+    --repeat 1 --backend cpu
+# --scale that leaves fewer experts than k says so; k = E says that every token goes everywhere.
+expect k-lowered 0 "k lowered from the preset's 8 to 4: --scale 16 leaves 4 experts" run --preset olmoe-1b-7b \
+    --scale 16 --ranks 2 --tokens 32 --repeat 1 --backend cpu
+expect k-equals-e 0 "k = E: --scale 16 leaves 8 experts, so every token goes to every expert" \
+    run --preset qwen3-30b-a3b --scale 16 --ranks 2 --tokens 32 --repeat 1 --backend cpu
+if grep -q "k lowered\|k = E" <("$mok" run --preset deepseek-v3 --scale 16 --ranks 2 --tokens 32 --repeat 1 \
+    --backend cpu 2>&1); then
+    echo "FAIL k-kept: deepseek-v3 at --scale 16 (E 16, k 8) is said to change k"
+    failed=$((failed + 1))
+else
+    echo "PASS k-kept"
+    passed=$((passed + 1))
+fi
+# Host memory: a run that cannot fit is refused before its tensors exist, with a --scale that
+# fits; one that comes close gets a warning. MOK_HOST_MEMORY stands for the memory available.
+MOK_HOST_MEMORY=1G expect memory-refused 2 "of host memory but 1.00 GiB are available; --scale 8 fits (or leave out --check)" \
+    run --preset deepseek-v3 --check --backend cpu
+MOK_HOST_MEMORY=1G expect memory-refused-early 2 "of host memory but 1.00 GiB are available; --scale 8 fits" \
+    run --preset kimi-k2 --ranks 4 --backend cpu
+if grep -qE "^(memory|inputs) " "$out"; then
+    echo "FAIL memory-refused-before-inputs: the workspace or the inputs were made before the refusal"
+    failed=$((failed + 1))
+else
+    echo "PASS memory-refused-before-inputs"
+    passed=$((passed + 1))
+fi
+expect memory-estimate 0 "host memory: about " run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 1 --backend cpu
+need=$(sed -n 's/.*host memory: about \([0-9.]*\) MiB at the peak.*/\1/p' "$out")
+if [ -n "$need" ]; then
+    near=$(awk -v m="$need" 'BEGIN { printf "%d", m * 1.1 * 1048576 }')
+    MOK_HOST_MEMORY=$near expect memory-warning 0 "mok run: warning: this run needs about $need MiB of the" \
+        run --preset olmoe-1b-7b --scale 16 --ranks 2 --repeat 1 --backend cpu
+else
+    echo "FAIL memory-warning: no estimate in MiB in the output"
+    failed=$((failed + 1))
+fi
+# Direction names in any case, as the other names.
+check_run directions-any-case --preset qwen3-30b-a3b --scale 16 --ranks 2 --tokens 64 --fwd-dispatch PUSH \
+    --fwd-combine Pull --bwd-combine PUSH --bwd-dispatch pUlL --repeat 1 --check --backend CPU
+# --trace: the last run's forward and backward, each (rank, pass) a named process, each worker a
+# named thread (read with Python's json module where python3 is).
+trace="$(mktemp -d)/trace.json"
+expect trace-written 0 "forward and backward written to $trace" run --preset glm-4.5 --scale 16 --ranks 2 --tokens 64 \
+    --repeat 2 --trace "$trace" --backend cpu
+if command -v python3 >/dev/null 2>&1; then
+    if python3 - "$trace" <<'PY'
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+tasks = [e for e in events if e["ph"] == "X"]
+want = {(0, None): "rank 0 forward", (1, None): "rank 1 forward", (72, None): "rank 0 backward",
+        (73, None): "rank 1 backward"}
+assert all(names.get(k) == v for k, v in want.items()), names
+for e in tasks:
+    thread = names.get((e["pid"], e["tid"]), "")
+    assert thread == f"{e['cat']} worker {e['tid']}", (e, thread)
+    assert e["pid"] == e["args"]["rank"] + (72 if e["args"]["pass"] == "backward" else 0), e
+passes = {e["args"]["pass"] for e in tasks}
+assert passes == {"forward", "backward"}, passes
+forward_end = max(e["ts"] + e["dur"] for e in tasks if e["args"]["pass"] == "forward")
+assert forward_end <= min(e["ts"] for e in tasks if e["args"]["pass"] == "backward")
+PY
+    then
+        echo "PASS trace-both-passes-named"
+        passed=$((passed + 1))
+    else
+        echo "FAIL trace-both-passes-named: $trace"
+        failed=$((failed + 1))
+    fi
+fi
+rm -rf "$(dirname "$trace")"
 
 # ---- the cuda backend --------------------------------------------------------------------------
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); fi
 if [ "${gpus:-0}" -eq 0 ]; then
-    # No GPU: the library refuses cuda and the command passes its message on; auto means cpu.
-    unavailable="mok: mok_group_create_local: not supported by this build or backend: backend: cuda is not available"
+    # No GPU: cuda is refused with the real cause (a build without the CUDA backend, or no GPU
+    # visible to a build that has it: `mok --version` says which build this is); auto means cpu.
+    if "$mok" --version | grep -q "no CUDA backend"; then
+        unavailable="--backend cuda: this build has no CUDA backend"
+    else
+        unavailable="--backend cuda: no GPU is visible to this process (this build has the CUDA backend"
+    fi
     expect cuda-unavailable 2 "$unavailable" run --preset olmoe-1b-7b --scale 16 --backend cuda
     expect cuda-unavailable-ranks 2 "$unavailable" run --preset qwen3-30b-a3b --scale 16 --ranks 4 --check \
-        --backend cuda
+        --backend CUDA
     expect auto-is-cpu 0 "backend cpu  ranks 2" run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 32 \
         --repeat 1 --check --backend auto
 else
@@ -202,6 +320,27 @@ expect bad-scale-negative 2 "--scale must be greater than 0" run --preset olmoe-
 expect bad-scale-text 2 "--scale expects a finite number, not '16x'" run --preset olmoe-1b-7b --scale 16x
 expect bad-scale-nan 2 "--scale expects a finite number" run --preset olmoe-1b-7b --scale nan
 expect bad-tokens-negative 2 "--tokens must be at least 0, not '-5'" run --preset olmoe-1b-7b --tokens -5
+expect bad-tokens-overflow 2 "--tokens expects an integer that fits in 64 bits, not '99999999999999999999'" \
+    run --preset olmoe-1b-7b --tokens 99999999999999999999
+expect bad-scale-tiny 2 "--scale must be between 1 (the preset at full size) and 4096" \
+    run --preset olmoe-1b-7b --scale 1e-300
+expect bad-scale-below-one 2 "not '0.5'" run --preset olmoe-1b-7b --scale 0.5
+expect bad-scale-huge 2 "--scale must be between 1" run --preset olmoe-1b-7b --scale 1e300
+expect bad-scale-overflow 2 "--scale expects a finite number, not '1e999'" run --preset olmoe-1b-7b --scale 1e999
+expect bad-direction 2 "--fwd-dispatch expects push or pull, not 'sideways'" \
+    run --preset olmoe-1b-7b --fwd-dispatch sideways
+# --trace's folder is checked before anything runs (no run line, no header).
+expect bad-trace-folder 2 "--trace /nonexistent-dir/trace.json: the folder '/nonexistent-dir' does not exist" \
+    run --preset olmoe-1b-7b --scale 16 --repeat 1 --trace /nonexistent-dir/trace.json --backend cpu
+if grep -q "^run 1/" "$out"; then
+    echo "FAIL bad-trace-folder-before-runs: a run started before the bad --trace path was reported"
+    failed=$((failed + 1))
+else
+    echo "PASS bad-trace-folder-before-runs"
+    passed=$((passed + 1))
+fi
+expect bad-trace-is-folder 2 "is a folder; give a file name" run --preset olmoe-1b-7b --scale 16 --trace /tmp \
+    --backend cpu
 expect bad-ranks-text 2 "--ranks expects an integer, not '4.5'" run --preset olmoe-1b-7b --ranks 4.5
 expect bad-ranks-overflow 2 "--ranks expects an integer that fits in an int" run --preset olmoe-1b-7b \
     --ranks 99999999999
@@ -214,32 +353,41 @@ expect bad-unknown-flag 2 "unknown option '--bogus'" run --preset olmoe-1b-7b --
 expect bad-missing-value 2 "--seed needs a value" run --preset olmoe-1b-7b --seed
 expect bad-stray-argument 2 "unexpected argument 'extra'" run --preset olmoe-1b-7b extra
 
-# ---- bad input the library rejects: its function, status and message come through ---------------
-lib="invalid argument"
-expect lib-ranks-zero 2 "mok: mok_shape_validate: $lib: nranks: 0" \
-    run --preset olmoe-1b-7b --scale 16 --ranks 0 --backend cpu
-expect lib-ranks-too-many 2 "mok: mok_shape_validate: $lib: nranks: 100" \
+# ---- bad input the library rejects: its message in the words of the flag that set the field ------
+expect lib-ranks-zero 2 "mok run: --ranks: 0 is not in [1, " run --preset olmoe-1b-7b --scale 16 --ranks 0 --backend cpu
+expect lib-ranks-too-many 2 "mok run: --ranks: 100 is not in [1, " \
     run --preset olmoe-1b-7b --scale 16 --ranks 100 --backend cpu
-expect lib-experts-not-divisible 2 "mok: mok_shape_validate: $lib: shape.num_experts: 256" \
+expect lib-experts-not-divisible 2 "mok run: --ranks 3 does not divide the 256 experts of deepseek-v3" \
     run --preset deepseek-v3 --ranks 3 --backend cpu
-expect lib-too-many-tokens 2 "mok: mok_shape_validate: $lib: shape.max_tokens" \
+expect lib-too-many-tokens 2 "mok run: --tokens: 20000000 " \
     run --preset olmoe-1b-7b --scale 16 --tokens 20000000 --backend cpu
-expect lib-minibatch 2 "mok: mok_config_validate: $lib: config.minibatch_rows: 100" \
-    run --preset olmoe-1b-7b --scale 16 --minibatch 100 --backend cpu
-expect lib-ring 2 "mok: mok_config_validate: $lib: config.ring_rows: 1536" \
-    run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
-expect lib-threads 2 "mok: mok_config_validate: $lib: config.cpu_threads: 1" \
-    run --preset olmoe-1b-7b --scale 16 --threads 1 --backend cpu
-expect lib-comm-threads 2 "mok: mok_config_validate: $lib: config.cpu_comm_threads: 0" \
+expect lib-minibatch 2 "mok run: --minibatch: 100 " run --preset olmoe-1b-7b --scale 16 --minibatch 100 --backend cpu
+expect lib-ring 2 "mok run: --ring: 1536 " run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
+expect lib-ring-names-minibatch 2 "(--minibatch 2048)" run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
+expect lib-threads 2 "mok run: --threads: 1 " run --preset olmoe-1b-7b --scale 16 --threads 1 --backend cpu
+expect lib-comm-threads 2 "mok run: --comm-threads: 0 " \
     run --preset olmoe-1b-7b --scale 16 --comm-threads 0 --backend cpu
-expect lib-comm-sms 2 "mok: mok_config_validate: $lib: config.fwd_comm_sms: -3" \
-    run --preset olmoe-1b-7b --scale 16 --comm-sms -3 --backend cpu
-expect lib-limit 2 "mok: mok_config_validate: $lib: config.swiglu_limit" \
-    run --preset olmoe-1b-7b --scale 16 --limit -1 --backend cpu
-expect lib-context-rows 2 "mok: mok_config_validate: $lib: config.context_rows" \
+expect lib-comm-sms 2 "mok run: --comm-sms: -3 " run --preset olmoe-1b-7b --scale 16 --comm-sms -3 --backend cpu
+expect lib-limit 2 "mok run: --limit: " run --preset olmoe-1b-7b --scale 16 --limit -1 --backend cpu
+expect lib-context-rows 2 "mok run: --context-rows: -1 " \
     run --preset olmoe-1b-7b --scale 16 --context-rows -1 --backend cpu
-expect lib-trace-path 2 "mok: mok_trace_write: $lib: path" \
-    run --preset olmoe-1b-7b --scale 16 --repeat 1 --trace /nonexistent-dir/trace.json --backend cpu
+# No library field name is left in those messages.
+named=0
+for args in "--ranks 0" "--minibatch 100" "--ring 1536" "--threads 1" "--comm-threads 0" "--comm-sms -3" \
+    "--limit -1" "--context-rows -1" "--tokens 20000000"; do
+    # shellcheck disable=SC2086 # args is a flag and its value
+    "$mok" run --preset olmoe-1b-7b --scale 16 --backend cpu $args >"$out" 2>&1
+    if grep -qE "config\.|shape\.|nranks|_rows|_threads|_sms|_limit" "$out"; then
+        echo "FAIL lib-fields-named-as-flags: mok run $args says: $(cat "$out")"
+        named=$((named + 1))
+    fi
+done
+if [ "$named" -eq 0 ]; then
+    echo "PASS lib-fields-named-as-flags (9 flags)"
+    passed=$((passed + 1))
+else
+    failed=$((failed + 1))
+fi
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

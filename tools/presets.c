@@ -40,11 +40,13 @@ const tools_preset *tools_preset_find(const char *name) {
     return NULL;
 }
 
-/* The nearest multiple of `unit` to value / scale, at least one unit. */
+/* The nearest multiple of `unit` to value / scale, at least one unit and at most the largest
+ * multiple an int64_t holds (a scale near 0 asks for more; the library then refuses the shape). */
 static int64_t scaled_multiple(int64_t value, double scale, int64_t unit) {
+    const int64_t most = INT64_MAX / unit; /* units; (double)most may round up past it */
     double units = nearbyint((double)value / scale / (double)unit);
-    if (!(units >= 1.0)) units = 1.0;
-    if (units > (double)(INT64_MAX / unit)) units = (double)(INT64_MAX / unit);
+    if (!(units >= 1.0)) return unit;
+    if (units >= (double)most) return most * unit;
     return (int64_t)units * unit;
 }
 

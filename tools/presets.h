@@ -22,7 +22,7 @@ int tools_preset_count(void);
 const tools_preset *tools_preset_at(int index);
 const tools_preset *tools_preset_find(const char *name); /* NULL if unknown */
 
-/* The shape of `preset` divided by `scale` (> 0) for a group of `nranks`: H, I and I_s are
+/* The shape of `preset` divided by `scale` (> 0; `mok run` takes 1 to TOOLS_SCALE_MAX) for a group of `nranks`: H, I and I_s are
  * rounded to the nearest multiple of MOK_DIM_TILE (at least one tile; I_s = 0 stays 0), E to the
  * nearest multiple of nranks (at least nranks) and k is cut to E. At scale 1 the layer is kept
  * exactly as published, so the library itself checks that nranks divides E. nranks < 1 is left

@@ -12,27 +12,28 @@ mok.functional has the API (in the shape of MoK's), mok.bf16 the bf16 helpers fo
 mok.torch the autograd layer (import it explicitly; it needs PyTorch). The library is found through
 MOK_LIBRARY, a copy inside this package, the repository's build/, or the system's search path.
 """
-from . import bf16
-from ._lib import (ALIGN, DIM_TILE, MAX_RANKS, ROW_TILE, VERSION, BackendError, DeviceFaultError, InternalError,
+from . import _lib, bf16
+from ._lib import (ALIGN, DIM_TILE, MAX_RANKS, ROW_TILE, BackendError, DeviceFaultError, InternalError,
                    InvalidArgumentError, MokError, OutOfMemoryError, PeerTimeoutError, StateError, Status,
                    UnsupportedError)
 from ._lib import path as library_path
+from ._lib import version_info
 from .functional import (Config, Context, Group, Schedule, ScheduleInfo, Sizes, Workspace, backend_available, backward,
-                         build_schedule, forward, recompute_forward_context, reference_backward, reference_forward)
+                         build_schedule, device_count, forward, recompute_forward_context, reference_backward,
+                         reference_forward)
 
-__version__ = f"{VERSION // 10000}.{VERSION // 100 % 100}.{VERSION % 100}"
+__version__ = _lib.version  # "0.1.0": include/mok.h's, as `mok --version` says it
 
 
 def version():
-    """MOK_VERSION of the loaded library (major * 10000 + minor * 100 + patch)."""
-    from ._lib import lib
-    return lib.mok_version()
+    """The loaded library's version, "MAJOR.MINOR.PATCH" (version_info has it as a tuple of ints)."""
+    return _lib.version
 
 
 __all__ = [
     "bf16", "Config", "Group", "Workspace", "Sizes", "Schedule", "ScheduleInfo", "Context", "build_schedule",
     "forward", "backward", "recompute_forward_context", "reference_forward", "reference_backward",
-    "backend_available", "version", "library_path", "MokError", "InvalidArgumentError", "UnsupportedError",
-    "OutOfMemoryError", "BackendError", "PeerTimeoutError", "DeviceFaultError", "StateError", "InternalError",
-    "Status", "VERSION", "DIM_TILE", "ROW_TILE", "MAX_RANKS", "ALIGN",
+    "backend_available", "device_count", "version", "version_info", "library_path", "MokError",
+    "InvalidArgumentError", "UnsupportedError", "OutOfMemoryError", "BackendError", "PeerTimeoutError",
+    "DeviceFaultError", "StateError", "InternalError", "Status", "DIM_TILE", "ROW_TILE", "MAX_RANKS", "ALIGN",
 ]

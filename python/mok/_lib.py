@@ -14,11 +14,6 @@ from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float, c_i
                     c_size_t, c_uint16, c_void_p)
 from pathlib import Path
 
-# The version this binding was written against: MOK_VERSION of include/mok.h,
-# major * 10000 + minor * 100 + patch.
-VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH = 0, 1, 0
-VERSION = VERSION_MAJOR * 10000 + VERSION_MINOR * 100 + VERSION_PATCH
-
 DIM_TILE = 64     # MOK_DIM_TILE: H, I and I_s are multiples of it
 ROW_TILE = 128    # MOK_ROW_TILE: per-expert row padding, minibatch granularity
 MAX_RANKS = 72    # MOK_MAX_RANKS
@@ -405,10 +400,32 @@ for _name, (_restype, _argtypes) in FUNCTIONS.items():
     _fn.restype = _restype
     _fn.argtypes = _argtypes
 
-_library_version = lib.mok_version()
-if _library_version != VERSION:
-    raise ImportError(f"mok: {path} is version {_library_version} but this binding expects {VERSION} "
-                      f"({VERSION_MAJOR}.{VERSION_MINOR}.{VERSION_PATCH}); rebuild the library or use the matching binding")
+def _version_info(number):
+    """(major, minor, patch) of a MOK_VERSION number (major * 10000 + minor * 100 + patch)."""
+    return (number // 10000, number // 100 % 100, number % 100)
+
+
+def _installed_version():
+    """The version pip installed this package with (setup.py takes it from include/mok.h), or None
+    when this copy of the package is not the installed one (a source checkout on PYTHONPATH)."""
+    try:
+        from importlib import metadata
+        dist = metadata.distribution("mok")
+        if Path(dist.locate_file("mok")).resolve() != Path(__file__).resolve().parent:
+            return None
+        return dist.version
+    except Exception:  # no metadata, or a distribution without files
+        return None
+
+
+# The loaded library's version, the one home of which is include/mok.h; an installed package must
+# have been built with the same one.
+version_info = _version_info(lib.mok_version())
+version = ".".join(str(part) for part in version_info)
+_package_version = _installed_version()
+if _package_version is not None and _package_version != version:
+    raise ImportError(f"mok: {path} is version {version} but this package was installed as {_package_version}; "
+                      "rebuild the library or reinstall the package (pip install ./python)")
 _library_config_size = lib.mok_config_struct_size()
 if _library_config_size != ctypes.sizeof(Config):
     raise ImportError(f"mok: {path} has a {_library_config_size}-byte mok_config but this binding's is "

@@ -20,7 +20,7 @@ from . import _lib
 from ._lib import ROW_TILE, Backend, Direction
 
 __all__ = [
-    "Config", "Group", "Workspace", "Sizes", "Schedule", "ScheduleInfo", "Context", "backend_available",
+    "Config", "Group", "Workspace", "Sizes", "Schedule", "ScheduleInfo", "Context", "backend_available", "device_count",
     "build_schedule", "forward", "backward", "recompute_forward_context", "reference_forward",
     "reference_backward",
 ]
@@ -151,9 +151,14 @@ def _backend(value):
     raise ValueError(f"backend: {value!r} is not 'cpu', 'cuda' or 'auto'")
 
 
-def backend_available(backend):
+def device_count(backend):
     """cpu and auto: 1; cuda: the number of usable GPUs (0 without a CUDA build or a GPU)."""
     return _lib.lib.mok_backend_available(int(_backend(backend)))
+
+
+def backend_available(backend):
+    """Whether this build and machine can run the backend: cpu and auto always, cuda with a GPU."""
+    return device_count(backend) > 0
 
 
 class _Closing:
@@ -203,7 +208,7 @@ class Group(_Closing):
     def create_local(cls, nranks, backend="auto", devices=None, config=None):
         """One process drives all nranks ranks. devices: GPU ordinals for cuda (default 0..nranks-1)."""
         b = _backend(backend)
-        if devices is None and b != Backend.CPU and backend_available("cuda") >= nranks:
+        if devices is None and b != Backend.CPU and device_count("cuda") >= nranks:
             devices = list(range(nranks))
         if devices is not None:
             devices = [int(d) for d in devices]

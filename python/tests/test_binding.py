@@ -6,6 +6,7 @@ torch); on GPUs also CUDA-graph capture and replay of MoE, the trace, and EP2 ov
 Random inputs are fresh per run; the seed is printed (MOK_PY_SEED=N replays a run).
 """
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -138,9 +139,34 @@ def check_against_reference(L, y, g, y_ref, g_ref, start=None):
 # ---- the ctypes layer ---------------------------------------------------------------------------------
 
 
-def test_version_and_struct_sizes():
-    assert mok.VERSION == 100
-    assert mok.version() == mok.VERSION
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def test_version_agrees_everywhere():
+    """One version, include/mok.h's: the library's, mok.__version__, mok.version(), version_info, and
+    `mok --version` of the build beside the library (as "MAJOR.MINOR.PATCH", never the encoded 100)."""
+    with open(os.path.join(REPO, "include", "mok.h")) as f:
+        defines = dict(line.split()[1:3] for line in f if line.startswith("#define MOK_VERSION_"))
+    want = tuple(int(defines[f"MOK_VERSION_{part}"]) for part in ("MAJOR", "MINOR", "PATCH"))
+    assert mok.version_info == want and all(isinstance(part, int) for part in mok.version_info)
+    assert mok.version() == mok.__version__ == ".".join(map(str, want))
+    assert _lib.lib.mok_version() == want[0] * 10000 + want[1] * 100 + want[2]
+    tool = os.path.join(os.path.dirname(mok.library_path), "mok")
+    if not os.path.exists(tool):
+        pytest.skip(f"no mok command beside {mok.library_path}")
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == f"mok {mok.__version__}", out.stdout
+
+
+def test_setup_reads_the_version_from_the_header():
+    """python/setup.py's version is include/mok.h's (the package metadata says what the library says)."""
+    out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=os.path.join(REPO, "python"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == mok.__version__
+
+
+def test_struct_sizes():
     assert _lib.lib.mok_config_struct_size() == ctypes.sizeof(_lib.Config)
     assert ctypes.sizeof(_lib.UniqueId) == 128
     assert ctypes.sizeof(_lib.ScheduleInfo) == 8 * (mok.MAX_RANKS + 5)
@@ -156,6 +182,11 @@ def test_config_defaults_aliases_and_validation():
     assert c.minibatch_size == 256 and c.fwd_num_comm_sms == 8
     assert c.replace(ring_rows=1024).macrobatch_size == 1024
     assert mok.Config.from_struct(c.to_struct()) == c
+    upper = mok.Config(fwd_dispatch="PUSH", fwd_combine="Pull", bwd_combine="pUsH", bwd_dispatch="PULL")
+    assert (upper.fwd_dispatch, upper.fwd_combine, upper.bwd_combine, upper.bwd_dispatch) == ("push", "pull", "push",
+                                                                                              "pull")
+    with pytest.raises(ValueError, match="fwd_dispatch"):
+        mok.Config(fwd_dispatch="sideways")
     with pytest.raises(TypeError):
         mok.Config(no_such_field=1)
     with pytest.raises(mok.InvalidArgumentError, match="minibatch_rows"):
@@ -167,7 +198,10 @@ def test_config_defaults_aliases_and_validation():
 def test_status_strings_and_backends():
     assert _lib.status_string(_lib.Status.OK) == "ok"
     assert _lib.status_string(_lib.Status.ERR_TIMEOUT) == "timed out waiting for a peer rank"
-    assert mok.backend_available("cpu") == 1
+    assert mok.backend_available("cpu") is True and mok.backend_available("auto") is True
+    assert mok.device_count("cpu") == 1
+    assert isinstance(mok.backend_available("cuda"), bool)
+    assert mok.backend_available("cuda") == (mok.device_count("cuda") > 0)
     assert _lib.lib.mok_backend_name(_lib.Backend.CUDA) == b"cuda"
     uid = mok.Group.unique_id("cpu")
     assert isinstance(uid, bytes) and len(uid) == 128 and uid != mok.Group.unique_id("cpu")
@@ -536,7 +570,7 @@ def _torch():
 def _cuda(n=1):
     """torch, when n GPUs and a CUDA build of libmok are there; else the test is skipped."""
     torch = _torch()
-    if not torch.cuda.is_available() or torch.cuda.device_count() < n or mok.backend_available("cuda") < n:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n or mok.device_count("cuda") < n:
         pytest.skip(f"needs {n} GPU(s) and a CUDA build of libmok")
     return torch
 
@@ -862,6 +896,57 @@ def test_cuda_trace_events(tmp_path):
                or e["ts"] < span[(e["pid"], e["tid"])][0] - eps
                or e["ts"] + e["dur"] > span[(e["pid"], e["tid"])][1] + eps]
     assert not outside, f"{len(outside)} of {len(tasks)} tasks outside their CTA's residency, e.g. {outside[:2]}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_trace_keeps_the_last_forward_and_backward(tmp_path, backend):
+    """Config(trace=True), a forward and a backward, then Workspace.trace_write: the file holds both
+    passes, the backward's tasks after the forward's on one time axis, each (rank, pass) a process
+    named "rank R forward" / "rank R backward" and each worker a thread named "comm worker W" or
+    "compute worker W"; bench/timeline.py's load(pass_name=...) gives one pass with pid = rank. On
+    cuda each pass also has one residency event per SM."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    import timeline
+
+    if backend == "cuda":
+        torch = _cuda(1)
+        L = make_layer(1, [600], H=256, I=128, E=8, k=4, Is=128, seed=72)
+        config = CUDA_CONFIG.replace(trace=True)
+        group = mok.Group.create_local(1, backend="cuda", devices=[0], config=config)
+        arrays = torch_layer(torch, L, [torch.device("cuda", 0)])
+    else:
+        L = make_layer(2, [150, 97], E=6, k=2, Is=64, seed=72)
+        config = CONFIG.replace(trace=True)
+        group = mok.Group.create_local(2, backend="cpu", config=config)
+        arrays = L
+    path = str(tmp_path / "trace.json")
+    with group:
+        _, ws = workspace(L, group=group, config=config)
+        with ws:
+            run(ws, arrays)
+            ws.synchronize()
+            ws.trace_write(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+    tasks = [e for e in events if e["ph"] == "X" and e["cat"] != "resident"]
+    forward_kinds = {"dispatch", "gateup", "down", "combine", "shared_up", "shared_down"}
+    for rank in range(L["P"]):
+        assert names.get((rank, None)) == f"rank {rank} forward", names
+        assert names.get((72 + rank, None)) == f"rank {rank} backward", names
+    for e in tasks:
+        backward = e["args"]["pass"] == "backward"
+        assert e["pid"] == e["args"]["rank"] + (72 if backward else 0), e
+        assert (e["name"] in forward_kinds) != backward, e
+        assert names.get((e["pid"], e["tid"])) == f"{e['cat']} worker {e['tid']}", e
+    forward, backward = timeline.load(path, pass_name="forward"), timeline.load(path, pass_name="backward")
+    assert forward and backward and len(forward) + len(backward) == len(tasks)
+    assert {e["pid"] for e in forward} == {e["pid"] for e in backward} == set(range(L["P"]))
+    assert max(e["ts"] + e["dur"] for e in forward) <= min(e["ts"] for e in backward)
+    if backend == "cuda":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for name in ("forward", "backward"):
+            assert len(timeline.load(path, resident=True, pass_name=name)) == sms, name
 
 
 _EP_WORKER = r"""

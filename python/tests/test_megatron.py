@@ -197,7 +197,7 @@ def test_gpu_gpt_moe_trains_like_mcore(ep):
     dispatcher) trained 30 steps with MCore's own MoE and, from the same weights on the same
     batches, with mok (apply); the loss curves must agree (megatron_gpu_worker.py states the
     criterion)."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < ep or mok.backend_available("cuda") < ep:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < ep or mok.device_count("cuda") < ep:
         pytest.skip(f"needs {ep} GPU(s) and a CUDA build of libmok")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + SEED % 1000 + ep), WORLD_SIZE=str(ep),
                MOK_PY_SEED=str(SEED))

@@ -12,6 +12,9 @@ import pytest
 
 import mok
 
+torch = pytest.importorskip("torch")  # before anything below touches it: every test here needs it
+import torch.nn.functional as F  # noqa: E402  (after the skip)
+
 SEED = int(os.environ.get("MOK_PY_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_moe.py")
 
@@ -22,7 +25,6 @@ def _print_seed():
 
 
 def _example():
-    pytest.importorskip("torch")
     spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -34,8 +36,6 @@ def _rel(a, b):
 
 
 def test_expert_ffn_fp32_is_autograd():
-    import torch
-    import torch.nn.functional as F
     ex = _example()
     g = torch.Generator().manual_seed(SEED)
     n, H, I = 37, 64, 48
@@ -56,7 +56,6 @@ def test_expert_ffn_fp32_is_autograd():
 def _pair(ex, T, H, I, E, k, Is, seed):
     """mok.torch.MoE (cpu backend) and the bf16 twin with the same weights, both routed by the
     same fixed (topk_ids, router_w) so that dx is the MoE's alone (no router path)."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     m = mok.torch.MoE(H, I, E, k, shared_intermediate=Is, backend="cpu", max_tokens=T)
     t = ex.TorchMoE(H, I, E, k, Is, compute_dtype=torch.bfloat16)
@@ -71,7 +70,6 @@ def _pair(ex, T, H, I, E, k, Is, seed):
 
 
 def test_twin_matches_mok_cpu_up_to_sum_order():
-    import torch
     ex = _example()
     T, H, I, E, k, Is = 96, 128, 64, 6, 2, 64
     m, t, leaf, g = _pair(ex, T, H, I, E, k, Is, SEED)
@@ -108,7 +106,6 @@ def test_twin_matches_mok_cpu_up_to_sum_order():
 def test_split_k_twin_is_the_twin_up_to_sum_order():
     """The yardstick twin with split-K matmuls computes the twin's function: the same rounding
     points, another order of the fp32 sums (every value within a bf16 step of the largest)."""
-    import torch
     ex = _example()
     g = torch.Generator().manual_seed(SEED)
     T, H, I, E, k, Is = 80, 128, 64, 5, 2, 64
@@ -132,7 +129,6 @@ def test_split_k_twin_is_the_twin_up_to_sum_order():
 def _models(ex, seed):
     """A one-block model with mok's layer (cpu backend) and its twin holding the same weights, and a
     batch of the example's language."""
-    import torch
     H, I, E, k, Is, V, B, L = 64, 64, 4, 2, 64, 16, 4, 16
 
     def mok_moe():

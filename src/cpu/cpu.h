@@ -125,9 +125,9 @@ typedef struct cpu_rank {
     struct cpu_worker *jobs;      /* [workers] */
     float *scratch;               /* [workers, scratch_floats] */
     size_t scratch_floats;
-    mok_trace_event *trace;       /* [trace_cap] */
-    _Atomic int64_t trace_count;
-    int64_t trace_cap;
+    mok_trace_event *trace;       /* [MOK_TRACE_PASSES * trace_cap]: pass p's from p * trace_cap */
+    _Atomic int64_t trace_count[MOK_TRACE_PASSES];
+    int64_t trace_cap;            /* events of one pass */
 } cpu_rank;
 
 typedef struct cpu_workspace {
@@ -160,6 +160,9 @@ typedef struct cpu_pass {
 } cpu_pass;
 
 enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };
+
+/* The trace buffer a pass records into (internal.h: forward and recompute 0, backward 1). */
+static inline int cpu_trace_pass(int kind) { return kind == CPU_PASS_BACKWARD; }
 
 /* Why a counter wait of a pass gave up (cpu_rank.wait_failed). */
 enum { CPU_WAIT_OK = 0, CPU_WAIT_TIMEOUT, CPU_WAIT_PEER_FAILED, CPU_WAIT_POISONED };

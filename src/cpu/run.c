@@ -106,9 +106,10 @@ static void *worker_main(void *arg) {
         if (pass->kind == CPU_PASS_BACKWARD) mok__cpu_run_backward_task(pass, t, scratch);
         else mok__cpu_run_forward_task(pass, t, scratch);
         if (R->trace) {
-            int64_t n = atomic_fetch_add(&R->trace_count, 1);
+            const int slot = cpu_trace_pass(pass->kind);
+            int64_t n = atomic_fetch_add(&R->trace_count[slot], 1);
             if (n < R->trace_cap)
-                R->trace[n] = (mok_trace_event){.kind = t->kind,
+                R->trace[slot * R->trace_cap + n] = (mok_trace_event){.kind = t->kind,
                                                 .worker = (int16_t)job->worker,
                                                 .minibatch = t->minibatch,
                                                 .rank = (int16_t)R->rank,
@@ -266,7 +267,7 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     atomic_store(&R->abort, 0);
     atomic_store(&R->wait_failed, CPU_WAIT_OK);
     atomic_store(&R->progress_ns, 0);
-    atomic_store(&R->trace_count, 0);
+    atomic_store(&R->trace_count[cpu_trace_pass(pass->kind)], 0);
     return MOK_OK;
 }
 
@@ -456,12 +457,14 @@ mok_status mok__cpu_backward(mok_workspace *ws, const mok_backward_args *args) {
 
 mok_status mok__cpu_trace_write(mok_workspace *ws, const char *path) {
     cpu_workspace *cw = ws->impl;
-    const mok_trace_event *events[MOK_MAX_RANKS];
-    int64_t counts[MOK_MAX_RANKS];
-    for (int lr = 0; lr < cw->num_local; ++lr) {
-        int64_t n = atomic_load(&cw->ranks[lr].trace_count);
-        events[lr] = cw->ranks[lr].trace;
-        counts[lr] = n < cw->ranks[lr].trace_cap ? n : cw->ranks[lr].trace_cap;
-    }
+    const mok_trace_event *events[MOK_TRACE_PASSES * MOK_MAX_RANKS];
+    int64_t counts[MOK_TRACE_PASSES * MOK_MAX_RANKS];
+    for (int pass = 0; pass < MOK_TRACE_PASSES; ++pass)
+        for (int lr = 0; lr < cw->num_local; ++lr) {
+            const cpu_rank *R = &cw->ranks[lr];
+            int64_t n = atomic_load(&R->trace_count[pass]);
+            events[pass * cw->num_local + lr] = R->trace + pass * R->trace_cap;
+            counts[pass * cw->num_local + lr] = n < R->trace_cap ? n : R->trace_cap;
+        }
     return mok__trace_write_json(path, events, counts, cw->num_local);
 }

@@ -88,7 +88,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     R->jobs = alloc_bytes((size_t)cw->workers * sizeof(cpu_worker), total);
     if (ws->config.trace) {
         R->trace_cap = R->tasks_cap + 16;
-        R->trace = alloc_bytes((size_t)R->trace_cap * sizeof(mok_trace_event), total);
+        R->trace = alloc_bytes((size_t)(MOK_TRACE_PASSES * R->trace_cap) * sizeof(mok_trace_event), total);
     }
     if (!R->region || !R->ring_h || !R->ring_dgu ||
         !R->sh_h || !R->sh_out || !R->sh_dgu || !R->carry || !R->tasks || !R->scratch || !R->threads || !R->jobs ||

@@ -125,9 +125,10 @@ typedef struct cuda_rank {
     float *carry;                       /* [carry_slots, 3 I H]: weight-gradient accumulators of experts
                                            that span macrobatches (bf16 mode) */
     long long carry_slots;
-    mok_trace_event *trace;             /* config.trace: [trace_cap] events of the last pass */
-    long long trace_cap;
-    unsigned long long *trace_count;
+    mok_trace_event *trace;             /* config.trace: [MOK_TRACE_PASSES * trace_cap] events of the last
+                                           forward (from 0) and the last backward (from trace_cap) */
+    long long trace_cap;                /* events of one pass */
+    unsigned long long *trace_count;    /* [MOK_TRACE_PASSES] */
     unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
     int64_t counters_cap;
     unsigned long long *epoch;          /* device: barriers passed by this rank */

@@ -85,9 +85,9 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->carry, (size_t)R->carry_slots * 3 * I * H * 4);
     if (ws->config.trace) {
         R->trace_cap = mok__tasks_max(&worst, ws->sched_layout.max_rows, s->max_tokens) + 16 + R->num_sms;
-        ALLOC(R->trace, sizeof(mok_trace_event) * (size_t)R->trace_cap);
-        ALLOC(R->trace_count, sizeof(unsigned long long));
-        CUDA_TRY(cudaMemset(R->trace_count, 0, sizeof(unsigned long long)));
+        ALLOC(R->trace, sizeof(mok_trace_event) * (size_t)(MOK_TRACE_PASSES * R->trace_cap));
+        ALLOC(R->trace_count, sizeof(unsigned long long) * MOK_TRACE_PASSES);
+        CUDA_TRY(cudaMemset(R->trace_count, 0, sizeof(unsigned long long) * MOK_TRACE_PASSES));
     }
     ALLOC(R->epoch, sizeof(unsigned long long));
     ALLOC(R->sched_mem, mok__cuda_sched_scratch(ws, R->num_sms, NULL, &R->sched));
@@ -290,36 +290,38 @@ extern "C" mok_status mok__cuda_synchronize(mok_workspace *ws) {
     return mok__cuda_check_error_word(ws);
 }
 
-/* Writes the tasks the last pass recorded (config.trace) as Chrome trace JSON. */
+/* Writes the tasks of the last forward and the last backward (config.trace) as Chrome trace JSON. */
 extern "C" mok_status mok__cuda_trace_write(mok_workspace *ws, const char *path) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
-    const mok_trace_event *events[MOK_MAX_RANKS];
-    int64_t counts[MOK_MAX_RANKS];
-    mok_trace_event *host[MOK_MAX_RANKS] = {0};
+    const int parts = MOK_TRACE_PASSES * cw->num_local; /* part = pass * num_local + local rank */
+    const mok_trace_event *events[MOK_TRACE_PASSES * MOK_MAX_RANKS];
+    int64_t counts[MOK_TRACE_PASSES * MOK_MAX_RANKS];
+    mok_trace_event *host[MOK_TRACE_PASSES * MOK_MAX_RANKS] = {0};
     int previous = 0;
     cudaGetDevice(&previous);
     mok_status st = MOK_OK;
-    for (int lr = 0; lr < cw->num_local && st == MOK_OK; ++lr) {
-        cuda_rank *R = &cw->ranks[lr];
+    for (int part = 0; part < parts && st == MOK_OK; ++part) {
+        const int pass = part / cw->num_local;
+        cuda_rank *R = &cw->ranks[part % cw->num_local];
         unsigned long long n = 0;
         if (cudaSetDevice(R->device) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
-            cudaMemcpy(&n, R->trace_count, sizeof n, cudaMemcpyDeviceToHost) != cudaSuccess) {
+            cudaMemcpy(&n, R->trace_count + pass, sizeof n, cudaMemcpyDeviceToHost) != cudaSuccess) {
             st = mok__fail(MOK_ERR_BACKEND, "trace: reading rank %d's trace failed", R->rank);
             break;
         }
-        counts[lr] = (int64_t)n < R->trace_cap ? (int64_t)n : R->trace_cap;
-        host[lr] = (mok_trace_event *)malloc(sizeof(mok_trace_event) * (size_t)(counts[lr] + 1));
-        if (!host[lr]) {
+        counts[part] = (int64_t)n < R->trace_cap ? (int64_t)n : R->trace_cap;
+        host[part] = (mok_trace_event *)malloc(sizeof(mok_trace_event) * (size_t)(counts[part] + 1));
+        if (!host[part]) {
             st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "trace: out of host memory");
             break;
         }
-        if (cudaMemcpy(host[lr], R->trace, sizeof(mok_trace_event) * (size_t)counts[lr], cudaMemcpyDeviceToHost) !=
-            cudaSuccess)
+        if (cudaMemcpy(host[part], R->trace + pass * R->trace_cap, sizeof(mok_trace_event) * (size_t)counts[part],
+                       cudaMemcpyDeviceToHost) != cudaSuccess)
             st = mok__fail(MOK_ERR_BACKEND, "trace: copying rank %d's trace failed", R->rank);
-        events[lr] = host[lr];
+        events[part] = host[part];
     }
     cudaSetDevice(previous);
     if (st == MOK_OK) st = mok__trace_write_json(path, events, counts, cw->num_local);
-    for (int lr = 0; lr < cw->num_local; ++lr) free(host[lr]);
+    for (int part = 0; part < parts; ++part) free(host[part]);
     return st;
 }

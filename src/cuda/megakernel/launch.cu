@@ -75,7 +75,7 @@ mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, 
     mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
-    if (R->trace_count) CUDA_TRY(cudaMemsetAsync(R->trace_count, 0, sizeof(unsigned long long), stream));
+    if (p->trace_count) CUDA_TRY(cudaMemsetAsync(p->trace_count, 0, sizeof(unsigned long long), stream));
     if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
         LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
                                                                         R->sym + p->off_sched));

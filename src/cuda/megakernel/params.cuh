@@ -198,9 +198,10 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->spans = R->spans;
     p->spans_cap = R->spans_cap;
     p->num_spans = R->num_spans;
-    p->trace = R->trace;
+    /* the pass's own trace buffer: the forward's (or recompute's) or the backward's (internal.h) */
+    p->trace = R->trace ? R->trace + (backward ? R->trace_cap : 0) : nullptr;
     p->trace_cap = R->trace_cap;
-    p->trace_count = R->trace_count;
+    p->trace_count = R->trace_count ? R->trace_count + (backward ? 1 : 0) : nullptr;
     p->raster = R->tuning.raster;
 }
 

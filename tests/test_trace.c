@@ -1,0 +1,176 @@
+/* test_trace.c — mok_trace_write on the cpu backend keeps the last forward and the last backward:
+ * after a forward the file holds that forward only; after the backward both, the backward's tasks
+ * after the forward's on one time axis; after another forward, the new forward (as many tasks as
+ * the first, the same layer) beside the old backward. Every (rank, pass) is a process named
+ * "rank R forward" / "rank R backward" with pid R / MOK_MAX_RANKS + R, every worker that ran a
+ * task a thread named "comm worker W" or "compute worker W", and each event's kind belongs to
+ * its pass. The file is read line by line: the writer puts one event on each line. */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "layer.h"
+#include "test.h"
+
+#define TRACE_RANKS 2
+
+typedef struct trace_counts {
+    int tasks[2][TRACE_RANKS];          /* complete events per pass and rank */
+    int named_process[2][TRACE_RANKS];  /* process_name events naming it */
+    int named_threads[2][TRACE_RANKS];  /* thread_name events */
+    int workers_unnamed;                /* an event of a (pid, tid) with no thread name before it */
+    int wrong_pass;                     /* an event whose kind, pid or args disagree with its pass */
+    double forward_end, backward_start; /* the latest forward end, the earliest backward start (us) */
+    int lines;
+} trace_counts;
+
+static const char *const forward_kinds[] = {"dispatch", "gateup", "down", "combine", "shared_up", "shared_down"};
+
+static int is_forward_kind(const char *name) {
+    for (size_t i = 0; i < sizeof forward_kinds / sizeof forward_kinds[0]; ++i)
+        if (strcmp(name, forward_kinds[i]) == 0) return 1;
+    return 0;
+}
+
+/* One complete event: its kind, pid, tid, times and the pass and rank of its args. */
+static void count_event(trace_counts *c, const char *line, int named[][64]) {
+    char name[32] = "", pass[16] = "";
+    int pid = -1, tid = -1, rank = -1, minibatch = 0;
+    double ts = 0.0, dur = 0.0;
+    const char *n = strstr(line, "\"name\":\""), *p = strstr(line, "\"pid\":"), *a = strstr(line, "\"args\":");
+    if (!n || !p || !a || sscanf(n, "\"name\":\"%31[^\"]\"", name) != 1 ||
+        sscanf(p, "\"pid\":%d,\"tid\":%d,\"ts\":%lf,\"dur\":%lf", &pid, &tid, &ts, &dur) != 4 ||
+        sscanf(a, "\"args\":{\"rank\":%d,\"pass\":\"%15[^\"]\",\"minibatch\":%d", &rank, pass, &minibatch) != 3) {
+        ++c->wrong_pass;
+        return;
+    }
+    const int backward = strcmp(pass, "backward") == 0;
+    if ((!backward && strcmp(pass, "forward") != 0) || rank < 0 || rank >= TRACE_RANKS ||
+        pid != (backward ? MOK_MAX_RANKS : 0) + rank || is_forward_kind(name) == backward) {
+        ++c->wrong_pass;
+        return;
+    }
+    ++c->tasks[backward][rank];
+    if (tid < 0 || tid >= 64 || !named[backward * TRACE_RANKS + rank][tid]) ++c->workers_unnamed;
+    if (backward && (c->backward_start < 0.0 || ts < c->backward_start)) c->backward_start = ts;
+    if (!backward && ts + dur > c->forward_end) c->forward_end = ts + dur;
+}
+
+/* A process_name or thread_name event. */
+static void count_name(trace_counts *c, const char *line, int named[][64]) {
+    int pid = -1, tid = -1, rank = -1, worker = -1;
+    char pass[16] = "", role[16] = "";
+    const char *p = strstr(line, "\"pid\":");
+    if (!p) return;
+    if (strstr(line, "\"process_name\"")) {
+        if (sscanf(p, "\"pid\":%d,\"args\":{\"name\":\"rank %d %15[a-z]\"", &pid, &rank, pass) != 3) return;
+        const int backward = strcmp(pass, "backward") == 0;
+        if (rank >= 0 && rank < TRACE_RANKS && pid == (backward ? MOK_MAX_RANKS : 0) + rank)
+            ++c->named_process[backward][rank];
+    } else if (strstr(line, "\"thread_name\"")) {
+        if (sscanf(p, "\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%15s worker %d\"", &pid, &tid, role, &worker) != 4)
+            return;
+        const int backward = pid >= MOK_MAX_RANKS;
+        rank = pid - (backward ? MOK_MAX_RANKS : 0);
+        if (rank >= 0 && rank < TRACE_RANKS && tid == worker && tid >= 0 && tid < 64 &&
+            (strcmp(role, "comm") == 0 || strcmp(role, "compute") == 0)) {
+            ++c->named_threads[backward][rank];
+            named[backward * TRACE_RANKS + rank][tid] = 1;
+        }
+    }
+}
+
+static int read_trace(const char *path, trace_counts *c) {
+    memset(c, 0, sizeof *c);
+    c->forward_end = -1.0;
+    c->backward_start = -1.0;
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    static int named[2 * TRACE_RANKS][64];
+    memset(named, 0, sizeof named);
+    char line[1024];
+    while (fgets(line, sizeof line, f)) {
+        ++c->lines;
+        if (strstr(line, "\"ph\":\"M\"")) count_name(c, line, named);
+        else if (strstr(line, "\"ph\":\"X\"")) count_event(c, line, named);
+    }
+    fclose(f);
+    return 0;
+}
+
+static void check_pass(const trace_counts *c, int backward, int present, const char *when) {
+    for (int r = 0; r < TRACE_RANKS; ++r) {
+        CHECK((c->tasks[backward][r] > 0) == present, "%s: rank %d has %d %s events", when, r, c->tasks[backward][r],
+              backward ? "backward" : "forward");
+        CHECK(c->named_process[backward][r] == present, "%s: rank %d %s named %d times", when, r,
+              backward ? "backward" : "forward", c->named_process[backward][r]);
+        CHECK((c->named_threads[backward][r] > 0) == present, "%s: rank %d %s names %d threads", when, r,
+              backward ? "backward" : "forward", c->named_threads[backward][r]);
+    }
+}
+
+MOK_TEST(trace_keeps_last_forward_and_backward) {
+    int64_t tokens[TRACE_RANKS] = {150, 97};
+    mok_shape shape = {.hidden = 128, .intermediate = 64, .num_experts = 6, .topk = 2, .shared_intermediate = 64,
+                       .max_tokens = 150, .precision = MOK_PRECISION_BF16};
+    layer L;
+    CHECK(layer_make(&L, &shape, TRACE_RANKS, tokens, mok_test_seed() + 31, LAYER_ROUTE_UNIFORM) == 0, "layer_make");
+    mok_config config = mok_config_default();
+    config.minibatch_rows = 128;
+    config.ring_rows = 256;
+    config.cpu_threads = 3;
+    config.trace = 1;
+    layer_backend B;
+    layer_result got = {0};
+    char path[96];
+    snprintf(path, sizeof path, "/tmp/mok_test_trace_passes_%d.json", (int)getpid());
+    trace_counts first = {0}, both = {0}, again = {0};
+    int ok = layer_backend_open(&B, &L, &config) == MOK_OK;
+    CHECK(ok, "open: %s", B.message);
+    if (ok) {
+        ok = layer_backend_forward(&B, &L, &got) == MOK_OK && mok_trace_write(B.workspace, path) == MOK_OK &&
+             read_trace(path, &first) == 0;
+        CHECK(ok, "forward and trace: %s / %s", got.message, mok_last_error());
+    }
+    if (ok) {
+        check_pass(&first, 0, 1, "after the forward");
+        check_pass(&first, 1, 0, "after the forward");
+        ok = layer_backend_backward(&B, &L, 0, &got) == MOK_OK && mok_trace_write(B.workspace, path) == MOK_OK &&
+             read_trace(path, &both) == 0;
+        CHECK(ok, "backward and trace: %s / %s", got.message, mok_last_error());
+    }
+    if (ok) {
+        check_pass(&both, 0, 1, "after the backward");
+        check_pass(&both, 1, 1, "after the backward");
+        for (int r = 0; r < TRACE_RANKS; ++r)
+            CHECK(both.tasks[0][r] == first.tasks[0][r], "rank %d: the forward's %d events became %d", r,
+                  first.tasks[0][r], both.tasks[0][r]);
+        CHECK(both.backward_start >= both.forward_end, "the backward starts at %.3f us, before the forward's end %.3f",
+              both.backward_start, both.forward_end);
+        layer_result second = {0};
+        ok = layer_backend_forward(&B, &L, &second) == MOK_OK && mok_trace_write(B.workspace, path) == MOK_OK &&
+             read_trace(path, &again) == 0;
+        CHECK(ok, "second forward and trace: %s / %s", second.message, mok_last_error());
+        layer_result_free(&second);
+    }
+    if (ok) {
+        check_pass(&again, 0, 1, "after a second forward");
+        check_pass(&again, 1, 1, "after a second forward");
+        for (int r = 0; r < TRACE_RANKS; ++r) {
+            CHECK(again.tasks[0][r] == first.tasks[0][r], "rank %d: a forward of the same layer has %d events, not %d",
+                  r, again.tasks[0][r], first.tasks[0][r]);
+            CHECK(again.tasks[1][r] == both.tasks[1][r], "rank %d: the kept backward has %d events, not %d", r,
+                  again.tasks[1][r], both.tasks[1][r]);
+        }
+        CHECK(again.forward_end >= again.backward_start, "the second forward does not come after the backward");
+    }
+    const trace_counts *all[] = {&first, &both, &again};
+    for (int i = 0; ok && i < 3; ++i)
+        CHECK(all[i]->wrong_pass == 0 && all[i]->workers_unnamed == 0,
+              "file %d: %d events with a wrong pass, %d of an unnamed worker", i, all[i]->wrong_pass,
+              all[i]->workers_unnamed);
+    remove(path);
+    layer_result_free(&got);
+    layer_backend_close(&B);
+    layer_free(&L);
+}
