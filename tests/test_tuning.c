@@ -81,12 +81,14 @@ static const char *lookup(const char *name) {
     return NULL;
 }
 
+#define H200_L2_BYTES (60ll << 20)
+
 static mok_cuda_tuning resolve(const mok_shape *s, const mok_config *c, int nranks, int tma_found,
                                const char *const *env) {
     mok_cuda_tuning t;
     memset(&t, 0x5a, sizeof t); /* poisoned: every knob must be written */
     fake_env = env;
-    mok__cuda_tuning_resolve(&t, s, c, nranks, 132, tma_found, lookup);
+    mok__cuda_tuning_resolve(&t, s, c, nranks, 132, H200_L2_BYTES, tma_found, lookup);
     fake_env = NULL;
     return t;
 }
@@ -99,7 +101,7 @@ MOK_TEST(tuning_resolve) {
     const mok_shape qwen = {2048, 768, 128, 8, 0, 16384, MOK_PRECISION_BF16};
     const mok_shape odd = {320, 192, 8, 4, 192, 600, MOK_PRECISION_BF16};
     mok_cuda_tuning t = resolve(&dsv3, &config, 2, 1, NULL);
-    CHECK(t.tma == 1 && t.raster == 8 && t.cols_gateup == 128 && t.cols_dh == 256 && t.cols_h == 256,
+    CHECK(t.tma == 1 && t.raster == 16 && t.cols_gateup == 128 && t.cols_dh == 256 && t.cols_h == 256,
           "DeepSeek-V3: tma %d raster %d cols %d / %d / %d", t.tma, t.raster, t.cols_gateup, t.cols_dh, t.cols_h);
     CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 132) &&
               t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 132),
@@ -123,7 +125,7 @@ MOK_TEST(tuning_resolve) {
     CHECK(resolve(&dsv3, &config, 2, 0, NULL).tma == 0, "no encoder: no TMA");
     const char *const junk[] = {"MOK_CUDA_RASTER=65", "MOK_CUDA_COLS_H=96", "MOK_CUDA_COLS_DH=512", NULL};
     t = resolve(&dsv3, &config, 2, 1, junk);
-    CHECK(t.raster == 8 && t.cols_h == 256 && t.cols_dh == 256, "values outside the table's: raster %d cols %d / %d",
+    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256, "values outside the table's: raster %d cols %d / %d",
           t.raster, t.cols_h, t.cols_dh);
     const char *const zero[] = {"MOK_CUDA_RASTER=0", NULL};
     CHECK(resolve(&qwen, &config, 1, 1, zero).raster == 1, "raster 0: the default");
@@ -134,6 +136,23 @@ MOK_TEST(tuning_resolve) {
     t = resolve(&dsv3, &fixed, 2, 1, NULL);
     CHECK(t.fwd_comm_ctas == 5 && t.bwd_comm_ctas == 131, "configured comm CTAs %d / %d (at most all SMs but one)",
           t.fwd_comm_ctas, t.bwd_comm_ctas);
+}
+
+/* The walk's runs: tile-major where an expert's gate|up weights fit in half the L2, else the power
+ * of two nearest sqrt(2 W) for W compute CTAs; the layers of the benchmark on an H200. */
+MOK_TEST(tuning_raster) {
+    const int64_t l2 = H200_L2_BYTES;
+    CHECK(mok__cuda_raster(2048, 768, 124, l2) == 1, "Qwen3-30B-A3B (6 MB of gate|up per expert): tile-major");
+    CHECK(mok__cuda_raster(4096, 1024, 124, l2) == 1, "Qwen3.5-397B-A17B (17 MB): tile-major");
+    CHECK(mok__cuda_raster(7168, 2048, 124, l2) == 16, "DeepSeek-V3 (59 MB): %d", mok__cuda_raster(7168, 2048, 124, l2));
+    CHECK(mok__cuda_raster(6144, 2048, 122, l2) == 16, "GLM-5.2 (50 MB): runs");
+    CHECK(mok__cuda_raster(4096, 14336, 128, l2) == 16, "Mixtral-8x7B (235 MB): runs");
+    CHECK(mok__cuda_raster(7168, 2048, 124, 4 * l2) == 1, "a larger L2 keeps DeepSeek-V3's experts: tile-major");
+    CHECK(mok__cuda_raster(4096, 14336, 60, l2) == 8 && mok__cuda_raster(4096, 14336, 32, l2) == 8 &&
+              mok__cuda_raster(4096, 14336, 16, l2) == 4 && mok__cuda_raster(4096, 14336, 1, l2) == 1,
+          "fewer compute CTAs, shorter runs: %d %d %d %d", mok__cuda_raster(4096, 14336, 60, l2),
+          mok__cuda_raster(4096, 14336, 32, l2), mok__cuda_raster(4096, 14336, 16, l2),
+          mok__cuda_raster(4096, 14336, 1, l2));
 }
 
 /* The text: every knob in table order, and snprintf's answer when it does not fit. */

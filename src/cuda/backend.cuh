@@ -64,6 +64,7 @@ typedef struct cuda_group {
     ncclComm_t comm[MOK_MAX_RANKS];
     int device[MOK_MAX_RANKS];
     int num_sms[MOK_MAX_RANKS];
+    int64_t l2_bytes[MOK_MAX_RANKS];
 } cuda_group;
 
 /* Byte offsets in a symmetric region (symmetric.cu); equal on every rank. */

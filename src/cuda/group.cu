@@ -59,6 +59,7 @@ extern "C" mok_status mok__cuda_group_create(mok_group *g, int rank, const mok_u
             cudaDeviceProp prop;
             cudaGetDeviceProperties(&prop, devices[lr]);
             cg->num_sms[lr] = prop.multiProcessorCount;
+            cg->l2_bytes[lr] = prop.l2CacheSize;
         }
     }
     if (st == MOK_OK && !id) {

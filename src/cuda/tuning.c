@@ -25,7 +25,12 @@ int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int t
     return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;
 }
 
-int mok__cuda_raster(int64_t hidden) { return hidden >= 6144 ? 8 : 1; }
+int mok__cuda_raster(int64_t hidden, int64_t intermediate, int compute_ctas, int64_t l2_bytes) {
+    if (2 * 4 * hidden * intermediate <= l2_bytes || compute_ctas < 2) return 1;
+    int run = 1; /* the power of two nearest sqrt(2 W) on a log scale: run^2 within a factor sqrt(2) of 2 W */
+    while ((double)(2 * run) * (2 * run) <= 2.0 * compute_ctas * 1.41421356) run *= 2;
+    return run;
+}
 
 int mok__cuda_cols(int64_t a, int64_t b, int widest) {
     int w = widest;
@@ -52,18 +57,19 @@ static int comm_ctas(const mok_shape *s, const mok_config *c, int nranks, int nu
 }
 
 void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_config *c, int nranks, int num_sms,
-                              int tma_found, const char *(*env)(const char *name)) {
+                              int64_t l2_bytes, int tma_found, const char *(*env)(const char *name)) {
     const char *tma = env("MOK_CUDA_TMA");
     t->tma = tma_found && !(tma && tma[0] == '0');
+    t->fwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 0);
+    t->bwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 1);
     const char *raster = env("MOK_CUDA_RASTER");
     t->raster = raster ? atoi(raster) : 0;
-    if (t->raster < 1 || t->raster > 64) t->raster = mok__cuda_raster(s->hidden);
+    if (t->raster < 1 || t->raster > 64)
+        t->raster = mok__cuda_raster(s->hidden, s->intermediate, num_sms - t->fwd_comm_ctas, l2_bytes);
     t->cols_gateup = mok__cuda_cols(s->intermediate, s->shared_intermediate, 128);
     const int dh_cap = cols_cap(env, "MOK_CUDA_COLS_DH"), dh_widest = s->intermediate >= 2048 ? 256 : 128;
     t->cols_dh = mok__cuda_cols(s->intermediate, s->shared_intermediate, dh_cap < dh_widest ? dh_cap : dh_widest);
     t->cols_h = mok__cuda_cols(s->hidden, 0, cols_cap(env, "MOK_CUDA_COLS_H"));
-    t->fwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 0);
-    t->bwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 1);
 }
 
 size_t mok__cuda_tuning_format(const mok_cuda_tuning *t, char *text, size_t size) {

@@ -21,10 +21,10 @@
     X(tma, "MOK_CUDA_TMA", "1 (0 where the driver has no tensor-map encoder)",                                    \
       "GEMM operands load through TMA where the operand allows; 0 (the variable set to 0): every load through "    \
       "cp.async, a comparison path that computes the same bits")                                                  \
-    X(raster, "MOK_CUDA_RASTER", "8 for H >= 6144, else 1 (mok__cuda_raster)",                                   \
+    X(raster, "MOK_CUDA_RASTER", "16 where an expert's gate|up weights exceed half the L2, else 1 (mok__cuda_raster)", \
       "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \
-      "neighbouring tickets share a block of weights in L2; 1: tile-major, where the shared activation tile "     \
-      "is worth more")                                                                                            \
+      "neighbouring tickets share a few weight panels in L2; 1: tile-major, where the weights stay in L2 anyway " \
+      "and the shared activation tile is worth more")                                                             \
     X(cols_gateup, NULL, "the widest of 128, 64 that divides I and I_s",                                         \
       "columns of I, each of gate and up, per gate/up task (2 x 128 fill the 256-column tile)")                   \
     X(cols_dh, "MOK_CUDA_COLS_DH", "256 for I >= 2048, else 128; halved down to 64 until it divides I and I_s",  \
@@ -44,11 +44,11 @@ typedef struct mok_cuda_tuning {
 #undef MOK_X_KNOB
 } mok_cuda_tuning;
 
-/* The table resolved for one rank: the config, the shape, the group's size, the rank's SMs,
- * whether the driver gave the tensor-map encoder, and the environment through `env` (getenv, or
- * a test's stand-in). */
+/* The table resolved for one rank: the config, the shape, the group's size, the rank's SMs and L2
+ * bytes, whether the driver gave the tensor-map encoder, and the environment through `env` (getenv,
+ * or a test's stand-in). */
 void mok__cuda_tuning_resolve(mok_cuda_tuning *tuning, const mok_shape *shape, const mok_config *config, int nranks,
-                              int num_sms, int tma_found, const char *(*env)(const char *name));
+                              int num_sms, int64_t l2_bytes, int tma_found, const char *(*env)(const char *name));
 
 /* "name=value" for every knob, separated by single spaces, into text (size bytes, NUL included);
  * returns the length the whole text needs, as snprintf does. */
@@ -77,9 +77,17 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
                         int direct, int num_sms);
 
-/* Tiles per run of the GEMM spans' walk: 8 where H >= 6144, whose CTAs then share a sub-tile's
- * block of weights (256 columns x H) in L2; 1 (tile-major) for narrower layers. */
-int mok__cuda_raster(int64_t hidden);
+/* Tiles per run of the GEMM spans' walk (mok__span_tile), from the bytes each wave of tiles brings
+ * from memory. A 128 x 256 tile reads 128 activation rows and 256 weight rows of K values. Walking
+ * runs of R row tiles, each run column panel by column panel, the W compute CTAs at work hold R
+ * activation row blocks and about W / R weight panels: R·128 + (W / R)·256 rows per wave, least at
+ * R = sqrt(2W), 16 for an H200's 120-128 compute CTAs. That only matters when an expert's weights
+ * do not stay in L2 from one of its row tiles to the next: its gate|up weights (4·H·I bytes, the
+ * largest weight operand) at most half the L2 are read from memory about once whatever the order,
+ * and tile-major order (1) then keeps each activation row block hot for all its column tiles
+ * instead. (In tile-major order Mixtral-8x7B's 235 MB of gate|up weights per expert were read once
+ * per row tile, and the gate|up tiles ran at two thirds of the tensor cores' rate.) */
+int mok__cuda_raster(int64_t hidden, int64_t intermediate, int compute_ctas, int64_t l2_bytes);
 
 /* The widest of `widest`, its halves down to 64, that divides a and b (b = 0 divides). */
 int mok__cuda_cols(int64_t a, int64_t b, int widest);

@@ -185,8 +185,8 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
         R->device = cg->device[lr];
         R->rank = g->first_rank + lr;
         R->num_sms = cg->num_sms[lr];
-        mok__cuda_tuning_resolve(&R->tuning, &ws->shape, &ws->config, g->nranks, R->num_sms, tma_encoder_found(),
-                                 environment);
+        mok__cuda_tuning_resolve(&R->tuning, &ws->shape, &ws->config, g->nranks, R->num_sms, cg->l2_bytes[lr],
+                                 tma_encoder_found(), environment);
         cudaSetDevice(R->device);
         ncclTeam_t lsa = ncclTeamLsa(cg->comm[lr]);
         if (lsa.nRanks != g->nranks) {
