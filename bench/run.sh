@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# run.sh OUT — the benchmark of docs/perf.md, in one job: mok on 1 GPU (with the in-process
+# run.sh OUT — the benchmark of docs/results.md, in one job: mok on 1 GPU (with the in-process
 # PyTorch baseline, a sweep and traces), then on 2, 4 and 8 GPUs as the machine has them (with a
 # comm-CTA sweep) beside the NCCL all-to-all baseline under torchrun, case by case
 # (bench/layers.py), and the PyTorch autograd baselines on one GPU.

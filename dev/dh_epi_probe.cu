@@ -1,6 +1,6 @@
 /* dh_epi_probe.cu — experiment: where the SwiGLU-backward epilogue of a dh task spends its time.
  *
- * The question (docs/perf.md): the dh epilogue (megakernel/swiglu.cuh, swiglu_backward_epilogue)
+ * The question (docs/log.md): the dh epilogue (megakernel/swiglu.cuh, swiglu_backward_epilogue)
  * takes a large share of a dh task and moves its bytes far slower than an SM can store them with
  * the same pattern (dev/store_probe.cu). Is it the per-chunk g|u round trips, the row loop's
  * dependent chain (shared loads, the sigmoid, a five-level shuffle tree per row group), or the

@@ -1,6 +1,6 @@
 /* icache_probe.cu — experiment: what straight-line code costs when it runs once per task.
  *
- * The question (docs/perf.md): the megakernel's epilogues take far longer per SASS instruction
+ * The question (docs/log.md): the megakernel's epilogues take far longer per SASS instruction
  * per warp than issuing them would (one warp instruction per cycle per scheduler, two consumer
  * warps on each). The hypothesis: their code is cold. Each epilogue is straight-line code (fully
  * unrolled over the accumulators) that runs once per task, between main loops, in a kernel of

@@ -1,7 +1,7 @@
 /* pingpong_probe.cu — experiment: can a ping-pong consumer hide a long epilogue behind the
  * other warpgroup's main loop, and what does its narrower tile cost?
  *
- * The question (docs/perf.md): the megakernel's compute tasks spend a good part of their time
+ * The question (docs/log.md): the megakernel's compute tasks spend a good part of their time
  * (more in the backward than in the forward) outside the main loop, in epilogues run by
  * the same two consumer warpgroups that then run the next task's main loop, so the SM's tensor
  * cores idle through every epilogue (the producer's loads for the next task overlap it; the next

@@ -1,6 +1,6 @@
 /* store_probe.cu — experiment: how fast one SM stores a 64 KB bf16 tile to global memory.
  *
- * The question (docs/perf.md): the epilogues of the megakernels that store a tile from registers
+ * The question (docs/log.md): the epilogues of the megakernels that store a tile from registers
  * (down, dx, weight gradients; the SwiGLU backward, 192 KB per 256-column tile) move their bytes
  * far slower than an SM's bandwidth share. Is that what an SM's stores can do while the others
  * store too, or is it the epilogues' code?

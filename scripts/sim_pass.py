@@ -14,7 +14,7 @@ src/core/tasks.h, read when this module loads. It builds scripts/tasks_dump.c ag
 build/libmok.a (run `make` first) for the task list; --tasks-c compiles another core/tasks.inc in
 its place (`git show BRANCH:src/core/tasks.inc > F`, for a branch whose tasks.h is this tree's),
 to simulate a branch's order beside main's. The durations (µs per task) were traced
-on one H200 (docs/perf.md, which also compares the simulation with traced passes). A comm task's
+on one H200 (docs/log.md, which also compares the simulation with traced passes). A comm task's
 duration does not change with the number of comm CTAs here, which the GPU does not promise: more
 CTAs moving rows at once share the memory system. The model has no claim-ahead, no per-task
 "before" beyond the gap, and equal experts.

@@ -73,7 +73,7 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
  *                    themselves, so the comm tasks move rows one way only): 6144, floor 4
  *                    forward; 12288, floor 8 backward.
  * At most a quarter of the SMs, and at least one SM left to compute. The floors and terms are the
- * counts that ran fastest on the measured layers (docs/perf.md). */
+ * counts that ran fastest on the measured layers (docs/log.md). */
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
                         int direct, int num_sms);
 
