@@ -13,7 +13,7 @@
  *
  * The tile: persistent, one CTA per SM, 384 threads. One producer thread streams each 128-K block
  * of A and B (TMA, 128B swizzle: a 128-byte swizzle row is 128 codes, so one stage is exactly one
- * scale block) and the block's scales (a 512-byte box of sa, a 16-byte box of sb) into a
+ * scale block) and the block's scales (a 512-byte box of sa, a 32-byte box of sb) into a
  * STAGES-deep ring. Two consumer warpgroups own 64 rows each of the 128 x BN tile. Per K block
  * and chunk of columns a warpgroup issues four `wgmma m64nNk32 .f32.e4m3.e4m3` from the swizzled
  * stage (the first with scale-d 0, so the partial sum starts from zero), waits for them, releases
@@ -84,12 +84,25 @@ constexpr int FP8_BK = 128;          // K per stage: 128 codes = 128 bytes, one 
 constexpr int SCALE_BLOCK = 128;     // the scales' block edge (1x128 activations, 128x128 weights)
 constexpr int WGMMA_K_FP8 = 32;      // K of one e4m3 wgmma: 32 codes = 32 bytes = +2 in a descriptor
 constexpr int SA_BYTES = BM * 4;     // a stage's activation scales: one fp32 per tile row
-constexpr int SB_BOX = 4;            // a stage's weight scales: 4 fp32 from the tile's first
-                                     // 128-column block (16 bytes, the smallest TMA box row)
 constexpr int SCALE_SLOT_BYTES = 640;  // per stage: sa at 0, sb at 512; 128-byte aligned slots
+
+/* NOTE (TMA rule): a tensor load reads global memory from its box's first element, and that
+ * address must be 16-byte aligned, or the load is an illegal instruction (sm_90); encoding the map
+ * does not check it, since it depends on the coordinates. The maps' bases and row strides are
+ * 16-byte aligned, so the inner coordinate must be a multiple of 16 bytes' worth of elements: codes
+ * at multiples of 128 and sa at multiples of BM always are, but a tile's first 128-column block,
+ * the sb coordinate, can be any integer. So a stage's sb box starts at that block rounded down to
+ * a multiple of SB_ALIGN and is two of those wide: the tile's blocks nb and nb + 1 are at box
+ * positions nb % SB_ALIGN and nb % SB_ALIGN + 1 <= SB_ALIGN, both inside it. */
+constexpr int SB_ALIGN = 16 / (int)sizeof(float);  // fp32 scales per 16 bytes
+constexpr int SB_BOX = 2 * SB_ALIGN;               // a stage's weight scales: 32 bytes
+static __host__ __device__ __forceinline__ int sb_box_first(int n0) { return n0 / SCALE_BLOCK / SB_ALIGN * SB_ALIGN; }
+static __host__ __device__ __forceinline__ int sb_box_offset(int n0) { return n0 / SCALE_BLOCK % SB_ALIGN; }
 constexpr int CONSUMER_WARPS = NUM_CONSUMERS * WG_THREADS / 32;
 static_assert(FP8_BK == SCALE_BLOCK, "one stage must be one scale block");
-static_assert(SA_BYTES + SB_BOX * 4 <= SCALE_SLOT_BYTES && SCALE_SLOT_BYTES % 128 == 0, "scale slot layout");
+static_assert(SA_BYTES + SB_BOX * 4 <= SCALE_SLOT_BYTES && SCALE_SLOT_BYTES % 128 == 0 && SA_BYTES % 128 == 0,
+              "scale slot layout: TMA writes shared memory at 128-byte aligned addresses");
+static_assert((SB_BOX * sizeof(float)) % 16 == 0 && SB_BOX >= SB_ALIGN + 1, "sb box: 16-byte rows, both blocks inside");
 
 template <int BN_>
 struct Fp8Tile {
@@ -172,7 +185,7 @@ static __device__ __forceinline__ void wgmma_e4m3(float (&d)[CHUNK_N / 2], uint6
 /* The kernel.                                                                                */
 
 /* The producer thread: for each of the CTA's tiles and each K block, the A and B codes and the
- * block's scales into the next ring stage; full[s] gets STAGE_TX bytes (out-of-bounds rows,
+ * block's scales (sb from a 16-byte aligned box: the TMA rule) into the next ring stage; full[s] gets STAGE_TX bytes (out-of-bounds rows,
  * columns and scales arrive as zeros and count too); a stage is refilled once empty[s] has
  * completed (every consumer warp done with it). Returns early if a wait timed out. */
 template <class Cfg>
@@ -193,7 +206,7 @@ static __device__ __forceinline__ void produce_fp8(const CUtensorMap *map_a, con
             tma_load_2d(operands, map_a, kb * FP8_BK, pos.m0, full);
             tma_load_2d(operands + Cfg::A_BYTES, map_b, kb * FP8_BK, pos.n0, full);
             tma_load_2d(slot, map_sa, pos.m0, kb, full);
-            tma_load_2d(slot + SA_BYTES, map_sb, pos.n0 / SCALE_BLOCK, kb, full);
+            tma_load_2d(slot + SA_BYTES, map_sb, sb_box_first(pos.n0), kb, full);  // see the TMA rule
             if (++stage == Cfg::STAGES) {
                 stage = 0;
                 phase ^= 1;
@@ -288,6 +301,7 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
         const int split_i = (SCALE_BLOCK - pos.n0 % SCALE_BLOCK) / 8;
+        const int sb_at = BM + sb_box_offset(pos.n0);  // the tile's first block in the slot's sb box
 #pragma unroll
         for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb) {
@@ -299,7 +313,7 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
             __syncwarp();
             const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
             const float sa_lo = slot[row], sa_hi = slot[row + 8];
-            const float sb0 = slot[BM], sb1 = slot[BM + 1];
+            const float sb0 = slot[sb_at], sb1 = slot[sb_at + 1];
             const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
 #pragma unroll
             for (int c = 0; c < Cfg::CHUNKS; ++c) {
@@ -355,14 +369,14 @@ static __device__ __forceinline__ bool pipelined_step(float (&acc)[Cfg::ACC], fl
                                                       StageScales &prev_scales, int &stage, uint32_t &phase,
                                                       const uint8_t *scale_slots, uint64_t desc_a0, uint64_t desc_b0,
                                                       uint32_t full_bar, uint32_t empty_bar, int row, int lane,
-                                                      int split_i, int *err) {
+                                                      int sb_at, int split_i, int *err) {
     if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
         wgmma_wait<0>();
         return false;
     }
     __syncwarp();
     const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
-    const StageScales cur = {slot[row], slot[row + 8], slot[BM], slot[BM + 1], stage};
+    const StageScales cur = {slot[row], slot[row + 8], slot[sb_at], slot[sb_at + 1], stage};
     const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
     wgmma_fence();
 #pragma unroll
@@ -412,15 +426,16 @@ static __device__ __forceinline__ void consume_fp8_pipelined(const uint8_t *scal
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
         const int split_i = (SCALE_BLOCK - pos.n0 % SCALE_BLOCK) / 8;
+        const int sb_at = BM + sb_box_offset(pos.n0);
 #pragma unroll
         for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; kb += 2) {
             if (!pipelined_step<Cfg>(acc, even, odd, kb > 0, prev_scales, stage, phase, scale_slots, desc_a0, desc_b0,
-                                     full_bar, empty_bar, row, lane, split_i, err))
+                                     full_bar, empty_bar, row, lane, sb_at, split_i, err))
                 return;
             if (kb + 1 < num_kb &&
                 !pipelined_step<Cfg>(acc, odd, even, true, prev_scales, stage, phase, scale_slots, desc_a0, desc_b0,
-                                     full_bar, empty_bar, row, lane, split_i, err))
+                                     full_bar, empty_bar, row, lane, sb_at, split_i, err))
                 return;
         }
         /* the tile's last block: in `even` when num_kb is odd (a branch each: the two sets must stay
@@ -821,9 +836,11 @@ static CUtensorMap make_code_map(const uint8_t *ptr, int rows, int K, int box_ro
     return map;
 }
 
-/* fp32 scales [num_kb][ld] (the first `cols` of each row used) as a 2-D tensor map, box [1, box_cols]. */
+/* fp32 scales [num_kb][ld] (the first `cols` of each row used) as a 2-D tensor map, box [1, box_cols].
+ * Every load from it must start at an inner coordinate that is a multiple of 4 (the TMA rule). */
 static CUtensorMap make_scale_map(const float *ptr, int cols, int ld, int num_kb, int box_cols, const char *what) {
     CHECK(((uintptr_t)ptr & 15) == 0 && ld % 4 == 0, "%s: base and row stride must be 16-byte aligned", what);
+    CHECK(box_cols % 4 == 0, "%s: box rows must be whole 16-byte units (box %d fp32)", what, box_cols);
     CUtensorMap map;
     memset(&map, 0, sizeof(map));
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)num_kb};
