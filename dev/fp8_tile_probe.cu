@@ -61,15 +61,19 @@
  *      ceiling; and block-scaled 1x128 / 128x128, cross-checked against the 128x128 tile).
  *   A wedged pipeline does not hang the GPU: every barrier wait gives up after 4 s and the run
  *   reports which one; a tile whose kernel gave up skips its remaining checks, and a tile that
- *   failed any check is left out of the timings (the others are still timed). The program
- *   prints one line per check, a closing table and `N passed, N failed`; exit status 0 only if
- *   every check passed.
+ *   failed any check is left out of the timings (the others are still timed). A CUDA error
+ *   (an illegal instruction or address) loses the context: the run prints the check it stopped
+ *   in and exits. The program prints one line per check, a closing table and `N passed, N
+ *   failed`; exit status 0 only if every check passed.
  *
  * Build and run from the repository root (H100/H200, CUDA 12.9+ for the cuBLASLt block scaling):
  *   mkdir -p build
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/fp8_tile_probe.cu \
- *        -o build/fp8_tile_probe && ./build/fp8_tile_probe [seed]
- * with the cuBLASLt baselines: add -DWITH_CUBLAS before the source and -lcublasLt after it. */
+ *   nvcc -std=c++17 -O3 -Isrc -Iinclude -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
+ *        dev/fp8_tile_probe.cu -o build/fp8_tile_probe && ./build/fp8_tile_probe [seed]
+ * with the cuBLASLt baselines: add -DWITH_CUBLAS before the source and -lcublasLt after it. To look
+ * at one failure alone: `--case I` runs the fp8 checks of test shape I only (no timings), `--variant
+ * NAME` (e.g. 128x128-free, or its index) checks and times that tile only; a wrong option prints
+ * the list of both. */
 #include "gemm_common.cuh"
 
 #include <cuda_fp8.h>
@@ -1106,7 +1110,19 @@ struct HostRef {
     std::vector<double> ref64, ref_abs;
 };
 
-static HostRef run_fp8_reference(const TestBuffers &b, const HostFp8 &h, const Shape &s) {
+/* Waits for the launches so far. A CUDA error there (an illegal instruction or address) loses the
+ * context, so nothing after it can run: print the check it stopped in, so the log names the
+ * kernel and the shape, and exit. */
+static void sync_or_exit(const char *what) {
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) return;
+    printf("FAIL  %s  %s: %s; the CUDA context is lost, the run stops here (--case / --variant run one check)\n",
+           what, cudaGetErrorName(e), cudaGetErrorString(e));
+    fflush(stdout);
+    exit(2);
+}
+
+static HostRef run_fp8_reference(const TestBuffers &b, const HostFp8 &h, const Shape &s, int tier) {
     CUDA_CHECK(cudaMemcpy(b.A, h.A.data(), h.A.size(), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(b.B, h.B.data(), h.B.size(), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(b.sa, h.sa.data(), h.sa.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -1116,7 +1132,9 @@ static HostRef run_fp8_reference(const TestBuffers &b, const HostFp8 &h, const S
     reference_fp8_gemm<<<grid, block>>>(b.A, b.B, b.sa, scale_rows_ld(s.M), b.sb, scale_blocks_ld(s.N), b.decode,
                                         b.ref32, b.ref64, b.ref_abs, s.M, s.N, s.K);
     CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaDeviceSynchronize());
+    char what[96];
+    snprintf(what, sizeof(what), "reference_fp8_gemm M %4d N %4d K %4d %s", s.M, s.N, s.K, tier_name(tier));
+    sync_or_exit(what);
     const size_t count = (size_t)s.M * s.N;
     HostRef r;
     r.ref32.resize(count);
@@ -1147,6 +1165,7 @@ static CheckResult check_fp8(const Fp8Variant &v, const TestBuffers &b, const Ho
     char what[112];
     snprintf(what, sizeof(what), "fp8 %s M %4d N %4d K %4d %-9s %s", v.name, s.M, s.N, s.K, tier_name(tier),
              f32_out ? "f32 " : "bf16");
+    sync_or_exit(what);
     if (!check_kernel_error(b.err, what)) {
         printf("FAIL  %s  kernel error (see stderr)\n", what);
         return CHECK_KERNEL_ERROR;
@@ -1216,6 +1235,7 @@ static bool check_bf16(const DeviceOperands &d, bf16 *C, size_t c_capacity, floa
     launch_bf16(plan_bf16(d.A, d.B, s), C, err);
     char what[96];
     snprintf(what, sizeof(what), "bf16 coop 128x256 M %4d N %4d K %4d", s.M, s.N, s.K);
+    sync_or_exit(what);
     if (!check_kernel_error(err, what)) {
         printf("FAIL  %s  kernel error (see stderr)\n", what);
         return false;
@@ -1338,7 +1358,92 @@ static DiffStats diff_bf16(const bf16 *x, const bf16 *ref, size_t count, float r
 
 static double tflops(const Shape &s, double ms) { return ms > 0.0 ? 2.0 * s.M * s.N * (double)s.K / ms * 1e-9 : 0.0; }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The self-tests' shapes and the command line.                                               */
+
+struct TestCase {
+    Shape s;
+    int tiers;
+};
+constexpr int ALL_TIERS = TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A | TIER_QUANTISED;
+/* one tile and one K block; M not a multiple of 128 and N of 192 or 256 (tiles starting on every
+   128-column block); one row; several tiles and K blocks not a multiple of the stages; more tiles
+   than SMs; DeepSeek's K */
+static const TestCase TESTS[] = {
+    {{128, 128, 128}, TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A},
+    {{77, 384, 256}, ALL_TIERS},
+    {{1, 128, 2048}, TIER_SMALL_INT},
+    {{300, 640, 768}, ALL_TIERS},
+    {{4000, 1536, 1024}, TIER_SMALL_INT | TIER_QUANTISED},
+    {{4096, 2048, 7168}, TIER_SMALL_INT | TIER_QUANTISED},
+};
+constexpr int NUM_TESTS = sizeof(TESTS) / sizeof(TESTS[0]);
+
+/* What one run does: every check and timing (the default), or, to look at one failure alone, the
+ * fp8 checks of one test case (--case: no bf16 self-test and no timings, since a tile is timed only
+ * once it passed every check) and / or of one fp8 tile (--variant: its checks and timings only). */
+struct Options {
+    uint64_t seed;
+    int only_case;     // index into TESTS, or -1: all
+    int only_variant;  // index into FP8_VARIANTS, or -1: all
+};
+
+/* A variant's name as printed ("128x128 free"), with '-' accepted for the space, or its index. */
+static int find_variant(const char *arg) {
+    char *end;
+    const long index = strtol(arg, &end, 10);
+    if (*arg && *end == 0) return index >= 0 && index < NUM_FP8_VARIANTS ? (int)index : -1;
+    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) {
+        const char *a = arg, *n = FP8_VARIANTS[vi].name;
+        while (*a && *n && (*a == *n || (*a == '-' && *n == ' '))) ++a, ++n;
+        if (*a == 0 && *n == 0) return vi;
+    }
+    return -1;
+}
+
+static void usage(const char *program) {
+    fprintf(stderr, "usage: %s [seed] [--case I] [--variant NAME|I]  (NAME with '-' for its space)\n  cases:", program);
+    for (int i = 0; i < NUM_TESTS; ++i) fprintf(stderr, "  %d: M %d N %d K %d", i, TESTS[i].s.M, TESTS[i].s.N, TESTS[i].s.K);
+    fprintf(stderr, "\n  variants:");
+    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) fprintf(stderr, "  %d: %s", vi, FP8_VARIANTS[vi].name);
+    fprintf(stderr, "\n");
+    exit(2);
+}
+
+static Options parse_options(int argc, char **argv) {
+    Options o = {(uint64_t)time(nullptr), -1, -1};
+    for (int i = 1; i < argc; ++i) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--case") == 0 && i + 1 < argc) {
+            char *end;
+            const long c = strtol(argv[++i], &end, 10);
+            if (*argv[i] == 0 || *end != 0 || c < 0 || c >= NUM_TESTS) {
+                fprintf(stderr, "--case %s: must be a test case index, 0 to %d\n", argv[i], NUM_TESTS - 1);
+                usage(argv[0]);
+            }
+            o.only_case = (int)c;
+        } else if (strcmp(arg, "--variant") == 0 && i + 1 < argc) {
+            o.only_variant = find_variant(argv[++i]);
+            if (o.only_variant < 0) {
+                fprintf(stderr, "--variant %s: no such fp8 tile\n", argv[i]);
+                usage(argv[0]);
+            }
+        } else if (arg[0] != '-') {
+            char *end;
+            o.seed = strtoull(arg, &end, 0);
+            if (*end != 0) {
+                fprintf(stderr, "%s: the seed must be a number\n", arg);
+                usage(argv[0]);
+            }
+        } else {
+            usage(argv[0]);
+        }
+    }
+    return o;
+}
+
 int main(int argc, char **argv) {
+    const Options opt = parse_options(argc, argv);
     CUDA_CHECK(cudaSetDevice(0));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -1352,8 +1457,12 @@ int main(int argc, char **argv) {
     }
     CUDA_CHECK(cudaFuncSetAttribute(bf16_coop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bf16Coop::SMEM_BYTES));
     load_driver_entry_points();
-    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
+    const uint64_t seed = opt.seed;
     printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+    if (opt.only_case >= 0)
+        printf("--case %d: the fp8 checks of M %d N %d K %d only (no bf16 self-test, no timings)\n", opt.only_case,
+               TESTS[opt.only_case].s.M, TESTS[opt.only_case].s.N, TESTS[opt.only_case].s.K);
+    if (opt.only_variant >= 0) printf("--variant: fp8 %s only\n", FP8_VARIANTS[opt.only_variant].name);
     printf("fp8 tiles: 128x128 %d stages %d B, 128x192 %d stages %d B, 128x256 %d stages %d B of shared memory\n",
            Fp8Tile<128>::STAGES, Fp8Tile<128>::SMEM_BYTES, Fp8Tile<192>::STAGES, Fp8Tile<192>::SMEM_BYTES,
            Fp8Tile<256>::STAGES, Fp8Tile<256>::SMEM_BYTES);
@@ -1362,8 +1471,12 @@ int main(int argc, char **argv) {
     /* A variant is timed only if it passed every check; one whose kernel gave up (a 4 s barrier
        timeout) skips its remaining checks, so that one broken variant costs seconds, not minutes,
        and the others are still timed. */
-    bool variant_ok[NUM_FP8_VARIANTS], variant_wedged[NUM_FP8_VARIANTS];
-    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) variant_ok[vi] = true, variant_wedged[vi] = false;
+    bool variant_selected[NUM_FP8_VARIANTS], variant_ok[NUM_FP8_VARIANTS], variant_wedged[NUM_FP8_VARIANTS];
+    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) {
+        variant_selected[vi] = opt.only_variant < 0 || vi == opt.only_variant;
+        variant_ok[vi] = variant_selected[vi];
+        variant_wedged[vi] = false;
+    }
     printf("\nconversions\n");
     (check_decode() ? passed : failed)++;
     (check_encode() ? passed : failed)++;
@@ -1398,26 +1511,22 @@ int main(int argc, char **argv) {
     fill_random_pow2<<<1024, 256>>>(tsb, sb_elems, seed ^ 0x7654321ull, -8, 9);
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaDeviceSynchronize());
+    auto free_timing_buffers = [&] {
+        free_operands(bf);
+        CUDA_CHECK(cudaFree(tA));
+        CUDA_CHECK(cudaFree(tB));
+        CUDA_CHECK(cudaFree(tsa));
+        CUDA_CHECK(cudaFree(tsb));
+        CUDA_CHECK(cudaFree(tC));
+        CUDA_CHECK(cudaFree(tC_first));
+        CUDA_CHECK(cudaFree(d_stats));
+        CUDA_CHECK(cudaFree(d_err));
+    };
 
     /* Self-test buffers. */
-    struct TestCase {
-        Shape s;
-        int tiers;
-    };
-    const int ALL = TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A | TIER_QUANTISED;
-    /* one tile and one K block; M not a multiple of 128 and N of 192 or 256; one row; several
-       tiles and K blocks not a multiple of the stages; more tiles than SMs; DeepSeek's K */
-    const TestCase tests[] = {
-        {{128, 128, 128}, TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A},
-        {{77, 384, 256}, ALL},
-        {{1, 128, 2048}, TIER_SMALL_INT},
-        {{300, 640, 768}, ALL},
-        {{4000, 1536, 1024}, TIER_SMALL_INT | TIER_QUANTISED},
-        {{4096, 2048, 7168}, TIER_SMALL_INT | TIER_QUANTISED},
-    };
     const Shape bf16_tests[] = {{300, 520, 1000}, {4096, 2048, 7168}};
     size_t ta = 0, tb = 0, tc = 0, tsa_n = 0, tsb_n = 0;
-    for (const TestCase &t : tests) {
+    for (const TestCase &t : TESTS) {
         ta = std::max(ta, (size_t)t.s.M * t.s.K);
         tb = std::max(tb, (size_t)t.s.N * t.s.K);
         tc = std::max(tc, (size_t)t.s.M * t.s.N);
@@ -1444,26 +1553,31 @@ int main(int argc, char **argv) {
         CUDA_CHECK(cudaMemcpy(tbuf.decode, table, sizeof(table), cudaMemcpyHostToDevice));
     }
 
-    printf("\nbf16 baseline self-test against reference_gemm (fp32)\n");
-    bool bf16_ok = true;
-    for (const Shape &s : bf16_tests) {
-        const bool ok = check_bf16(bf, tbuf.C16, tbuf.c_capacity, tbuf.ref32, s, d_err);
-        bf16_ok = bf16_ok && ok;
-        (ok ? passed : failed)++;
+    bool bf16_ok = false;  // the bf16 baseline is timed only if it passed its self-test
+    if (opt.only_case < 0) {
+        printf("\nbf16 baseline self-test against reference_gemm (fp32)\n");
+        bf16_ok = true;
+        for (const Shape &s : bf16_tests) {
+            const bool ok = check_bf16(bf, tbuf.C16, tbuf.c_capacity, tbuf.ref32, s, d_err);
+            bf16_ok = bf16_ok && ok;
+            (ok ? passed : failed)++;
+        }
     }
 
     printf("\nfp8 self-tests against reference_fp8_gemm; exact tiers bit for bit, quantised within %.4f sum|terms|%s\n",
            FP8_ACCUM_TOL, " (+ bf16 rounding)");
-    int case_index = 0;
-    for (const TestCase &t : tests) {
+    for (int case_index = 0; case_index < NUM_TESTS; ++case_index) {
+        const TestCase &t = TESTS[case_index];
+        if (opt.only_case >= 0 && case_index != opt.only_case) continue;  // the same data as in a full run
         for (int tier = 1; tier <= TIER_QUANTISED; tier <<= 1) {
             if (!(t.tiers & tier)) continue;
             const uint64_t data_seed = seed * 0x100000001B3ull + (uint64_t)(case_index * 16 + tier);
             const HostFp8 h = make_test_data(tier, t.s, data_seed);
-            const HostRef ref = run_fp8_reference(tbuf, h, t.s);
+            const HostRef ref = run_fp8_reference(tbuf, h, t.s, tier);
             const bool one_hot = tier == TIER_ONE_HOT_A || tier == TIER_ONE_HOT_B;
             for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi)
                 for (int f32_out = 1; f32_out >= (one_hot ? 1 : 0); --f32_out) {
+                    if (!variant_selected[vi]) continue;
                     if (variant_wedged[vi]) {
                         printf("FAIL  fp8 %s M %4d N %4d K %4d %-9s %s  skipped: the kernel gave up earlier\n",
                                FP8_VARIANTS[vi].name, t.s.M, t.s.N, t.s.K, tier_name(tier), f32_out ? "f32 " : "bf16");
@@ -1476,7 +1590,6 @@ int main(int argc, char **argv) {
                     (r == CHECK_PASS ? passed : failed)++;
                 }
         }
-        ++case_index;
     }
     CUDA_CHECK(cudaFree(tbuf.A));
     CUDA_CHECK(cudaFree(tbuf.B));
@@ -1488,6 +1601,12 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaFree(tbuf.ref_abs));
     CUDA_CHECK(cudaFree(tbuf.C16));
     CUDA_CHECK(cudaFree(tbuf.C32));
+    if (opt.only_case >= 0) {
+        printf("\nno timings: --case runs part of the checks, and a tile is timed only once it passed all of them\n");
+        free_timing_buffers();
+        printf("\n%d passed, %d failed\n", passed, failed);
+        return failed == 0 ? 0 : 1;
+    }
     if (failed) printf("\n%d checks failed: the timings below leave out every tile that failed one\n", failed);
 
     printf("\ntiming: median of %d runs after %d warm-up runs, CUDA events; random codes (every finite nonzero "
@@ -1533,7 +1652,7 @@ int main(int argc, char **argv) {
             const Fp8Variant &v = FP8_VARIANTS[vi];
             ms_fp8[li][vi] = 0.0;
             if (!variant_ok[vi]) {
-                printf("  fp8 %s: not timed (failed its checks)\n", v.name);
+                printf("  fp8 %s: not timed (%s)\n", v.name, variant_selected[vi] ? "failed its checks" : "not selected");
                 continue;
             }
             const Fp8Launch l = plan_fp8(v, op, s);
@@ -1616,15 +1735,7 @@ int main(int argc, char **argv) {
     printf("(cuBLASLt columns empty: built without -DWITH_CUBLAS ... -lcublasLt)\n");
 #endif
 
-    free_operands(bf);
-    CUDA_CHECK(cudaFree(tA));
-    CUDA_CHECK(cudaFree(tB));
-    CUDA_CHECK(cudaFree(tsa));
-    CUDA_CHECK(cudaFree(tsb));
-    CUDA_CHECK(cudaFree(tC));
-    CUDA_CHECK(cudaFree(tC_first));
-    CUDA_CHECK(cudaFree(d_stats));
-    CUDA_CHECK(cudaFree(d_err));
+    free_timing_buffers();
     printf("\n%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }
