@@ -189,9 +189,10 @@ static __device__ __forceinline__ void wgmma_e4m3(float (&d)[CHUNK_N / 2], uint6
 /* The kernel.                                                                                */
 
 /* The producer thread: for each of the CTA's tiles and each K block, the A and B codes and the
- * block's scales (sb from a 16-byte aligned box: the TMA rule) into the next ring stage; full[s] gets STAGE_TX bytes (out-of-bounds rows,
- * columns and scales arrive as zeros and count too); a stage is refilled once empty[s] has
- * completed (every consumer warp done with it). Returns early if a wait timed out. */
+ * block's scales (sb from a 16-byte aligned box: the TMA rule) into the next ring stage; full[s]
+ * gets STAGE_TX bytes (out-of-bounds rows, columns and scales arrive as zeros and count too); a
+ * stage is refilled once empty[s] has completed (every consumer warp done with it). Returns early
+ * if a wait timed out. */
 template <class Cfg>
 static __device__ __forceinline__ void produce_fp8(const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                    const CUtensorMap *map_sa, const CUtensorMap *map_sb,
@@ -1403,7 +1404,8 @@ static int find_variant(const char *arg) {
 
 static void usage(const char *program) {
     fprintf(stderr, "usage: %s [seed] [--case I] [--variant NAME|I]  (NAME with '-' for its space)\n  cases:", program);
-    for (int i = 0; i < NUM_TESTS; ++i) fprintf(stderr, "  %d: M %d N %d K %d", i, TESTS[i].s.M, TESTS[i].s.N, TESTS[i].s.K);
+    for (int i = 0; i < NUM_TESTS; ++i)
+        fprintf(stderr, "  %d: M %d N %d K %d", i, TESTS[i].s.M, TESTS[i].s.N, TESTS[i].s.K);
     fprintf(stderr, "\n  variants:");
     for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) fprintf(stderr, "  %d: %s", vi, FP8_VARIANTS[vi].name);
     fprintf(stderr, "\n");
