@@ -13,7 +13,7 @@
  *
  * The tile: persistent, one CTA per SM, 384 threads. One producer thread streams each 128-K block
  * of A and B (TMA, 128B swizzle: a 128-byte swizzle row is 128 codes, so one stage is exactly one
- * scale block) and the block's scales (a 512-byte box of sa, a 16-byte box of sb) into a
+ * scale block) and the block's scales (a 512-byte box of sa, a 32-byte box of sb) into a
  * STAGES-deep ring. Two consumer warpgroups own 64 rows each of the 128 x BN tile. Per K block
  * and chunk of columns a warpgroup issues four `wgmma m64nNk32 .f32.e4m3.e4m3` from the swizzled
  * stage (the first with scale-d 0, so the partial sum starts from zero), waits for them, releases
@@ -61,15 +61,19 @@
  *      ceiling; and block-scaled 1x128 / 128x128, cross-checked against the 128x128 tile).
  *   A wedged pipeline does not hang the GPU: every barrier wait gives up after 4 s and the run
  *   reports which one; a tile whose kernel gave up skips its remaining checks, and a tile that
- *   failed any check is left out of the timings (the others are still timed). The program
- *   prints one line per check, a closing table and `N passed, N failed`; exit status 0 only if
- *   every check passed.
+ *   failed any check is left out of the timings (the others are still timed). A CUDA error
+ *   (an illegal instruction or address) loses the context: the run prints the check it stopped
+ *   in and exits. The program prints one line per check, a closing table and `N passed, N
+ *   failed`; exit status 0 only if every check passed.
  *
  * Build and run from the repository root (H100/H200, CUDA 12.9+ for the cuBLASLt block scaling):
  *   mkdir -p build
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/fp8_tile_probe.cu \
- *        -o build/fp8_tile_probe && ./build/fp8_tile_probe [seed]
- * with the cuBLASLt baselines: add -DWITH_CUBLAS before the source and -lcublasLt after it. */
+ *   nvcc -std=c++17 -O3 -Isrc -Iinclude -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
+ *        dev/fp8_tile_probe.cu -o build/fp8_tile_probe && ./build/fp8_tile_probe [seed]
+ * with the cuBLASLt baselines: add -DWITH_CUBLAS before the source and -lcublasLt after it. To look
+ * at one failure alone: `--case I` runs the fp8 checks of test shape I only (no timings), `--variant
+ * NAME` (e.g. 128x128-free, or its index) checks and times that tile only; a wrong option prints
+ * the list of both. */
 #include "gemm_common.cuh"
 
 #include <cuda_fp8.h>
@@ -84,12 +88,25 @@ constexpr int FP8_BK = 128;          // K per stage: 128 codes = 128 bytes, one 
 constexpr int SCALE_BLOCK = 128;     // the scales' block edge (1x128 activations, 128x128 weights)
 constexpr int WGMMA_K_FP8 = 32;      // K of one e4m3 wgmma: 32 codes = 32 bytes = +2 in a descriptor
 constexpr int SA_BYTES = BM * 4;     // a stage's activation scales: one fp32 per tile row
-constexpr int SB_BOX = 4;            // a stage's weight scales: 4 fp32 from the tile's first
-                                     // 128-column block (16 bytes, the smallest TMA box row)
 constexpr int SCALE_SLOT_BYTES = 640;  // per stage: sa at 0, sb at 512; 128-byte aligned slots
+
+/* NOTE (TMA rule): a tensor load reads global memory from its box's first element, and that
+ * address must be 16-byte aligned, or the load is an illegal instruction (sm_90); encoding the map
+ * does not check it, since it depends on the coordinates. The maps' bases and row strides are
+ * 16-byte aligned, so the inner coordinate must be a multiple of 16 bytes' worth of elements: codes
+ * at multiples of 128 and sa at multiples of BM always are, but a tile's first 128-column block,
+ * the sb coordinate, can be any integer. So a stage's sb box starts at that block rounded down to
+ * a multiple of SB_ALIGN and is two of those wide: the tile's blocks nb and nb + 1 are at box
+ * positions nb % SB_ALIGN and nb % SB_ALIGN + 1 <= SB_ALIGN, both inside it. */
+constexpr int SB_ALIGN = 16 / (int)sizeof(float);  // fp32 scales per 16 bytes
+constexpr int SB_BOX = 2 * SB_ALIGN;               // a stage's weight scales: 32 bytes
+static __host__ __device__ __forceinline__ int sb_box_first(int n0) { return n0 / SCALE_BLOCK / SB_ALIGN * SB_ALIGN; }
+static __host__ __device__ __forceinline__ int sb_box_offset(int n0) { return n0 / SCALE_BLOCK % SB_ALIGN; }
 constexpr int CONSUMER_WARPS = NUM_CONSUMERS * WG_THREADS / 32;
 static_assert(FP8_BK == SCALE_BLOCK, "one stage must be one scale block");
-static_assert(SA_BYTES + SB_BOX * 4 <= SCALE_SLOT_BYTES && SCALE_SLOT_BYTES % 128 == 0, "scale slot layout");
+static_assert(SA_BYTES + SB_BOX * 4 <= SCALE_SLOT_BYTES && SCALE_SLOT_BYTES % 128 == 0 && SA_BYTES % 128 == 0,
+              "scale slot layout: TMA writes shared memory at 128-byte aligned addresses");
+static_assert((SB_BOX * sizeof(float)) % 16 == 0 && SB_BOX >= SB_ALIGN + 1, "sb box: 16-byte rows, both blocks inside");
 
 template <int BN_>
 struct Fp8Tile {
@@ -172,9 +189,10 @@ static __device__ __forceinline__ void wgmma_e4m3(float (&d)[CHUNK_N / 2], uint6
 /* The kernel.                                                                                */
 
 /* The producer thread: for each of the CTA's tiles and each K block, the A and B codes and the
- * block's scales into the next ring stage; full[s] gets STAGE_TX bytes (out-of-bounds rows,
- * columns and scales arrive as zeros and count too); a stage is refilled once empty[s] has
- * completed (every consumer warp done with it). Returns early if a wait timed out. */
+ * block's scales (sb from a 16-byte aligned box: the TMA rule) into the next ring stage; full[s]
+ * gets STAGE_TX bytes (out-of-bounds rows, columns and scales arrive as zeros and count too); a
+ * stage is refilled once empty[s] has completed (every consumer warp done with it). Returns early
+ * if a wait timed out. */
 template <class Cfg>
 static __device__ __forceinline__ void produce_fp8(const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                    const CUtensorMap *map_sa, const CUtensorMap *map_sb,
@@ -193,7 +211,7 @@ static __device__ __forceinline__ void produce_fp8(const CUtensorMap *map_a, con
             tma_load_2d(operands, map_a, kb * FP8_BK, pos.m0, full);
             tma_load_2d(operands + Cfg::A_BYTES, map_b, kb * FP8_BK, pos.n0, full);
             tma_load_2d(slot, map_sa, pos.m0, kb, full);
-            tma_load_2d(slot + SA_BYTES, map_sb, pos.n0 / SCALE_BLOCK, kb, full);
+            tma_load_2d(slot + SA_BYTES, map_sb, sb_box_first(pos.n0), kb, full);  // see the TMA rule
             if (++stage == Cfg::STAGES) {
                 stage = 0;
                 phase ^= 1;
@@ -288,6 +306,7 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
         const int split_i = (SCALE_BLOCK - pos.n0 % SCALE_BLOCK) / 8;
+        const int sb_at = BM + sb_box_offset(pos.n0);  // the tile's first block in the slot's sb box
 #pragma unroll
         for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb) {
@@ -299,7 +318,7 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
             __syncwarp();
             const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
             const float sa_lo = slot[row], sa_hi = slot[row + 8];
-            const float sb0 = slot[BM], sb1 = slot[BM + 1];
+            const float sb0 = slot[sb_at], sb1 = slot[sb_at + 1];
             const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
 #pragma unroll
             for (int c = 0; c < Cfg::CHUNKS; ++c) {
@@ -355,14 +374,14 @@ static __device__ __forceinline__ bool pipelined_step(float (&acc)[Cfg::ACC], fl
                                                       StageScales &prev_scales, int &stage, uint32_t &phase,
                                                       const uint8_t *scale_slots, uint64_t desc_a0, uint64_t desc_b0,
                                                       uint32_t full_bar, uint32_t empty_bar, int row, int lane,
-                                                      int split_i, int *err) {
+                                                      int sb_at, int split_i, int *err) {
     if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
         wgmma_wait<0>();
         return false;
     }
     __syncwarp();
     const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
-    const StageScales cur = {slot[row], slot[row + 8], slot[BM], slot[BM + 1], stage};
+    const StageScales cur = {slot[row], slot[row + 8], slot[sb_at], slot[sb_at + 1], stage};
     const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
     wgmma_fence();
 #pragma unroll
@@ -412,15 +431,16 @@ static __device__ __forceinline__ void consume_fp8_pipelined(const uint8_t *scal
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
         const int split_i = (SCALE_BLOCK - pos.n0 % SCALE_BLOCK) / 8;
+        const int sb_at = BM + sb_box_offset(pos.n0);
 #pragma unroll
         for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; kb += 2) {
             if (!pipelined_step<Cfg>(acc, even, odd, kb > 0, prev_scales, stage, phase, scale_slots, desc_a0, desc_b0,
-                                     full_bar, empty_bar, row, lane, split_i, err))
+                                     full_bar, empty_bar, row, lane, sb_at, split_i, err))
                 return;
             if (kb + 1 < num_kb &&
                 !pipelined_step<Cfg>(acc, odd, even, true, prev_scales, stage, phase, scale_slots, desc_a0, desc_b0,
-                                     full_bar, empty_bar, row, lane, split_i, err))
+                                     full_bar, empty_bar, row, lane, sb_at, split_i, err))
                 return;
         }
         /* the tile's last block: in `even` when num_kb is odd (a branch each: the two sets must stay
@@ -821,9 +841,11 @@ static CUtensorMap make_code_map(const uint8_t *ptr, int rows, int K, int box_ro
     return map;
 }
 
-/* fp32 scales [num_kb][ld] (the first `cols` of each row used) as a 2-D tensor map, box [1, box_cols]. */
+/* fp32 scales [num_kb][ld] (the first `cols` of each row used) as a 2-D tensor map, box [1, box_cols].
+ * Every load from it must start at an inner coordinate that is a multiple of 4 (the TMA rule). */
 static CUtensorMap make_scale_map(const float *ptr, int cols, int ld, int num_kb, int box_cols, const char *what) {
     CHECK(((uintptr_t)ptr & 15) == 0 && ld % 4 == 0, "%s: base and row stride must be 16-byte aligned", what);
+    CHECK(box_cols % 4 == 0, "%s: box rows must be whole 16-byte units (box %d fp32)", what, box_cols);
     CUtensorMap map;
     memset(&map, 0, sizeof(map));
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)num_kb};
@@ -1089,7 +1111,19 @@ struct HostRef {
     std::vector<double> ref64, ref_abs;
 };
 
-static HostRef run_fp8_reference(const TestBuffers &b, const HostFp8 &h, const Shape &s) {
+/* Waits for the launches so far. A CUDA error there (an illegal instruction or address) loses the
+ * context, so nothing after it can run: print the check it stopped in, so the log names the
+ * kernel and the shape, and exit. */
+static void sync_or_exit(const char *what) {
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) return;
+    printf("FAIL  %s  %s: %s; the CUDA context is lost, the run stops here (--case / --variant run one check)\n",
+           what, cudaGetErrorName(e), cudaGetErrorString(e));
+    fflush(stdout);
+    exit(2);
+}
+
+static HostRef run_fp8_reference(const TestBuffers &b, const HostFp8 &h, const Shape &s, int tier) {
     CUDA_CHECK(cudaMemcpy(b.A, h.A.data(), h.A.size(), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(b.B, h.B.data(), h.B.size(), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(b.sa, h.sa.data(), h.sa.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -1099,7 +1133,9 @@ static HostRef run_fp8_reference(const TestBuffers &b, const HostFp8 &h, const S
     reference_fp8_gemm<<<grid, block>>>(b.A, b.B, b.sa, scale_rows_ld(s.M), b.sb, scale_blocks_ld(s.N), b.decode,
                                         b.ref32, b.ref64, b.ref_abs, s.M, s.N, s.K);
     CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaDeviceSynchronize());
+    char what[96];
+    snprintf(what, sizeof(what), "reference_fp8_gemm M %4d N %4d K %4d %s", s.M, s.N, s.K, tier_name(tier));
+    sync_or_exit(what);
     const size_t count = (size_t)s.M * s.N;
     HostRef r;
     r.ref32.resize(count);
@@ -1130,6 +1166,7 @@ static CheckResult check_fp8(const Fp8Variant &v, const TestBuffers &b, const Ho
     char what[112];
     snprintf(what, sizeof(what), "fp8 %s M %4d N %4d K %4d %-9s %s", v.name, s.M, s.N, s.K, tier_name(tier),
              f32_out ? "f32 " : "bf16");
+    sync_or_exit(what);
     if (!check_kernel_error(b.err, what)) {
         printf("FAIL  %s  kernel error (see stderr)\n", what);
         return CHECK_KERNEL_ERROR;
@@ -1199,6 +1236,7 @@ static bool check_bf16(const DeviceOperands &d, bf16 *C, size_t c_capacity, floa
     launch_bf16(plan_bf16(d.A, d.B, s), C, err);
     char what[96];
     snprintf(what, sizeof(what), "bf16 coop 128x256 M %4d N %4d K %4d", s.M, s.N, s.K);
+    sync_or_exit(what);
     if (!check_kernel_error(err, what)) {
         printf("FAIL  %s  kernel error (see stderr)\n", what);
         return false;
@@ -1321,7 +1359,93 @@ static DiffStats diff_bf16(const bf16 *x, const bf16 *ref, size_t count, float r
 
 static double tflops(const Shape &s, double ms) { return ms > 0.0 ? 2.0 * s.M * s.N * (double)s.K / ms * 1e-9 : 0.0; }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The self-tests' shapes and the command line.                                               */
+
+struct TestCase {
+    Shape s;
+    int tiers;
+};
+constexpr int ALL_TIERS = TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A | TIER_QUANTISED;
+/* one tile and one K block; M not a multiple of 128 and N of 192 or 256 (tiles starting on every
+   128-column block); one row; several tiles and K blocks not a multiple of the stages; more tiles
+   than SMs; DeepSeek's K */
+static const TestCase TESTS[] = {
+    {{128, 128, 128}, TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A},
+    {{77, 384, 256}, ALL_TIERS},
+    {{1, 128, 2048}, TIER_SMALL_INT},
+    {{300, 640, 768}, ALL_TIERS},
+    {{4000, 1536, 1024}, TIER_SMALL_INT | TIER_QUANTISED},
+    {{4096, 2048, 7168}, TIER_SMALL_INT | TIER_QUANTISED},
+};
+constexpr int NUM_TESTS = sizeof(TESTS) / sizeof(TESTS[0]);
+
+/* What one run does: every check and timing (the default), or, to look at one failure alone, the
+ * fp8 checks of one test case (--case: no bf16 self-test and no timings, since a tile is timed only
+ * once it passed every check) and / or of one fp8 tile (--variant: its checks and timings only). */
+struct Options {
+    uint64_t seed;
+    int only_case;     // index into TESTS, or -1: all
+    int only_variant;  // index into FP8_VARIANTS, or -1: all
+};
+
+/* A variant's name as printed ("128x128 free"), with '-' accepted for the space, or its index. */
+static int find_variant(const char *arg) {
+    char *end;
+    const long index = strtol(arg, &end, 10);
+    if (*arg && *end == 0) return index >= 0 && index < NUM_FP8_VARIANTS ? (int)index : -1;
+    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) {
+        const char *a = arg, *n = FP8_VARIANTS[vi].name;
+        while (*a && *n && (*a == *n || (*a == '-' && *n == ' '))) ++a, ++n;
+        if (*a == 0 && *n == 0) return vi;
+    }
+    return -1;
+}
+
+static void usage(const char *program) {
+    fprintf(stderr, "usage: %s [seed] [--case I] [--variant NAME|I]  (NAME with '-' for its space)\n  cases:", program);
+    for (int i = 0; i < NUM_TESTS; ++i)
+        fprintf(stderr, "  %d: M %d N %d K %d", i, TESTS[i].s.M, TESTS[i].s.N, TESTS[i].s.K);
+    fprintf(stderr, "\n  variants:");
+    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) fprintf(stderr, "  %d: %s", vi, FP8_VARIANTS[vi].name);
+    fprintf(stderr, "\n");
+    exit(2);
+}
+
+static Options parse_options(int argc, char **argv) {
+    Options o = {(uint64_t)time(nullptr), -1, -1};
+    for (int i = 1; i < argc; ++i) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--case") == 0 && i + 1 < argc) {
+            char *end;
+            const long c = strtol(argv[++i], &end, 10);
+            if (*argv[i] == 0 || *end != 0 || c < 0 || c >= NUM_TESTS) {
+                fprintf(stderr, "--case %s: must be a test case index, 0 to %d\n", argv[i], NUM_TESTS - 1);
+                usage(argv[0]);
+            }
+            o.only_case = (int)c;
+        } else if (strcmp(arg, "--variant") == 0 && i + 1 < argc) {
+            o.only_variant = find_variant(argv[++i]);
+            if (o.only_variant < 0) {
+                fprintf(stderr, "--variant %s: no such fp8 tile\n", argv[i]);
+                usage(argv[0]);
+            }
+        } else if (arg[0] != '-') {
+            char *end;
+            o.seed = strtoull(arg, &end, 0);
+            if (*end != 0) {
+                fprintf(stderr, "%s: the seed must be a number\n", arg);
+                usage(argv[0]);
+            }
+        } else {
+            usage(argv[0]);
+        }
+    }
+    return o;
+}
+
 int main(int argc, char **argv) {
+    const Options opt = parse_options(argc, argv);
     CUDA_CHECK(cudaSetDevice(0));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -1335,8 +1459,12 @@ int main(int argc, char **argv) {
     }
     CUDA_CHECK(cudaFuncSetAttribute(bf16_coop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bf16Coop::SMEM_BYTES));
     load_driver_entry_points();
-    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
+    const uint64_t seed = opt.seed;
     printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+    if (opt.only_case >= 0)
+        printf("--case %d: the fp8 checks of M %d N %d K %d only (no bf16 self-test, no timings)\n", opt.only_case,
+               TESTS[opt.only_case].s.M, TESTS[opt.only_case].s.N, TESTS[opt.only_case].s.K);
+    if (opt.only_variant >= 0) printf("--variant: fp8 %s only\n", FP8_VARIANTS[opt.only_variant].name);
     printf("fp8 tiles: 128x128 %d stages %d B, 128x192 %d stages %d B, 128x256 %d stages %d B of shared memory\n",
            Fp8Tile<128>::STAGES, Fp8Tile<128>::SMEM_BYTES, Fp8Tile<192>::STAGES, Fp8Tile<192>::SMEM_BYTES,
            Fp8Tile<256>::STAGES, Fp8Tile<256>::SMEM_BYTES);
@@ -1345,8 +1473,12 @@ int main(int argc, char **argv) {
     /* A variant is timed only if it passed every check; one whose kernel gave up (a 4 s barrier
        timeout) skips its remaining checks, so that one broken variant costs seconds, not minutes,
        and the others are still timed. */
-    bool variant_ok[NUM_FP8_VARIANTS], variant_wedged[NUM_FP8_VARIANTS];
-    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) variant_ok[vi] = true, variant_wedged[vi] = false;
+    bool variant_selected[NUM_FP8_VARIANTS], variant_ok[NUM_FP8_VARIANTS], variant_wedged[NUM_FP8_VARIANTS];
+    for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi) {
+        variant_selected[vi] = opt.only_variant < 0 || vi == opt.only_variant;
+        variant_ok[vi] = variant_selected[vi];
+        variant_wedged[vi] = false;
+    }
     printf("\nconversions\n");
     (check_decode() ? passed : failed)++;
     (check_encode() ? passed : failed)++;
@@ -1381,26 +1513,22 @@ int main(int argc, char **argv) {
     fill_random_pow2<<<1024, 256>>>(tsb, sb_elems, seed ^ 0x7654321ull, -8, 9);
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaDeviceSynchronize());
+    auto free_timing_buffers = [&] {
+        free_operands(bf);
+        CUDA_CHECK(cudaFree(tA));
+        CUDA_CHECK(cudaFree(tB));
+        CUDA_CHECK(cudaFree(tsa));
+        CUDA_CHECK(cudaFree(tsb));
+        CUDA_CHECK(cudaFree(tC));
+        CUDA_CHECK(cudaFree(tC_first));
+        CUDA_CHECK(cudaFree(d_stats));
+        CUDA_CHECK(cudaFree(d_err));
+    };
 
     /* Self-test buffers. */
-    struct TestCase {
-        Shape s;
-        int tiers;
-    };
-    const int ALL = TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A | TIER_QUANTISED;
-    /* one tile and one K block; M not a multiple of 128 and N of 192 or 256; one row; several
-       tiles and K blocks not a multiple of the stages; more tiles than SMs; DeepSeek's K */
-    const TestCase tests[] = {
-        {{128, 128, 128}, TIER_SMALL_INT | TIER_ONE_HOT_B | TIER_ONE_HOT_A},
-        {{77, 384, 256}, ALL},
-        {{1, 128, 2048}, TIER_SMALL_INT},
-        {{300, 640, 768}, ALL},
-        {{4000, 1536, 1024}, TIER_SMALL_INT | TIER_QUANTISED},
-        {{4096, 2048, 7168}, TIER_SMALL_INT | TIER_QUANTISED},
-    };
     const Shape bf16_tests[] = {{300, 520, 1000}, {4096, 2048, 7168}};
     size_t ta = 0, tb = 0, tc = 0, tsa_n = 0, tsb_n = 0;
-    for (const TestCase &t : tests) {
+    for (const TestCase &t : TESTS) {
         ta = std::max(ta, (size_t)t.s.M * t.s.K);
         tb = std::max(tb, (size_t)t.s.N * t.s.K);
         tc = std::max(tc, (size_t)t.s.M * t.s.N);
@@ -1427,26 +1555,31 @@ int main(int argc, char **argv) {
         CUDA_CHECK(cudaMemcpy(tbuf.decode, table, sizeof(table), cudaMemcpyHostToDevice));
     }
 
-    printf("\nbf16 baseline self-test against reference_gemm (fp32)\n");
-    bool bf16_ok = true;
-    for (const Shape &s : bf16_tests) {
-        const bool ok = check_bf16(bf, tbuf.C16, tbuf.c_capacity, tbuf.ref32, s, d_err);
-        bf16_ok = bf16_ok && ok;
-        (ok ? passed : failed)++;
+    bool bf16_ok = false;  // the bf16 baseline is timed only if it passed its self-test
+    if (opt.only_case < 0) {
+        printf("\nbf16 baseline self-test against reference_gemm (fp32)\n");
+        bf16_ok = true;
+        for (const Shape &s : bf16_tests) {
+            const bool ok = check_bf16(bf, tbuf.C16, tbuf.c_capacity, tbuf.ref32, s, d_err);
+            bf16_ok = bf16_ok && ok;
+            (ok ? passed : failed)++;
+        }
     }
 
     printf("\nfp8 self-tests against reference_fp8_gemm; exact tiers bit for bit, quantised within %.4f sum|terms|%s\n",
            FP8_ACCUM_TOL, " (+ bf16 rounding)");
-    int case_index = 0;
-    for (const TestCase &t : tests) {
+    for (int case_index = 0; case_index < NUM_TESTS; ++case_index) {
+        const TestCase &t = TESTS[case_index];
+        if (opt.only_case >= 0 && case_index != opt.only_case) continue;  // the same data as in a full run
         for (int tier = 1; tier <= TIER_QUANTISED; tier <<= 1) {
             if (!(t.tiers & tier)) continue;
             const uint64_t data_seed = seed * 0x100000001B3ull + (uint64_t)(case_index * 16 + tier);
             const HostFp8 h = make_test_data(tier, t.s, data_seed);
-            const HostRef ref = run_fp8_reference(tbuf, h, t.s);
+            const HostRef ref = run_fp8_reference(tbuf, h, t.s, tier);
             const bool one_hot = tier == TIER_ONE_HOT_A || tier == TIER_ONE_HOT_B;
             for (int vi = 0; vi < NUM_FP8_VARIANTS; ++vi)
                 for (int f32_out = 1; f32_out >= (one_hot ? 1 : 0); --f32_out) {
+                    if (!variant_selected[vi]) continue;
                     if (variant_wedged[vi]) {
                         printf("FAIL  fp8 %s M %4d N %4d K %4d %-9s %s  skipped: the kernel gave up earlier\n",
                                FP8_VARIANTS[vi].name, t.s.M, t.s.N, t.s.K, tier_name(tier), f32_out ? "f32 " : "bf16");
@@ -1459,7 +1592,6 @@ int main(int argc, char **argv) {
                     (r == CHECK_PASS ? passed : failed)++;
                 }
         }
-        ++case_index;
     }
     CUDA_CHECK(cudaFree(tbuf.A));
     CUDA_CHECK(cudaFree(tbuf.B));
@@ -1471,6 +1603,12 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaFree(tbuf.ref_abs));
     CUDA_CHECK(cudaFree(tbuf.C16));
     CUDA_CHECK(cudaFree(tbuf.C32));
+    if (opt.only_case >= 0) {
+        printf("\nno timings: --case runs part of the checks, and a tile is timed only once it passed all of them\n");
+        free_timing_buffers();
+        printf("\n%d passed, %d failed\n", passed, failed);
+        return failed == 0 ? 0 : 1;
+    }
     if (failed) printf("\n%d checks failed: the timings below leave out every tile that failed one\n", failed);
 
     printf("\ntiming: median of %d runs after %d warm-up runs, CUDA events; random codes (every finite nonzero "
@@ -1516,7 +1654,7 @@ int main(int argc, char **argv) {
             const Fp8Variant &v = FP8_VARIANTS[vi];
             ms_fp8[li][vi] = 0.0;
             if (!variant_ok[vi]) {
-                printf("  fp8 %s: not timed (failed its checks)\n", v.name);
+                printf("  fp8 %s: not timed (%s)\n", v.name, variant_selected[vi] ? "failed its checks" : "not selected");
                 continue;
             }
             const Fp8Launch l = plan_fp8(v, op, s);
@@ -1599,15 +1737,7 @@ int main(int argc, char **argv) {
     printf("(cuBLASLt columns empty: built without -DWITH_CUBLAS ... -lcublasLt)\n");
 #endif
 
-    free_operands(bf);
-    CUDA_CHECK(cudaFree(tA));
-    CUDA_CHECK(cudaFree(tB));
-    CUDA_CHECK(cudaFree(tsa));
-    CUDA_CHECK(cudaFree(tsb));
-    CUDA_CHECK(cudaFree(tC));
-    CUDA_CHECK(cudaFree(tC_first));
-    CUDA_CHECK(cudaFree(d_stats));
-    CUDA_CHECK(cudaFree(d_err));
+    free_timing_buffers();
     printf("\n%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }
