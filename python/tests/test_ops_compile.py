@@ -265,28 +265,61 @@ def test_compile_fullgraph_matches_eager_aot_eager():
             assert _bits_equal(got[2][name], g), name
 
 
+class _RoutedExperts(torch.nn.Module):
+    """mok's experts over given routing, inside PyTorch ops whose results do not depend on how they
+    are compiled (conversions, a residual add): what inductor compiles around mok's ops must hand
+    them the same bits as eager does."""
+
+    def __init__(self):
+        super().__init__()
+        g = lambda *shape, fan: torch.nn.Parameter(((torch.rand(*shape) * 2 - 1) * fan ** -0.5).to(torch.bfloat16))  # noqa
+        self.w_gate, self.w_up, self.w_down = g(E, I, H, fan=H), g(E, I, H, fan=H), g(E, H, I, fan=I)
+        self.s_gate, self.s_up, self.s_down = g(IS, H, fan=H), g(IS, H, fan=H), g(H, IS, fan=IS)
+        self.experts = mt.MoEExperts(H, I, E, K, IS, max_tokens=128, config=CONFIG, backend="cpu")
+
+    def forward(self, x, ids, router_w):
+        xb = x.to(torch.bfloat16)
+        y = self.experts(xb, ids, router_w, self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up, self.s_down)
+        return x + y.float()
+
+
 def test_compile_fullgraph_matches_eager_inductor():
     """The same with inductor, the default backend (C++ code generated and compiled for the CPU).
-    Inductor generates its own code for the PyTorch parts (the router's softmax / top-k and their
-    backward), so the test compiles mok.torch.MoE itself: y and every expert's gradient must match
-    eager bit for bit (mok's ops see the same bits: inductor's router forward reproduces eager's
-    weights here), and the gradients that also pass through inductor's router backward (x and the
-    router weight) within 1e-5 relative (fp32 sums in another order)."""
-    moe = mt.MoE(H, I, E, K, shared_intermediate=IS, max_tokens=128, config=CONFIG, backend="cpu")
-    x, dy = torch.randn(3, 32, H), torch.randn(3, 32, H)
-    want = _run(moe, x, dy)
-    compiled = torch.compile(moe, fullgraph=True)
+    mok's ops under inductor, given the same routing: y and every gradient bit for bit, on the first
+    call and on the cached graph. The whole mok.torch.MoE under inductor: inductor generates its own
+    code for the router (softmax, top-k, the normalisation and their backward), whose fp32 results
+    may differ from eager's in the last bits, so there the outputs and gradients agree within a few
+    bf16 roundings (the tolerances below), not bit for bit."""
+    model = _RoutedExperts()
+    x, dy = torch.randn(70, H), torch.randn(70, H)
+    logits = torch.randn(70, E)
+    w, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+    router_w = (w / w.sum(-1, keepdim=True)).contiguous().requires_grad_(True)
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        xg, rw = x.clone().requires_grad_(True), router_w.detach().clone().requires_grad_(True)
+        y = m(xg, ids.to(torch.int32), rw)
+        y.backward(dy)
+        return [y.detach(), xg.grad, rw.grad] + [p.grad.clone() for p in m.parameters()]
+
+    want = run(model)
+    compiled = torch.compile(model, fullgraph=True)
     for _ in range(2):
-        got = _run(compiled, x, dy)
-        assert _bits_equal(got[0], want[0])
-        for name, g in want[2].items():
-            if name == "router.weight":
-                err = float((got[2][name] - g).abs().max() / g.abs().max())
-                assert err <= 1e-5, (name, err)
-            else:
-                assert _bits_equal(got[2][name], g), name
-        err = float((got[1] - want[1]).abs().max() / want[1].abs().max())
-        assert err <= 1e-5, ("x", err)
+        got = run(compiled)
+        assert all(_bits_equal(g, w) for g, w in zip(got, want)), [_bits_equal(g, w) for g, w in zip(got, want)]
+
+    # mok.torch.MoE as a whole: within bf16 rounding of eager (a router weight one fp32 ulp off moves
+    # y by at most about one bf16 rounding: 2^-8 of its magnitude)
+    moe = mt.MoE(H, I, E, K, shared_intermediate=IS, max_tokens=128, config=CONFIG, backend="cpu")
+    xs, dys = torch.randn(3, 32, H), torch.randn(3, 32, H)
+    want = _run(moe, xs, dys)
+    got = _run(torch.compile(moe, fullgraph=True), xs, dys)
+    rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
+    assert rel(got[0], want[0]) <= 1e-2, ("y", rel(got[0], want[0]))
+    assert rel(got[1], want[1]) <= 1e-2, ("x", rel(got[1], want[1]))
+    for name, g in want[2].items():
+        assert rel(got[2][name], g) <= 1e-2, (name, rel(got[2][name], g))
 
 
 def test_compiled_graph_holds_the_mok_ops():
