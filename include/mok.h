@@ -46,13 +46,14 @@
  * every rank of a group makes the same ones in the same order, on workspaces created in the same
  * order, and a pass on every rank reads the same schedule build. Each call carries what it is (its
  * kind, its number on the workspace, the workspace's shape and config, the schedule build it
- * writes or, on cpu, reads: a cuda pass's schedule is not read on the host) to the peers; a rank that meets a peer in another call fails, as does the peer, at once and with a
- * message naming both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in
- * mok_forward #3 ..."). Such a failure touches nothing: the ranks may go on with matching calls.
- * On cuda the device barrier finds it, neither pass runs, and the error word reports it at the
- * rank's next call or mok_synchronize, as for any error found on the device; so does a rank whose
- * peer's part of the call failed. Workspace creation compares the ranks' shapes and configs there
- * too (one process per rank).
+ * writes or, on cpu, reads: a cuda pass's schedule is not read on the host) to the peers; a rank
+ * that meets a peer in another call fails, as does the peer, at once and with a message naming
+ * both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in mok_forward #3 ...").
+ * Such a failure touches nothing: the ranks may go on with matching calls. On cuda the device
+ * barrier finds it, neither pass runs, and the error word reports it at the rank's next call or
+ * mok_synchronize, as for any error found on the device; so does a rank whose peer's part of the
+ * call failed. Workspace creation compares the ranks' shapes and configs there too (one process
+ * per rank).
  *
  * After a timeout (and after a rank destroyed a workspace while a peer was in another call) the
  * group is unusable on every rank: each rank's next call fails at once with MOK_ERR_STATE, naming

@@ -57,8 +57,9 @@ mok_status mok__tag_refuse(const mok_workspace *ws, const char *args, int local_
                          "workspace's",
                          context, other, index);
     case MOK_TAG_CONTEXT_RANK:
-        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: written by rank %lld's pass, not by local rank %d's (rank %lld)",
-                         context, (long long)found, local_rank, rank);
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                         "%s: written by rank %lld's pass, not by local rank %d's (rank %lld)", context,
+                         (long long)found, local_rank, rank);
     case MOK_TAG_CONTEXT_BUILD:
         return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                          "%s: written by a forward (or recompute) with schedule build #%lld, but %s holds build #%lld "
