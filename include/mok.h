@@ -45,14 +45,15 @@
  * Collective calls (workspace create and destroy, schedule build, forward, recompute, backward):
  * every rank of a group makes the same ones in the same order, on workspaces created in the same
  * order, and a pass on every rank reads the same schedule build. Each call carries what it is (its
- * kind, its number on the workspace, the workspace's shape and config, the schedule build) to the
- * peers; a rank that meets a peer in another call fails, as does the peer, at once and with a
- * message naming both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in
- * mok_forward #3 ..."). Such a failure touches nothing: the ranks may go on with matching calls.
- * On cuda the device barrier finds it, neither pass runs, and the error word reports it at the
- * rank's next call or mok_synchronize, as for any error found on the device; so does a rank whose
- * peer's part of the call failed. Workspace creation compares the ranks' shapes and configs there
- * too (one process per rank).
+ * kind, its number on the workspace, the workspace's shape and config, the schedule build it
+ * writes or, on cpu, reads: a cuda pass's schedule is not read on the host) to the peers; a rank
+ * that meets a peer in another call fails, as does the peer, at once and with a message naming
+ * both sides ("rank 1 is in mok_backward #3 ... while this rank (0) is in mok_forward #3 ...").
+ * Such a failure touches nothing: the ranks may go on with matching calls. On cuda the device
+ * barrier finds it, neither pass runs, and the error word reports it at the rank's next call or
+ * mok_synchronize, as for any error found on the device; so does a rank whose peer's part of the
+ * call failed. Workspace creation compares the ranks' shapes and configs there too (one process
+ * per rank).
  *
  * After a timeout (and after a rank destroyed a workspace while a peer was in another call) the
  * group is unusable on every rank: each rank's next call fails at once with MOK_ERR_STATE, naming
@@ -87,6 +88,9 @@ extern "C" {
 #define MOK_ROW_TILE 128
 #define MOK_MAX_RANKS 72
 #define MOK_ALIGN 16
+/* Bytes at the start of every forward context that hold its tag: which workspace's pass wrote it,
+ * with which schedule build, as which rank (mok_forward_args.context). */
+#define MOK_CONTEXT_TAG_BYTES 256
 
 /* One table makes the status enum and its strings. */
 #define MOK_STATUS_TABLE(X)                                                                   \
@@ -224,11 +228,13 @@ typedef struct mok_forward_args {
     const void *s_down;      /* [H, I_s]; not read by mok_recompute_context */
     void *y;                 /* out [T, H]; not written by mok_recompute_context (may be NULL) */
     void *context;           /* out: context_bytes, read by mok_backward. Need not be cleared: the
-                                pass writes the routed rows it keeps (the schedule's padded rows,
-                                at most the context rows, 2·I bf16 each, padding rows as zeros)
-                                and, from the next 256-byte boundary after the context rows' space,
-                                the shared expert's 2·I_s bf16 for each of the T tokens; the
-                                backward reads nothing else */
+                                pass writes its tag (the first MOK_CONTEXT_TAG_BYTES: which
+                                workspace, schedule build and rank wrote it; the backward checks
+                                it), from there the routed rows it keeps (the schedule's padded
+                                rows, at most the context rows, 2·I bf16 each, padding rows as
+                                zeros) and, from the next 256-byte boundary after the context
+                                rows' space, the shared expert's 2·I_s bf16 for each of the T
+                                tokens; the backward reads nothing else */
     void *stream;
     const void *fp8_weights; /* FP8 workspaces: this rank's buffer written by mok_quantize_weights
                                 from the weights above (mok_fp8_layout); NULL for bf16 */
@@ -237,7 +243,8 @@ typedef struct mok_forward_args {
 typedef struct mok_backward_args {
     int64_t num_tokens;
     const void *schedule;
-    const void *context;     /* left by mok_forward or mok_recompute_context */
+    const void *context;     /* left by mok_forward or mok_recompute_context with this schedule
+                                build, on this workspace and rank (its tag says so) */
     const void *dy;          /* [T, H] bf16 */
     const void *x;           /* [T, H] the forward's x */
     const float *router_w;   /* [T, k] the forward's weights */
@@ -313,14 +320,20 @@ mok_status mok_workspace_tuning(const mok_workspace *workspace, char *text, size
 
 /* ---- passes (collective; args has one entry per local rank) -------------------------------
  * A schedule serves the workspace and local rank that built it, until it is built again. A backward
- * reads the context that a forward or recompute wrote with the same schedule build. Each local rank
- * of a workspace remembers the last 256 schedule and context buffers its calls wrote, and refuses a
- * schedule or context that another workspace of the group wrote, a backward whose schedule build no
- * forward ran with, and a context written with another build; a buffer it does not remember (an
- * older one, a copy) is not checked. On cpu a schedule whose contents were changed after its build
- * is refused. */
+ * reads the context that a forward or recompute wrote with the same schedule build. The schedule
+ * and the context carry tags that say so (the schedule's header, the context's first
+ * MOK_CONTEXT_TAG_BYTES): the workspace (a value unique in the process for its life), the schedule
+ * build (the number of its mok_schedule_build call on the workspace) and the rank. A pass refuses a
+ * schedule another workspace built or built for another rank; a backward refuses a context no
+ * forward or recompute wrote, one another workspace or rank wrote, and one written with another
+ * schedule build than its schedule's (the schedule was built again after the forward, or the
+ * context is another layer call's). The tags travel with the bytes: a copy of a schedule or a
+ * context into another buffer serves as the original does. On cpu the tags are checked on the
+ * host before the pass, and a schedule whose contents were changed after its build is refused;
+ * on cuda one device thread of the pass checks them, and the refusal is reported at the rank's
+ * next call or mok_synchronize, as any error found on the device (the pass does nothing). */
 mok_status mok_schedule_build(mok_workspace *workspace, const mok_schedule_args *args);
-/* The schedule must be local_rank's. */
+/* The schedule must be this workspace's and local_rank's. */
 mok_status mok_schedule_read(mok_workspace *workspace, const void *schedule, int local_rank,
                              mok_schedule_info *info);
 mok_status mok_forward(mok_workspace *workspace, const mok_forward_args *args);

@@ -238,7 +238,7 @@ static mok_status check_workspace_bytes(const mok_shape *s, const mok_config *c,
         (rows / ring + 1) * 3 * I * H * 4,            /* carry */
         T * k * H * 2 * 4,                            /* combine and dx buffers */
         ring * (4 * H + 6 * I) * 2 + ring * (I / 64 + 1) * 4, /* rings */
-        (context + MOK_ROW_TILE) * 4 * I + T * 4 * Is, /* context */
+        (context + MOK_ROW_TILE) * 4 * I + T * 4 * Is + MOK_CONTEXT_TAG_BYTES, /* context */
         rows * 8 + T * k * 4 + El * P * 8,            /* schedule */
         (rows / MOK_ROW_TILE + 1) * (H + I + Is) / 64 * 64, /* task list (entries, each < 64 bytes) */
     };
@@ -250,11 +250,6 @@ static mok_status check_workspace_bytes(const mok_shape *s, const mok_config *c,
                          "rank, more than 2^56; lower max_tokens, the dimensions or raise ring_rows",
                          total);
     return MOK_OK;
-}
-
-static void workspace_free(mok_workspace *ws) {
-    free(ws->ledgers);
-    free(ws);
 }
 
 mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_shape *shape, const mok_config *config) {
@@ -272,12 +267,7 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     mok_workspace *ws = NULL;
     if (st == MOK_OK) {
         ws = calloc(1, sizeof *ws);
-        if (ws) ws->ledgers = calloc((size_t)g->num_local_ranks, sizeof(mok_ledger));
-        if (!ws || !ws->ledgers) {
-            if (ws) workspace_free(ws);
-            ws = NULL;
-            st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
-        }
+        if (!ws) st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     }
     if (st != MOK_OK) {
         if (cpu_per_rank(g)) {
@@ -293,14 +283,18 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     ws->config = cfg;
     ws->index = index;
     ws->digest = mok__protocol_digest(shape, &cfg, g->nranks);
+    ws->tag = mok__workspace_tag();
     ws->num_local_experts = shape->num_experts / g->nranks;
     mok__sched_layout(&ws->sched_layout, g->nranks, ws->num_local_experts, shape->topk, shape->max_tokens);
     int64_t max_rows = ws->sched_layout.max_rows;
     ws->context_rows = (cfg.context_rows == 0 || cfg.context_rows > max_rows)
                            ? max_rows
                            : (cfg.context_rows + MOK_ROW_TILE - 1) / MOK_ROW_TILE * MOK_ROW_TILE;
+    /* The context: its tag (core/schedule.h says why at the start), the routed rows, the shared
+       expert's rows; each part 256-byte aligned. */
     size_t routed = (size_t)ws->context_rows * 2u * (size_t)shape->intermediate * 2u;
-    ws->context_shared_offset = align_up(routed, 256);
+    ws->context_routed_offset = MOK_CONTEXT_TAG_BYTES;
+    ws->context_shared_offset = align_up(ws->context_routed_offset + routed, 256);
     size_t shared = (size_t)shape->max_tokens * 2u * (size_t)shape->shared_intermediate * 2u;
     ws->sizes.schedule_bytes = ws->sched_layout.bytes;
     ws->sizes.context_bytes = align_up(ws->context_shared_offset + shared, 256);
@@ -312,7 +306,7 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
 #endif
         st = mok__cpu_workspace_create(ws);
     if (st != MOK_OK) {
-        workspace_free(ws);
+        free(ws);
         return st;
     }
     ws->next = g->workspaces;
@@ -336,7 +330,7 @@ mok_status mok_workspace_destroy(mok_workspace *ws) {
     else
 #endif
         st = mok__cpu_workspace_destroy(ws);
-    workspace_free(ws);
+    free(ws);
     return st;
 }
 
@@ -422,20 +416,16 @@ mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) 
     begin_call(ws, MOK_CALL_SCHEDULE_BUILD);
     /* NOTE: a build is named by its call's number, not by a count of builds: every rank counts
        every collective call, so the names stay equal across ranks even after a call that some
-       ranks made as a build and others as something else. */
+       ranks made as a build and others as something else. The backends write it, with the
+       workspace's tag, into each schedule's header (mok__sched_tag). */
     const int64_t build = ws->calls;
     for (int r = 0; r < ws->group->num_local_ranks; ++r) ws->call_build[r] = build;
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_schedule_args(ws, args));
-    mok_status st;
 #ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) st = mok__cuda_schedule_build(ws, args);
-    else
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_schedule_build(ws, args);
 #endif
-        st = mok__cpu_schedule_build(ws, args);
-    for (int r = 0; r < ws->group->num_local_ranks; ++r)
-        mok__ledger_schedule_built(ws, r, args[r].schedule, build, st == MOK_OK);
-    return st;
+    return mok__cpu_schedule_build(ws, args);
 }
 
 mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_rank, mok_schedule_info *info) {
@@ -457,7 +447,10 @@ mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_
     if (h.magic != MOK_SCHED_MAGIC)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "schedule: not a schedule built by mok_schedule_build");
     const int rank = ws->group->first_rank + local_rank;
-    if (h.rank != rank || h.nranks != ws->group->nranks || h.num_local_experts != ws->num_local_experts ||
+    int64_t found = 0, expected = 0;
+    const int tag = mok__sched_tag_check(&h, ws->tag, rank, &found, &expected);
+    if (tag != MOK_TAG_OK) return mok__tag_refuse(ws, NULL, local_rank, tag, found, expected);
+    if (h.nranks != ws->group->nranks || h.num_local_experts != ws->num_local_experts ||
         h.topk != ws->shape.topk || h.max_rows != ws->sched_layout.max_rows)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                          "schedule: built for rank %d of %d ranks (E_local %d, k %d), not for local rank %d (rank "
@@ -495,34 +488,17 @@ static mok_status check_forward_args(mok_workspace *ws, const mok_forward_args *
     return MOK_OK;
 }
 
-/* The ledger's checks of every local rank's schedule and context (ledger.c), which also give each
- * rank's schedule build to the call. */
-static mok_status check_ledger(mok_workspace *ws, const void *args, size_t arg_size, size_t schedule_at,
-                               size_t context_at, int backward) {
-    for (int r = 0; r < ws->group->num_local_ranks; ++r) {
-        const char *a = (const char *)args + (size_t)r * arg_size;
-        const void *schedule = *(const void *const *)(a + schedule_at), *context = *(const void *const *)(a + context_at);
-        TRY(mok__ledger_check(ws, r, schedule, context, backward, &ws->call_build[r]));
-    }
-    return MOK_OK;
-}
-
 static mok_status forward_common(mok_workspace *ws, const mok_forward_args *args, int recompute) {
     TRY(check_usable(ws));
     begin_call(ws, recompute ? MOK_CALL_RECOMPUTE : MOK_CALL_FORWARD);
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_forward_args(ws, args, recompute));
-    TRY_COLLECTIVE(ws, check_ledger(ws, args, sizeof *args, offsetof(mok_forward_args, schedule),
-                                    offsetof(mok_forward_args, context), 0));
-    mok_status st;
+    /* The schedule's and context's tags are checked by the backend: on the host (cpu) or on the
+       device (cuda), which the host does not wait for. */
 #ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) st = mok__cuda_forward(ws, args, recompute);
-    else
+    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_forward(ws, args, recompute);
 #endif
-        st = mok__cpu_forward(ws, args, recompute);
-    for (int r = 0; r < ws->group->num_local_ranks; ++r)
-        mok__ledger_pass_done(ws, r, args[r].schedule, args[r].context, ws->call_build[r], st == MOK_OK);
-    return st;
+    return mok__cpu_forward(ws, args, recompute);
 }
 
 mok_status mok_forward(mok_workspace *ws, const mok_forward_args *args) {
@@ -543,8 +519,6 @@ mok_status mok_backward(mok_workspace *ws, const mok_backward_args *args) {
     begin_call(ws, MOK_CALL_BACKWARD);
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_backward_args(ws, args));
-    TRY_COLLECTIVE(ws, check_ledger(ws, args, sizeof *args, offsetof(mok_backward_args, schedule),
-                                    offsetof(mok_backward_args, context), 1));
 #ifdef MOK_HAVE_CUDA
     if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_backward(ws, args);
 #endif

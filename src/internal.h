@@ -36,29 +36,12 @@ typedef struct mok_call {
     int64_t seq;       /* the call's number on its workspace (collective calls, from 1) */
     uint64_t digest;   /* the workspace's shape, group size and protocol config (mok__protocol_digest) */
     int64_t build;     /* the schedule build the call writes (schedule) or reads (passes), named by
-                          its call's number; 0: none or unknown (a schedule the workspace's ledger
-                          does not know, e.g. a copy) */
+                          its call's number; 0: none or unknown (a pass on cuda, whose schedule
+                          the host does not read) */
 } mok_call;
 
 /* The call's name and number for messages: "mok_forward #3 (schedule build #2)". */
 void mok__call_describe(const mok_call *call, char *out, size_t size);
-
-/* The ledger of one local rank of a workspace: which schedule build each schedule buffer holds and
- * which build each context buffer was written with, for the checks that a pass reads a schedule and a
- * context that belong together (api.c). It remembers the MOK_LEDGER_ENTRIES buffers of each kind used
- * last; a buffer it does not know (older, copied) is not refused, only not checked. */
-#define MOK_LEDGER_ENTRIES 256
-typedef struct mok_ledger_entry {
-    const void *ptr;    /* the caller's buffer; NULL: a free entry */
-    int64_t build;      /* schedule: its build; context: the build of the schedule its pass read (0: unknown) */
-    uint64_t stamp;     /* last use, so that the least recently used entry is replaced */
-    int forwarded;      /* schedule: a forward or recompute ran with this build */
-} mok_ledger_entry;
-typedef struct mok_ledger {
-    mok_ledger_entry schedules[MOK_LEDGER_ENTRIES];
-    mok_ledger_entry contexts[MOK_LEDGER_ENTRIES];
-    uint64_t stamp;
-} mok_ledger;
 
 struct mok_group {
     mok_backend backend; /* resolved: MOK_BACKEND_CPU or MOK_BACKEND_CUDA */
@@ -81,30 +64,28 @@ struct mok_workspace {
     int64_t num_local_experts;
     mok_sched_layout sched_layout;
     int64_t context_rows;   /* routed rows whose gate/up the context keeps */
+    size_t context_routed_offset; /* byte offset of the routed rows' g/u in a context (past its tag) */
     size_t context_shared_offset; /* byte offset of the shared expert's g/u in a context */
     mok_sizes sizes;
     int failed;
     int64_t index;          /* creation order in the group, equal on every rank */
     uint64_t digest;        /* mok__protocol_digest of its shape and config */
+    uint64_t tag;           /* mok__workspace_tag: what its schedules and contexts say of it */
     int64_t calls;          /* collective calls made on it so far (a schedule build is named by its
                                call's number) */
     mok_call call;          /* the call in progress (its build is per local rank: call_build) */
     int64_t call_build[MOK_MAX_RANKS]; /* the schedule build each local rank's part of the call uses */
-    mok_ledger *ledgers;    /* [num_local_ranks] */
     void *impl;
 };
 
-/* ledger.c (its opening comment says why the record is on the host). Local rank r's schedule
- * buffer now holds build `build` (ok = 0: a failed build, unknown from now on). */
-void mok__ledger_schedule_built(mok_workspace *ws, int r, const void *schedule, int64_t build, int ok);
-/* Before a pass: refuses a schedule another workspace built and, for a backward, a schedule no
- * forward ran with, or a context written with another build or by another workspace. *build: the
- * schedule's build, 0 when the ledger does not know the buffer. */
-mok_status mok__ledger_check(mok_workspace *ws, int r, const void *schedule, const void *context, int backward,
-                             int64_t *build);
-/* After a forward or recompute of rank r (ok = 0: it failed, the context is unknown from now on). */
-void mok__ledger_pass_done(mok_workspace *ws, int r, const void *schedule, const void *context, int64_t build,
-                           int ok);
+/* tags.c (core/schedule.h says what the tags hold). A new workspace's tag: unique in the process
+ * for the workspace's life, never 0. */
+uint64_t mok__workspace_tag(void);
+/* The MOK_ERR_INVALID_ARGUMENT of a tag check that failed (code: MOK_TAG_*, with the value found
+ * and the one expected), naming what was wrong and which argument: args ("args[0]") and its
+ * schedule or context, or the bare "schedule" of mok_schedule_read when args is NULL. */
+mok_status mok__tag_refuse(const mok_workspace *ws, const char *args, int local_rank, int code, int64_t found,
+                           int64_t expected);
 
 /* config.c: the digest of what every rank's workspace must agree on (shape, group size and the
  * config fields that change the protocol), and the first such config field two configs differ in

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/schedule.h"
 #include "layer.h"
 #include "test.h"
 
@@ -461,6 +462,9 @@ static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank) {
         snprintf(tag, sizeof tag, "%s (rank %d token %lld col %lld) MOK_TEST_SEED=%llu", name, bad_rank,
                  (long long)bad_token, (long long)bad_col, mok_test_seed());
         for (int p = 0; p < P; ++p) {
+            /* the two runs' workspaces differ, and so does the tag in their schedules' headers */
+            mok_sched_header *dirty_header = dirty.schedule[p];
+            dirty_header->workspace = ((const mok_sched_header *)clean.schedule[p])->workspace;
             CHECK(memcmp(&clean.info[p], &dirty.info[p], sizeof clean.info[p]) == 0 &&
                       memcmp(clean.schedule[p], dirty.schedule[p], clean.schedule_bytes) == 0,
                   "%s: rank %d's schedule changed", tag, p);

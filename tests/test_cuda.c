@@ -94,18 +94,28 @@ static void gpu_close(gpu_run *G) {
     memset(G, 0, sizeof *G);
 }
 
-/* Issues schedule + forward on `stream` (NULL: the default stream) without waiting. */
-static mok_status gpu_issue(gpu_run *G, const layer *L, int recompute, void *stream) {
+/* Issues the schedule build into G's schedules on `stream` (NULL: the default stream). */
+static mok_status gpu_build(gpu_run *G, const layer *L, void *stream) {
     mok_schedule_args sa[MOK_MAX_RANKS];
-    mok_forward_args fa[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks; ++p) {
+    for (int p = 0; p < L->nranks; ++p)
         sa[p] = (mok_schedule_args){L->num_tokens[p], G->ids[p], G->schedule[p], stream};
+    return mok_schedule_build(G->ws, sa);
+}
+
+/* Issues the forward (or recompute) with G's schedules and contexts. */
+static mok_status gpu_pass(gpu_run *G, const layer *L, int recompute, void *stream) {
+    mok_forward_args fa[MOK_MAX_RANKS];
+    for (int p = 0; p < L->nranks; ++p)
         fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p], G->rw[p], G->w[0][p], G->w[1][p],
                                    G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream,
                                    NULL};
-    }
-    mok_status st = mok_schedule_build(G->ws, sa);
-    if (st == MOK_OK) st = recompute ? mok_recompute_context(G->ws, fa) : mok_forward(G->ws, fa);
+    return recompute ? mok_recompute_context(G->ws, fa) : mok_forward(G->ws, fa);
+}
+
+/* Issues schedule + forward on `stream` (NULL: the default stream) without waiting. */
+static mok_status gpu_issue(gpu_run *G, const layer *L, int recompute, void *stream) {
+    mok_status st = gpu_build(G, L, stream);
+    if (st == MOK_OK) st = gpu_pass(G, L, recompute, stream);
     return st;
 }
 
@@ -329,6 +339,17 @@ MOK_TEST(cuda_forward_deterministic) {
     layer_free(&L);
 }
 
+/* Two contexts of one rank and workspace hold the same activations, bit for bit, and tags of the
+ * same workspace and rank (core/schedule.h); their builds may differ (gpu_forward builds the
+ * schedule again before each pass). */
+static int contexts_equal(const void *a, const void *b, size_t bytes) {
+    const mok_context_tag *ta = a, *tb = b;
+    return ta->magic == MOK_CONTEXT_MAGIC && tb->magic == MOK_CONTEXT_MAGIC && ta->workspace == tb->workspace &&
+           ta->rank == tb->rank &&
+           memcmp((const char *)a + MOK_CONTEXT_TAG_BYTES, (const char *)b + MOK_CONTEXT_TAG_BYTES,
+                  bytes - MOK_CONTEXT_TAG_BYTES) == 0;
+}
+
 /* mok_recompute_context rebuilds the forward's context bit for bit. */
 MOK_TEST(cuda_recompute_context) {
     if (skip(1, "cuda_recompute_context")) return;
@@ -351,7 +372,7 @@ MOK_TEST(cuda_recompute_context) {
     mok_memory_copy(G.group, 0, G.context[0], ff, bytes, MOK_COPY_HOST_TO_RANK);
     CHECK(gpu_forward(&G, &L, 1) == MOK_OK, "recompute: %s", G.message);
     mok_memory_copy(G.group, 0, b, G.context[0], bytes, MOK_COPY_RANK_TO_HOST);
-    CHECK(memcmp(a, b, bytes) == 0, "recomputed context differs from the forward's");
+    CHECK(contexts_equal(a, b, bytes), "recomputed context differs from the forward's");
     free(a);
     free(b);
     free(ff);
@@ -1167,7 +1188,9 @@ static mok_status turned_run(const layer *L, const mok_config *cfg, int reps, la
             for (int p = 0; p < L->nranks && st == MOK_OK; ++p)
                 mok_memory_copy(G.group, p, ctx[pass] + bytes * p, G.context[p], bytes, MOK_COPY_RANK_TO_HOST);
         }
-        *ctx_equal = st == MOK_OK && memcmp(ctx[0], ctx[1], bytes * L->nranks) == 0;
+        *ctx_equal = st == MOK_OK;
+        for (int p = 0; p < L->nranks && *ctx_equal; ++p)
+            *ctx_equal = contexts_equal(ctx[0] + bytes * p, ctx[1] + bytes * p, bytes);
         free(ctx[0]);
         free(ctx[1]);
         free(ff);
@@ -1517,36 +1540,203 @@ MOK_TEST(cuda_protocol_timeout_keeps_window_ep2) {
     layer_free(&L);
 }
 
-/* The ledger on the cuda backend (host-side, no device read): a backward whose schedule build had
- * no forward is refused; a schedule read as another local rank is refused. */
-MOK_TEST(cuda_protocol_ledger) {
-    if (skip(1, "cuda_protocol_ledger")) return;
+/* A second workspace on G's group, of G's shape and config, with schedule and context buffers of
+ * its own (the inputs, weights and y stay G's). gpu_second_close releases what it adds, before
+ * gpu_close(G). */
+static mok_status gpu_second_workspace(const gpu_run *G, const layer *L, const mok_config *config, gpu_run *G2) {
+    *G2 = *G;
+    G2->ws = NULL;
+    mok_config cfg = config ? *config : mok_config_default();
+    cfg.swiglu_limit = L->swiglu_limit;
+    const char *timeout = getenv("MOK_TEST_PEER_TIMEOUT_MS");
+    if (timeout) cfg.peer_timeout_ms = atoi(timeout);
+    mok_status st = mok_workspace_create(&G2->ws, G->group, &L->shape, &cfg);
+    for (int p = 0; p < L->nranks; ++p) G2->schedule[p] = G2->context[p] = NULL;
+    for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
+        G2->schedule[p] = upload(G2, p, NULL, G->sizes.schedule_bytes, &st);
+        G2->context[p] = upload(G2, p, NULL, G->sizes.context_bytes, &st);
+    }
+    if (st != MOK_OK) snprintf(G2->message, sizeof G2->message, "%s", mok_last_error());
+    return st;
+}
+
+static void gpu_second_close(gpu_run *G2) {
+    for (int p = 0; p < G2->nranks && G2->group; ++p) {
+        mok_memory_free(G2->group, p, G2->schedule[p]);
+        mok_memory_free(G2->group, p, G2->context[p]);
+    }
+    mok_workspace_destroy(G2->ws);
+    memset(G2, 0, sizeof *G2);
+}
+
+/* Every rank's `bytes` of `value` into bufs[p]. */
+static void gpu_fill(gpu_run *G, void *const *bufs, size_t bytes, int value) {
+    void *host = malloc(bytes);
+    memset(host, value, bytes);
+    for (int p = 0; p < G->nranks; ++p) mok_memory_copy(G->group, p, bufs[p], host, bytes, MOK_COPY_HOST_TO_RANK);
+    free(host);
+}
+
+/* Fresh device buffers holding copies of src's (every rank's `bytes`). */
+static void gpu_copies(gpu_run *G, void *const *src, size_t bytes, void **out) {
+    for (int p = 0; p < G->nranks; ++p) {
+        mok_status st = MOK_OK;
+        out[p] = upload(G, p, NULL, bytes, &st);
+        if (st == MOK_OK) st = mok_memory_copy(G->group, p, out[p], src[p], bytes, MOK_COPY_RANK_TO_RANK);
+        CHECK(st == MOK_OK, "copy of rank %d's buffer: %s", p, mok_last_error());
+    }
+}
+
+/* A pass the device refused (the error word, reported by mok_synchronize): an argument error
+ * naming what was wrong. */
+static void expect_refused_on_device(mok_status st, const char *message, const char *what, const char *needle1,
+                                     const char *needle2) {
+    CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(message, needle1) && (!needle2 || strstr(message, needle2)),
+          "%s: status %s, message '%s' (want INVALID_ARGUMENT naming '%s'%s%s)", what, mok_status_string(st), message,
+          needle1, needle2 ? " and " : "", needle2 ? needle2 : "");
+}
+
+static mok_status gpu_forward_only(gpu_run *G, const layer *L) {
+    mok_status st = gpu_pass(G, L, 0, NULL);
+    if (st == MOK_OK) st = mok_synchronize(G->ws);
+    if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
+    return st;
+}
+
+/* The tags on the cuda backend (core/schedule.h), checked by one device thread of each pass and
+ * reported through the error word: a backward with a context no forward wrote, with another
+ * rank's, with one of a build older than its schedule's, with another workspace's; passes with
+ * another workspace's or rank's schedule; a schedule read as another local rank (host). Copies of
+ * a schedule and a context serve to the bit, as do buffers that held another workspace's and
+ * took copies of this one's. */
+MOK_TEST(cuda_protocol_tags) {
+    if (skip(1, "cuda_protocol_tags")) return;
     const int P = gpus() >= 2 ? 2 : 1;
     int64_t tokens[2] = {100, 60};
     mok_shape s = small_shape(128, 64, 4, 2, 64);
+    s.max_tokens = 128;
     layer L;
-    layer_make(&L, &s, P, tokens, mok_test_seed() ^ 0x1ed9, LAYER_ROUTE_UNIFORM);
-    gpu_run G;
-    if (gpu_open(&G, &L, NULL) == MOK_OK) {
-        mok_schedule_args sa[2];
-        for (int p = 0; p < P; ++p) sa[p] = (mok_schedule_args){L.num_tokens[p], G.ids[p], G.schedule[p], NULL};
-        CHECK(mok_schedule_build(G.ws, sa) == MOK_OK, "build: %s", mok_last_error());
-        layer_result got = {0};
-        mok_status st = gpu_backward(&G, &L, 0, &got);
-        CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(G.message, "no mok_forward"), "backward without a forward: %s",
-              G.message);
+    layer_make(&L, &s, P, tokens, mok_test_seed() ^ 0x1ed9, LAYER_ROUTE_HOLES);
+    gpu_run G, G2;
+    memset(&G2, 0, sizeof G2);
+    mok_status st = gpu_open(&G, &L, NULL);
+    if (st == MOK_OK) st = gpu_second_workspace(&G, &L, NULL, &G2);
+    CHECK(st == MOK_OK, "open: %s %s", G.message, G2.message);
+    if (st == MOK_OK) {
+        const size_t sbytes = G.sizes.schedule_bytes, cbytes = G.sizes.context_bytes;
+        layer_result want = {0}, want2 = {0}, got = {0};
+        char diff[256] = "";
+
+        /* a context no forward wrote */
+        gpu_fill(&G, G.context, cbytes, 0xff);
+        CHECK(gpu_build(&G, &L, NULL) == MOK_OK, "build: %s", mok_last_error());
+        st = gpu_backward(&G, &L, 0, &got);
+        expect_refused_on_device(st, G.message, "backward with a context no forward wrote", "args[0].context",
+                                 "holds no context tag");
         layer_result_free(&got);
+
         if (P == 2) {
             mok_schedule_info info;
             st = mok_schedule_read(G.ws, G.schedule[0], 1, &info);
             CHECK(st == MOK_ERR_INVALID_ARGUMENT && strstr(mok_last_error(), "built for rank 0"),
                   "rank 0's schedule read as local rank 1: %s", mok_last_error());
+            /* the ranks' schedules swapped */
+            void *keep = G.schedule[0];
+            G.schedule[0] = G.schedule[1];
+            G.schedule[1] = keep;
+            st = gpu_forward_only(&G, &L);
+            expect_refused_on_device(st, G.message, "forward with the other rank's schedule", "args[0].schedule",
+                                     "built for rank 1");
+            G.schedule[1] = G.schedule[0];
+            G.schedule[0] = keep;
         }
+
+        /* the forward, then its backward */
         CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "forward: %s", G.message);
-        st = gpu_backward(&G, &L, 0, &got);
+        st = gpu_backward(&G, &L, 0, &want);
         CHECK(st == MOK_OK, "backward after its forward: %s", G.message);
+
+        if (P == 2) {
+            void *keep = G.context[0];
+            G.context[0] = G.context[1];
+            G.context[1] = keep;
+            st = gpu_backward(&G, &L, 0, &got);
+            expect_refused_on_device(st, G.message, "backward with the other rank's context", "args[0].context",
+                                     "written by rank 1's pass");
+            layer_result_free(&got);
+            G.context[1] = G.context[0];
+            G.context[0] = keep;
+        }
+
+        /* copies of the schedules and contexts in fresh buffers, the originals freed: the same bits */
+        void *sched_copy[MOK_MAX_RANKS], *ctx_copy[MOK_MAX_RANKS];
+        gpu_copies(&G, G.schedule, sbytes, sched_copy);
+        gpu_copies(&G, G.context, cbytes, ctx_copy);
+        for (int p = 0; p < P; ++p) {
+            mok_memory_free(G.group, p, G.schedule[p]);
+            mok_memory_free(G.group, p, G.context[p]);
+            G.schedule[p] = sched_copy[p];
+            G.context[p] = ctx_copy[p];
+        }
+        st = gpu_backward(&G, &L, 0, &got);
+        CHECK(st == MOK_OK, "backward with copies of the schedules and contexts: %s", G.message);
+        if (st == MOK_OK)
+            CHECK(layer_equal(&L, &want, &got, diff, sizeof diff), "backward with the copies: %s", diff);
         layer_result_free(&got);
+
+        /* the second workspace's passes on its own buffers */
+        CHECK(gpu_forward(&G2, &L, 0) == MOK_OK, "second workspace's forward: %s", G2.message);
+        st = gpu_backward(&G2, &L, 0, &want2);
+        CHECK(st == MOK_OK, "second workspace's backward: %s", G2.message);
+
+        /* the other workspace's context, then its schedule */
+        void *mine[MOK_MAX_RANKS];
+        for (int p = 0; p < P; ++p) {
+            mine[p] = G.context[p];
+            G.context[p] = G2.context[p];
+        }
+        st = gpu_backward(&G, &L, 0, &got);
+        expect_refused_on_device(st, G.message, "backward with another workspace's context", "args[0].context",
+                                 "workspace #1");
+        layer_result_free(&got);
+        for (int p = 0; p < P; ++p) {
+            G.context[p] = mine[p];
+            mine[p] = G.schedule[p];
+            G.schedule[p] = G2.schedule[p];
+        }
+        st = gpu_forward_only(&G, &L);
+        expect_refused_on_device(st, G.message, "forward with another workspace's schedule", "args[0].schedule",
+                                 "workspace #1");
+        for (int p = 0; p < P; ++p) G.schedule[p] = mine[p];
+
+        /* the schedule built again after the forward: its context is of an older build */
+        CHECK(gpu_build(&G, &L, NULL) == MOK_OK, "rebuild: %s", mok_last_error());
+        st = gpu_backward(&G, &L, 0, &got);
+        expect_refused_on_device(st, G.message, "backward after the schedule was built again", "args[0].context",
+                                 ", but args[0].schedule holds build #");
+        layer_result_free(&got);
+
+        /* G's buffers, which held G's schedules and contexts, take copies of the second
+           workspace's: its backward takes them, to the bit of its own */
+        for (int p = 0; p < P; ++p) {
+            mok_memory_copy(G.group, p, G.schedule[p], G2.schedule[p], sbytes, MOK_COPY_RANK_TO_RANK);
+            mok_memory_copy(G.group, p, G.context[p], G2.context[p], cbytes, MOK_COPY_RANK_TO_RANK);
+            mine[p] = G2.schedule[p];
+            G2.schedule[p] = G.schedule[p];
+            G.schedule[p] = mine[p];
+            mine[p] = G2.context[p];
+            G2.context[p] = G.context[p];
+            G.context[p] = mine[p];
+        }
+        st = gpu_backward(&G2, &L, 0, &got);
+        CHECK(st == MOK_OK, "second workspace's backward with the buffers that held the first's: %s", G2.message);
+        if (st == MOK_OK)
+            CHECK(layer_equal(&L, &want2, &got, diff, sizeof diff), "backward with the reused buffers: %s", diff);
+        layer_result_free(&got);
+        layer_result_free(&want);
+        layer_result_free(&want2);
     }
+    gpu_second_close(&G2);
     gpu_close(&G);
     layer_free(&L);
 }

@@ -646,7 +646,17 @@ static void backward_buffers(const layer *L, layer_result *r) {
     }
 }
 
+/* A context buffer that no pass wrote: the bytes of a fresh allocation, poisoned. */
+static void *fresh_context(size_t bytes) {
+    void *c = alloc_aligned(bytes);
+    fill_u16(c, bytes / 2, LAYER_POISON_BF16);
+    return c;
+}
+
 MOK_TEST(protocol_backward_needs_its_forward) {
+    /* The context's tag (which workspace, schedule build and rank wrote it) against the backward's
+       schedule: a context no forward wrote, another rank's, and one written before the schedule
+       was built again are refused; the context of the forward with the schedule's build runs. */
     const int64_t T[2] = {40, 31};
     layer L, L2;
     if (!make_layer(&L, 2, T, 64, 64, 64, 2, 20, LAYER_ROUTE_HOLES) ||
@@ -661,17 +671,30 @@ MOK_TEST(protocol_backward_needs_its_forward) {
         layer_backward_args(&L, &r, 0, ba);
         mok_schedule_args sa[MOK_MAX_RANKS];
 
+        /* no forward wrote the context (a fresh buffer): refused */
+        void *fresh[2];
+        for (int p = 0; p < 2; ++p) ba[p].context = fresh[p] = fresh_context(r.context_bytes);
+        expect_refused(mok_backward(B.workspace, ba), "backward with a context no forward wrote", "args[0].context",
+                       "no mok_forward");
+        for (int p = 0; p < 2; ++p) free(fresh[p]);
+
+        /* the ranks' contexts swapped: refused */
+        for (int p = 0; p < 2; ++p) ba[p].context = r.context[1 - p];
+        expect_refused(mok_backward(B.workspace, ba), "backward with the other rank's context", "args[0].context",
+                       "written by rank 1's pass");
+        layer_backward_args(&L, &r, 0, ba);
+
         /* the schedule built again (another routing) after the forward: refused */
         for (int p = 0; p < 2; ++p) sa[p] = (mok_schedule_args){T[p], L2.topk_ids[p], r.schedule[p], NULL};
         CHECK(mok_schedule_build(B.workspace, sa) == MOK_OK, "rebuild: %s", mok_last_error());
-        expect_refused(mok_backward(B.workspace, ba), "backward after its schedule was built again", "args[0].schedule",
-                       "no mok_forward");
+        expect_refused(mok_backward(B.workspace, ba), "backward after its schedule was built again", "args[0].context",
+                       "with schedule build #1, but args[0].schedule holds build #");
 
         /* built again with the forward's own routing: still another build than the context's */
         for (int p = 0; p < 2; ++p) sa[p] = (mok_schedule_args){T[p], L.topk_ids[p], r.schedule[p], NULL};
         CHECK(mok_schedule_build(B.workspace, sa) == MOK_OK, "rebuild: %s", mok_last_error());
-        expect_refused(mok_backward(B.workspace, ba), "backward of a schedule without a forward", "no mok_forward",
-                       NULL);
+        expect_refused(mok_backward(B.workspace, ba), "backward of a schedule without a forward", "args[0].context",
+                       "with schedule build #1, but");
 
         /* a forward with the new build into another context; the old context is refused */
         void *old_context[MOK_MAX_RANKS];
@@ -679,7 +702,7 @@ MOK_TEST(protocol_backward_needs_its_forward) {
         layer_forward_args(&L, &r, fa);
         for (int p = 0; p < 2; ++p) {
             old_context[p] = r.context[p];
-            fa[p].context = alloc_aligned(r.context_bytes);
+            fa[p].context = fresh_context(r.context_bytes);
         }
         CHECK(mok_forward(B.workspace, fa) == MOK_OK, "forward: %s", mok_last_error());
         expect_refused(mok_backward(B.workspace, ba), "backward with the context of an older build", "args[0].context",
@@ -709,7 +732,8 @@ MOK_TEST(protocol_backward_needs_its_forward) {
 MOK_TEST(protocol_context_of_another_workspace) {
     /* Two workspaces of one group; the first keeps 128 context rows, the second all of them (a
        larger context). The second's backward with the first's context must be refused, not read
-       past it. */
+       past it; so must its passes with the first's schedule. Both workspaces' schedules are the
+       build of their first call: only the workspaces' tags tell them apart. */
     const int64_t T[2] = {40, 31};
     layer L;
     if (!make_layer(&L, 2, T, 64, 64, 64, 4, 22, LAYER_ROUTE_UNIFORM)) return;
@@ -752,11 +776,147 @@ MOK_TEST(protocol_context_of_another_workspace) {
         for (int p = 0; p < 2; ++p) ba[p].schedule = r[0].schedule[p];
         expect_refused(mok_backward(ws[1], ba), "backward with another workspace's schedule", "args[0].schedule",
                        "workspace #0");
+        mok_forward_args fa[2];
+        layer_forward_args(&L, &r[1], fa);
+        for (int p = 0; p < 2; ++p) fa[p].schedule = r[0].schedule[p];
+        expect_refused(mok_forward(ws[1], fa), "forward with another workspace's schedule", "args[0].schedule",
+                       "workspace #0");
         layer_backward_args(&L, &r[1], 0, ba);
         CHECK(mok_backward(ws[1], ba) == MOK_OK, "backward with its own buffers: %s", mok_last_error());
     }
     layer_result_free(&r[0]);
     layer_result_free(&r[1]);
+    mok_workspace_destroy(ws[0]);
+    mok_workspace_destroy(ws[1]);
+    mok_group_destroy(g);
+    layer_free(&L);
+}
+
+/* layer_equal, with the check's message. */
+static void expect_equal(const layer *L, const layer_result *a, const layer_result *b, const char *what) {
+    char diff[256] = "";
+    CHECK(layer_equal(L, a, b, diff, sizeof diff), "%s: %s (MOK_TEST_SEED=%llu)", what, diff, mok_test_seed());
+}
+
+/* A copy of r's schedules and contexts in fresh buffers, and fresh y and gradient buffers
+ * (poisoned): what the passes with the copies write. */
+static void copy_buffers(const layer *L, const layer_result *r, layer_result *c) {
+    memset(c, 0, sizeof *c);
+    c->nranks = r->nranks;
+    c->schedule_bytes = r->schedule_bytes;
+    c->context_bytes = r->context_bytes;
+    for (int p = 0; p < r->nranks; ++p) {
+        c->schedule[p] = alloc_aligned(r->schedule_bytes);
+        memcpy(c->schedule[p], r->schedule[p], r->schedule_bytes);
+        c->context[p] = alloc_aligned(r->context_bytes);
+        memcpy(c->context[p], r->context[p], r->context_bytes);
+        const size_t y = (size_t)(L->num_tokens[p] * L->shape.hidden);
+        c->y[p] = alloc_aligned(y * 2);
+        fill_u16(c->y[p], y, LAYER_POISON_BF16);
+    }
+    backward_buffers(L, c);
+}
+
+/* The backward, then the forward, with c's schedules and contexts (which r's passes wrote): the
+ * bits of r's. */
+static void passes_with_copies(mok_workspace *ws, const layer *L, const layer_result *r, layer_result *c,
+                               const char *what) {
+    mok_backward_args ba[MOK_MAX_RANKS];
+    layer_backward_args(L, c, 0, ba);
+    mok_status st = mok_backward(ws, ba);
+    CHECK(st == MOK_OK, "%s: backward: %s", what, mok_last_error());
+    mok_forward_args fa[MOK_MAX_RANKS];
+    layer_forward_args(L, c, fa);
+    if (st == MOK_OK) st = mok_forward(ws, fa);
+    CHECK(st == MOK_OK, "%s: forward: %s", what, mok_last_error());
+    if (st == MOK_OK) expect_equal(L, r, c, what);
+}
+
+MOK_TEST(protocol_copies_of_schedule_and_context_serve) {
+    /* The tags travel with the bytes: a schedule and a context copied into fresh buffers (the
+       originals then overwritten) serve the backward and the forward as the originals did, to
+       the bit. */
+    const int64_t T[2] = {40, 31};
+    layer L;
+    if (!make_layer(&L, 2, T, 64, 64, 64, 2, 25, LAYER_ROUTE_HOLES)) return;
+    mok_config cfg = base_config(2000);
+    layer_backend B;
+    layer_result r = {0}, c = {0};
+    if (local_forward(&B, &L, &cfg, &r)) {
+        mok_status st = layer_backend_backward(&B, &L, 0, &r);
+        CHECK(st == MOK_OK, "backward with the originals: %s", r.message);
+        copy_buffers(&L, &r, &c);
+        for (int p = 0; p < 2; ++p) {
+            memset(r.schedule[p], 0xa5, r.schedule_bytes);
+            fill_u16(r.context[p], r.context_bytes / 2, LAYER_POISON_BF16);
+        }
+        if (st == MOK_OK) passes_with_copies(B.workspace, &L, &r, &c, "the copies of the schedules and contexts");
+    }
+    layer_backend_close(&B);
+    layer_result_free(&r);
+    layer_result_free(&c);
+    layer_free(&L);
+}
+
+MOK_TEST(protocol_buffer_of_one_workspace_reused_by_another) {
+    /* Two workspaces A and B of one group, each with its own schedule and context buffers, which
+       its passes wrote. A's buffers then take copies of B's schedules and contexts, as an
+       allocator hands a buffer freed by one layer to the next: B's passes take them, to the bit
+       of its own buffers. What a buffer's address held before means nothing. */
+    const int64_t T[2] = {40, 31};
+    layer L;
+    if (!make_layer(&L, 2, T, 64, 64, 64, 2, 26, LAYER_ROUTE_UNIFORM)) return;
+    mok_config cfg = base_config(2000);
+    mok_group *g = NULL;
+    mok_workspace *ws[2] = {NULL, NULL};
+    CHECK(mok_group_create_local(&g, MOK_BACKEND_CPU, 2, NULL, &cfg) == MOK_OK, "group: %s", mok_last_error());
+    for (int w = 0; w < 2 && g; ++w)
+        CHECK(mok_workspace_create(&ws[w], g, &L.shape, &cfg) == MOK_OK, "workspace %d: %s", w, mok_last_error());
+    layer_result r[2] = {{0}, {0}}, c = {0};
+    if (ws[0] && ws[1]) {
+        mok_status st = MOK_OK;
+        for (int w = 0; w < 2; ++w) {
+            mok_sizes sz;
+            mok_workspace_sizes(ws[w], &sz);
+            r[w].nranks = 2;
+            r[w].schedule_bytes = sz.schedule_bytes;
+            r[w].context_bytes = sz.context_bytes;
+            mok_schedule_args sa[2];
+            for (int p = 0; p < 2; ++p) {
+                r[w].schedule[p] = alloc_aligned(sz.schedule_bytes);
+                memset(r[w].schedule[p], 0xa5, sz.schedule_bytes);
+                r[w].context[p] = fresh_context(sz.context_bytes);
+                r[w].y[p] = alloc_aligned((size_t)(T[p] * L.shape.hidden) * 2);
+                sa[p] = (mok_schedule_args){T[p], L.topk_ids[p], r[w].schedule[p], NULL};
+            }
+            backward_buffers(&L, &r[w]);
+            mok_forward_args fa[2];
+            mok_backward_args ba[2];
+            layer_forward_args(&L, &r[w], fa);
+            layer_backward_args(&L, &r[w], 0, ba);
+            if (st == MOK_OK) st = mok_schedule_build(ws[w], sa);
+            if (st == MOK_OK) st = mok_forward(ws[w], fa);
+            if (st == MOK_OK) st = mok_backward(ws[w], ba);
+            CHECK(st == MOK_OK, "workspace %d's passes with its own buffers: %s", w, mok_last_error());
+        }
+        if (st == MOK_OK) {
+            /* c: A's schedule and context buffers, now holding B's bytes */
+            copy_buffers(&L, &r[1], &c);
+            for (int p = 0; p < 2; ++p) {
+                memcpy(r[0].schedule[p], r[1].schedule[p], r[1].schedule_bytes);
+                memcpy(r[0].context[p], r[1].context[p], r[1].context_bytes);
+                free(c.schedule[p]);
+                free(c.context[p]);
+                c.schedule[p] = r[0].schedule[p];
+                c.context[p] = r[0].context[p];
+                r[0].schedule[p] = r[0].context[p] = NULL;
+            }
+            passes_with_copies(ws[1], &L, &r[1], &c, "workspace B's passes with A's buffers holding B's bytes");
+        }
+    }
+    layer_result_free(&r[0]);
+    layer_result_free(&r[1]);
+    layer_result_free(&c);
     mok_workspace_destroy(ws[0]);
     mok_workspace_destroy(ws[1]);
     mok_group_destroy(g);

@@ -13,9 +13,9 @@ mok.torch the autograd layer (import it explicitly; it needs PyTorch). The libra
 MOK_LIBRARY, a copy inside this package, the repository's build/, or the system's search path.
 """
 from . import _lib, bf16
-from ._lib import (ALIGN, DIM_TILE, MAX_RANKS, ROW_TILE, BackendError, DeviceFaultError, InternalError,
-                   InvalidArgumentError, MokError, OutOfMemoryError, PeerTimeoutError, StateError, Status,
-                   UnsupportedError)
+from ._lib import (ALIGN, CONTEXT_TAG_BYTES, DIM_TILE, MAX_RANKS, ROW_TILE, BackendError, DeviceFaultError,
+                   InternalError, InvalidArgumentError, MokError, OutOfMemoryError, PeerTimeoutError, StateError,
+                   Status, UnsupportedError)
 from ._lib import path as library_path
 from ._lib import version_info
 from .functional import (Config, Context, Group, Schedule, ScheduleInfo, Sizes, Workspace, backend_available, backward,
@@ -36,4 +36,5 @@ __all__ = [
     "backend_available", "device_count", "version", "version_info", "library_path", "MokError",
     "InvalidArgumentError", "UnsupportedError", "OutOfMemoryError", "BackendError", "PeerTimeoutError",
     "DeviceFaultError", "StateError", "InternalError", "Status", "DIM_TILE", "ROW_TILE", "MAX_RANKS", "ALIGN",
+    "CONTEXT_TAG_BYTES",
 ]

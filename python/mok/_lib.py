@@ -18,6 +18,7 @@ DIM_TILE = 64     # MOK_DIM_TILE: H, I and I_s are multiples of it
 ROW_TILE = 128    # MOK_ROW_TILE: per-expert row padding, minibatch granularity
 MAX_RANKS = 72    # MOK_MAX_RANKS
 ALIGN = 16        # MOK_ALIGN: every pointer handed to the library
+CONTEXT_TAG_BYTES = 256  # MOK_CONTEXT_TAG_BYTES: a forward context's tag, at its start
 
 
 class Status(enum.IntEnum):

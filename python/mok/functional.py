@@ -17,7 +17,7 @@ from ctypes import POINTER, byref, c_float, c_int, c_int32, c_int64, c_void_p
 import numpy as np
 
 from . import _lib
-from ._lib import ROW_TILE, Backend, Direction
+from ._lib import CONTEXT_TAG_BYTES, ROW_TILE, Backend, Direction
 
 __all__ = [
     "Config", "Group", "Workspace", "Sizes", "Schedule", "ScheduleInfo", "Context", "backend_available", "device_count",
@@ -552,20 +552,23 @@ class Context:
         return _ptr(self.buffer)
 
     def to_bytes(self):
-        """The bytes the pass wrote (include/mok.h, mok_forward_args.context): the routed rows' g|u
-        the context keeps, then the shared expert's of the T tokens. Reads the schedule back (on
-        cuda this waits for the stream)."""
+        """The activations the pass wrote (include/mok.h, mok_forward_args.context): the routed rows'
+        g|u the context keeps, then the shared expert's of the T tokens. Not the context's tag
+        (its first CONTEXT_TAG_BYTES), which names the workspace and schedule build that wrote it
+        and so differs between contexts of equal activations. Reads the schedule back (on cuda this
+        waits for the stream)."""
         ws = self.workspace
         cap = ws.sizes.max_routed_rows
         if 0 < ws.config.context_rows < cap:
             cap = -(-ws.config.context_rows // ROW_TILE) * ROW_TILE
         routed = min(self.schedule.info().padded_rows, cap) * 4 * ws.intermediate
-        shared_at = -(-cap * 4 * ws.intermediate // 256) * 256
+        shared_at = CONTEXT_TAG_BYTES + -(-cap * 4 * ws.intermediate // 256) * 256
         b = self.buffer
         if not isinstance(b, np.ndarray):
             b = b.detach().cpu().numpy()
         b = b.view(np.uint8)
-        return b[:routed].tobytes() + b[shared_at:shared_at + self.num_tokens * 4 * ws.shared_intermediate].tobytes()
+        return (b[CONTEXT_TAG_BYTES:CONTEXT_TAG_BYTES + routed].tobytes() +
+                b[shared_at:shared_at + self.num_tokens * 4 * ws.shared_intermediate].tobytes())
 
 
 def _schedules(ws, schedules):

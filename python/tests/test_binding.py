@@ -502,17 +502,23 @@ def test_recompute_context_equals_forward_context():
 
 
 def poison_unwritten(ws, contexts, context_rows):
-    """Sets every byte of each context outside Context.to_bytes()'s ranges to 0xff (NaN as bf16);
-    numpy or torch buffers."""
+    """Sets every byte of each context outside what the forward writes to 0xff (NaN as bf16):
+    its tag (the first CONTEXT_TAG_BYTES, which the backward checks) and Context.to_bytes()'s
+    ranges are kept. numpy or torch buffers."""
     for c in contexts:
         kept = c.to_bytes()
+        b = c.buffer if isinstance(c.buffer, np.ndarray) else c.buffer.detach().cpu().numpy()
+        tag = b.view(np.uint8)[:mok.CONTEXT_TAG_BYTES].copy()
+        assert tag.any()  # the forward wrote it
         cap = ws.sizes.max_routed_rows
         if 0 < context_rows < cap:
             cap = -(-context_rows // mok.ROW_TILE) * mok.ROW_TILE
         routed = min(c.schedule.info().padded_rows, cap) * 4 * ws.intermediate
-        shared_at = -(-cap * 4 * ws.intermediate // 256) * 256
+        routed_at = mok.CONTEXT_TAG_BYTES
+        shared_at = routed_at + -(-cap * 4 * ws.intermediate // 256) * 256
         poison = np.full(c.buffer.shape[0], 0xFF, np.uint8)
-        poison[:routed] = np.frombuffer(kept[:routed], np.uint8)
+        poison[:routed_at] = tag
+        poison[routed_at:routed_at + routed] = np.frombuffer(kept[:routed], np.uint8)
         poison[shared_at:shared_at + len(kept) - routed] = np.frombuffer(kept[routed:], np.uint8)
         if isinstance(c.buffer, np.ndarray):
             c.buffer.view(np.uint8)[:] = poison
@@ -524,12 +530,18 @@ def poison_unwritten(ws, contexts, context_rows):
 
 def check_context_bytes(ws, L, context_rows):
     """The binding does not clear a context buffer: the backward after poison_unwritten gives every
-    gradient the same bits."""
+    gradient the same bits. The backward reads the tag too: with it poisoned as well, it refuses
+    the context (on cuda at the next call, here mok_synchronize)."""
     schedules = mok.build_schedule(ws, L["topk_ids"])
     _, contexts = mok.forward(ws, schedules, L["x"], L["router_w"], *weights(L))
     clean = mok.backward(ws, schedules, contexts, L["dy"], L["x"], L["router_w"], *weights(L))
     poison_unwritten(ws, contexts, context_rows)
     dirty = mok.backward(ws, schedules, contexts, L["dy"], L["x"], L["router_w"], *weights(L))
+    ws.synchronize()
+    contexts[0].buffer[:mok.CONTEXT_TAG_BYTES] = 0xFF
+    with pytest.raises(mok.InvalidArgumentError, match=r"args\[0\]\.context: holds no context tag"):
+        mok.backward(ws, schedules, contexts, L["dy"], L["x"], L["router_w"], *weights(L))
+        ws.synchronize()
     return clean, dirty
 
 

@@ -162,6 +162,8 @@ static const char *schedule_rows_broken(const cpu_pass *pass) {
     const mok_sched_header *h = v->header;
     const int P = ws->group->nranks, L = (int)ws->num_local_experts;
     const int64_t k = ws->shape.topk, padded = h->padded_rows;
+    /* a build of this workspace is one of its calls before this one; the call's barriers carry it */
+    if (h->build < 1 || h->build >= ws->calls) return "its build number";
     if (padded < 0 || padded > ws->sched_layout.max_rows || padded % MOK_ROW_TILE != 0) return "padded_rows";
     for (int p = 0; p < P; ++p)
         if (h->num_tokens[p] < 0 || h->num_tokens[p] > ws->shape.max_tokens) return "a rank's num_tokens";
@@ -180,6 +182,12 @@ static const char *schedule_rows_broken(const cpu_pass *pass) {
     return NULL;
 }
 
+static mok_status refuse_tag(const cpu_pass *pass, int code, int64_t found, int64_t expected) {
+    char args[32];
+    snprintf(args, sizeof args, "args[%d]", pass->local_rank);
+    return mok__tag_refuse(pass->ws, args, pass->local_rank, code, found, expected);
+}
+
 static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t num_tokens) {
     mok_workspace *ws = pass->ws;
     pass->sched = mok__sched_view(&ws->sched_layout, (void *)schedule);
@@ -188,9 +196,14 @@ static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t nu
     if (h->magic != MOK_SCHED_MAGIC)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: not built by mok_schedule_build",
                          pass->local_rank);
-    if (h->rank != rank || h->nranks != ws->group->nranks || h->num_local_experts != ws->num_local_experts ||
+    int64_t found = 0, expected = 0;
+    const int tag = mok__sched_tag_check(h, ws->tag, rank, &found, &expected);
+    if (tag != MOK_TAG_OK) return refuse_tag(pass, tag, found, expected);
+    /* This workspace's: its build is the one the call's barriers carry to the peers. */
+    ws->call_build[pass->local_rank] = h->build;
+    if (h->nranks != ws->group->nranks || h->num_local_experts != ws->num_local_experts ||
         h->topk != ws->shape.topk || h->max_rows != ws->sched_layout.max_rows)
-        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: built for another rank or workspace shape",
+        return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: built for another workspace shape",
                          pass->local_rank);
     if (h->error) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "args[%d].schedule: its build failed", pass->local_rank);
     if (h->num_tokens[rank] != num_tokens)
@@ -202,6 +215,15 @@ static mok_status read_schedule(cpu_pass *pass, const void *schedule, int64_t nu
                          "args[%d].schedule: changed since its build (%s); build it again with mok_schedule_build",
                          pass->local_rank, broken);
     return MOK_OK;
+}
+
+/* A backward's context: written by a forward or recompute of this workspace and rank with the
+ * schedule's build (its tag, core/schedule.h). */
+static mok_status read_context_tag(const cpu_pass *pass) {
+    int64_t found = 0, expected = 0;
+    const int tag = mok__context_tag_check((const mok_context_tag *)pass->ba->context, pass->ws->tag,
+                                           pass->sched.header->build, pass->R->rank, &found, &expected);
+    return tag == MOK_TAG_OK ? MOK_OK : refuse_tag(pass, tag, found, expected);
 }
 
 /* The pass's task list and counter layout from its plan. With combine_pull it also needs every
@@ -227,6 +249,7 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     mok_workspace *ws = pass->ws;
     cpu_rank *R = pass->R;
     mok_status st = read_schedule(pass, schedule, num_tokens);
+    if (st == MOK_OK && pass->kind == CPU_PASS_BACKWARD) st = read_context_tag(pass);
     if (st != MOK_OK) return st;
     mok_plan *p = &pass->plan;
     memset(p, 0, sizeof *p);
@@ -300,6 +323,7 @@ static mok_status run_schedule_build(rank_job *job) {
         ids[p] = (const int32_t *)(R->peers[p] + cw->sym.ids);
     }
     int err = mok__sched_build(&ws->sched_layout, a->schedule, R->rank, ws->shape.num_experts, tokens, ids);
+    mok__sched_tag(a->schedule, ws->tag, ws->call_build[job->local_rank]);
     if (err == MOK_SCHED_ERR_EXPERT_ID) {
         /* Name the first bad id, of whichever rank; every rank reports the same one. */
         for (int p = 0; p < P; ++p)
@@ -385,7 +409,13 @@ static mok_status run_pass(rank_job *job) {
         st = build_list(&pass);
         if (st != MOK_OK) abort_pass(&pass); /* its workers run nothing; peers waiting on it stop */
     }
-    if (st == MOK_OK) st = run_workers(&pass);
+    /* A forward's context holds no tag while its workers write it, and this pass's once they all
+       succeeded: a pass that stops early leaves no context a backward would take for whole. */
+    void *context = job->kind == CPU_PASS_BACKWARD ? NULL : pass.fa->context;
+    if (st == MOK_OK) {
+        if (context) ((mok_context_tag *)context)->magic = 0;
+        st = run_workers(&pass);
+    }
     if (st == MOK_OK && atomic_load(&R->abort)) st = wait_failure(&pass);
     if (st != MOK_OK) snprintf(message, sizeof message, "%s", mok_last_error());
     /* End barrier: every push into this rank's buffers has landed, and no peer still reads from
@@ -395,6 +425,7 @@ static mok_status run_pass(rank_job *job) {
     if (bst != MOK_OK) return bst;
     if (job->kind == CPU_PASS_FORWARD) mok__cpu_forward_epilogue(&pass, 0, T);
     else if (job->kind == CPU_PASS_BACKWARD) mok__cpu_backward_epilogue(&pass, 0, T);
+    if (context) mok__context_tag_write(context, ws->tag, pass.sched.header->build, R->rank);
     return MOK_OK;
 }
 

@@ -156,7 +156,7 @@ static void pull(cpu_pass *pass, int64_t rt) {
 static void load_gu(const cpu_pass *pass, const cpu_tile *tile, int64_t c0, float *scratch, float *g, float *u) {
     const int64_t I = pass->ws->shape.intermediate;
     if (tile->row0 < pass->ws->context_rows) {
-        const uint16_t *ctx = (const uint16_t *)pass->ba->context;
+        const uint16_t *ctx = (const uint16_t *)((const char *)pass->ba->context + pass->ws->context_routed_offset);
         for (int r = 0; r < tile->nreal; ++r)
             for (int n = 0; n < NT; ++n) {
                 g[r * NT + n] = mok__bf16_to_f32(ctx[(tile->row0 + r) * 2 * I + c0 + n]);

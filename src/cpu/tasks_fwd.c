@@ -208,7 +208,7 @@ static void gateup(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     cpu_tile tile = mok__cpu_tile(pass, rt);
     float *g = scratch_acc(pass, scratch, 0), *u = scratch_acc(pass, scratch, 1);
     mok__cpu_gateup(pass, &tile, n0, scratch, g, u);
-    uint16_t *ctx = pass->fa->context;
+    uint16_t *ctx = (uint16_t *)((char *)pass->fa->context + pass->ws->context_routed_offset);
     for (int r = 0; r < MOK_ROW_TILE; ++r) {
         int64_t row = tile.row0 + r;
         int real = r < tile.nreal;

@@ -56,9 +56,10 @@ void mok__cuda_error_word_release(cuda_rank *R) {
 
 /* Reports the first error word set on a local rank, as its host mirror shows it (no
  * synchronisation). Argument errors found on the device (a bad expert id, a schedule that does not
- * fit the pass) are cleared once reported: the mirrors here, each device word by the next call on
- * its rank (mok__cuda_error_word_clear), so the next pass with good arguments works. A timeout or
- * a stall leaves the group unusable (and the words set). */
+ * fit the pass, a schedule or context whose tag is not the pass's) are cleared once reported: the
+ * mirrors here, each device word by the next call on its rank (mok__cuda_error_word_clear), so the
+ * next pass with good arguments works. A timeout or a stall leaves the group unusable (and the
+ * words set). */
 mok_status mok__cuda_check_error_word(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     for (int lr = 0; lr < cw->num_local; ++lr) {
@@ -66,10 +67,16 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
         int code = mirror[MIRROR_CODE];
         if (!code) continue;
         const int rank = cw->ranks[lr].rank;
+        const int tag =
+            code > MOK_KERR_TAG_BASE && code <= MOK_KERR_CONTEXT_BUILD ? code - MOK_KERR_TAG_BASE : MOK_TAG_OK;
         if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE ||
-            code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
+            code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED || tag != MOK_TAG_OK) {
             char theirs[160] = "", mine[160] = "";
             const int peer = mirror[MIRROR_PEER];
+            const long long found = (long long)((unsigned long long)(unsigned)mirror[MIRROR_THEIRS] |
+                                                (unsigned long long)(unsigned)mirror[MIRROR_THEIRS + 1] << 32);
+            const long long expected = (long long)((unsigned long long)(unsigned)mirror[MIRROR_MINE] |
+                                                   (unsigned long long)(unsigned)mirror[MIRROR_MINE + 1] << 32);
             if (code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED) {
                 mok__cuda_describe_call_word((unsigned long long)(unsigned)mirror[MIRROR_THEIRS] |
                                                  (unsigned long long)(unsigned)mirror[MIRROR_THEIRS + 1] << 32,
@@ -81,6 +88,14 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
             for (int other = 0; other < cw->num_local; ++other) {
                 *(volatile int *)cw->ranks[other].error_mirror = 0;
                 cw->ranks[other].error_clear_pending = 1;
+            }
+            if (tag != MOK_TAG_OK) {
+                /* the message names the argument of the pass the device refused, as the cpu's does */
+                char args[32], message[1024];
+                snprintf(args, sizeof args, "args[%d]", lr);
+                mok__tag_refuse(ws, args, lr, tag, found, expected);
+                snprintf(message, sizeof message, "%s", mok_last_error());
+                return mok__fail(MOK_ERR_INVALID_ARGUMENT, "rank %d's pass did nothing: %s", rank, message);
             }
             if (code == MOK_KERR_EXPERT_ID)
                 return mok__fail(MOK_ERR_INVALID_ARGUMENT,

@@ -6,6 +6,7 @@
 
 #include <stddef.h>
 
+#include "core/schedule.h"
 #include "cuda/device.cuh"
 
 /* Error word codes (the kernel never traps; the host reports these). */
@@ -13,12 +14,24 @@
 #define MOK_KERR_EXPERT_ID 2     /* topk_ids held an id outside [-1, E) */
 #define MOK_KERR_TOKENS 3        /* a peer's T outside [0, T_max] */
 #define MOK_KERR_STALL 4         /* a local counter wait timed out (an internal inconsistency) */
-#define MOK_KERR_SCHEDULE 5      /* the schedule buffer was not built for this pass */
+#define MOK_KERR_SCHEDULE 5      /* the schedule buffer was not built for this pass (no schedule, a
+                                    failed build, another T) */
 #define MOK_KERR_MISMATCH 6      /* a peer's barrier carried another call (barrier.cu: call words) */
 #define MOK_KERR_PEER_FAILED 7   /* a peer reached a barrier of this call after its own error */
+/* A schedule or a context whose tag (core/schedule.h) says it is not the pass's: the code of the
+ * tag check (MOK_TAG_*) after the codes above, with the value found and the one expected in the
+ * mirror. MOK_KERR_TAG_BASE itself is no code. */
+#define MOK_KERR_TAG_BASE 7
+#define MOK_KERR_SCHEDULE_WORKSPACE (MOK_KERR_TAG_BASE + MOK_TAG_SCHEDULE_WORKSPACE) /* 8: another workspace's */
+#define MOK_KERR_SCHEDULE_RANK (MOK_KERR_TAG_BASE + MOK_TAG_SCHEDULE_RANK)           /* 9: another rank's */
+#define MOK_KERR_CONTEXT_MISSING (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_MISSING)       /* 10: no forward wrote it */
+#define MOK_KERR_CONTEXT_WORKSPACE (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_WORKSPACE)   /* 11: another workspace's */
+#define MOK_KERR_CONTEXT_RANK (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_RANK)             /* 12: another rank's */
+#define MOK_KERR_CONTEXT_BUILD (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_BUILD)           /* 13: another build's */
 
 /* The host mirror of a rank's error word: the code, then (MOK_KERR_MISMATCH, MOK_KERR_PEER_FAILED)
- * the peer and both call words, written by the thread that set the code, before it. */
+ * the peer and both call words, or (the tag codes) the value found and the one expected in
+ * THEIRS and MINE, written by the thread that set the code, before it. */
 enum { MIRROR_CODE = 0, MIRROR_PEER = 1, MIRROR_THEIRS = 2, MIRROR_MINE = 4, MIRROR_INTS = 6 };
 
 /* A rank's error word (the NOTE in error_word.cu says who writes and who clears it, in which
@@ -43,6 +56,21 @@ static __device__ __forceinline__ void set_error(int *error, int code) {
     cuda_error_word *e = (cuda_error_word *)error;
     if (atomicCAS(&e->word, 0, code) != 0) return;
     st_relaxed_sys(e->mirror, code);
+    __threadfence_system();
+}
+
+/* set_error with what the host's message needs: the value found and the one expected (the tag
+ * codes), written into the mirror before the code, by the thread that wins the CAS. */
+static __device__ __forceinline__ void set_error_values(int *error, int code, long long found, long long expected) {
+    cuda_error_word *e = (cuda_error_word *)error;
+    if (atomicCAS(&e->word, 0, code) != 0) return;
+    int *m = e->mirror;
+    st_relaxed_sys(m + MIRROR_THEIRS, (int)(found & 0xffffffffll));
+    st_relaxed_sys(m + MIRROR_THEIRS + 1, (int)((unsigned long long)found >> 32));
+    st_relaxed_sys(m + MIRROR_MINE, (int)(expected & 0xffffffffll));
+    st_relaxed_sys(m + MIRROR_MINE + 1, (int)((unsigned long long)expected >> 32));
+    __threadfence_system();
+    st_relaxed_sys(m + MIRROR_CODE, code);
     __threadfence_system();
 }
 #endif

@@ -10,7 +10,8 @@
  * between them is one block:
  *   count  grid (chunks, P): a histogram of the chunk over the local experts, each slot's local
  *          expert, the chunk's id / T errors, and (the blocks of this rank) own_ids;
- *   scan   one block: histograms -> exclusive per-chunk bases and counts; segments, header;
+ *   scan   one block: histograms -> exclusive per-chunk bases and counts; segments, header (with
+ *          the tag of the workspace and build, core/schedule.h);
  *   place  grid (chunks, P): rows of the chunk from its bases; padding rows of some experts.
  * The scratch they pass on (cuda_sched_scratch, per rank) is fully rewritten by every build. */
 #include <string.h>
@@ -34,6 +35,9 @@ struct sched_params {
     cuda_sched_scratch scratch;
     mok_sched_layout layout;
     void *schedule;
+    /* the header's tag (core/schedule.h): the workspace that builds, and the build's call number */
+    unsigned long long workspace_tag;
+    long long build;
     int *error;
 };
 
@@ -279,6 +283,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p
         h->num_local_experts = L;
         h->topk = p.topk;
         h->max_rows = p.max_rows;
+        mok__sched_tag(p.schedule, p.workspace_tag, p.build);
         h->error = error;
         /* id and T errors were set by the count kernel; the host may have reported and cleared
            them already, so only the error found here goes into the word */
@@ -390,6 +395,8 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         p.scratch = R->sched;
         p.layout = ws->sched_layout;
         p.schedule = a->schedule;
+        p.workspace_tag = ws->tag;
+        p.build = ws->call_build[lr];
         p.error = (int *)R->error_word;
         const dim3 chunks((unsigned)R->sched.num_chunks, (unsigned)p.nranks);
         LAUNCH_TRY(sched_count_kernel<<<chunks, COUNT_THREADS, count_smem, stream>>>(p));

@@ -1,19 +1,26 @@
 /* launch.cu — the launch sequence every pass shares on one rank's stream (mok__cuda_launch_pass),
  * and its two small kernels: sched_publish_kernel (the pass's schedule into the window, for
- * turned transfers) and spans_kernel (the pass's task list, built on the device by one thread). */
+ * turned transfers) and spans_kernel (one thread: the checks of the pass's schedule and context,
+ * the context's tag, and the pass's task list). */
 #include "cuda/megakernel/task_list.cuh"
 
 /* One thread: the pass's spans in the global order (core/tasks.inc), for the megakernel, and its
- * comm CTA count. */
+ * comm CTA count; before them the checks of the schedule (and a backward's context) against the
+ * pass (pass_refusal), and in a forward or recompute the context's tag. A refused pass, or one
+ * behind an error already in the word, runs nothing (pass_start) and leaves the context's tag as
+ * it was: the pass writes none of the context. */
 __global__ void spans_kernel(pass_params p) {
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     *p.num_spans = 0;
     *p.comm_dev = p.comm_ctas;
-    if (!schedule_ok(p, v)) {
-        set_error(p.error, MOK_KERR_SCHEDULE);
+    long long found = 0, expected = 0;
+    const int refusal = pass_refusal(p, v, &found, &expected);
+    if (refusal) {
+        set_error_values(p.error, refusal, found, expected);
         atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank's counters stop */
         return;
     }
+    if (*(volatile int *)p.error) return;
     mok_plan plan;
     make_plan(p, v, &plan);
     int64_t padded[MOK_MAX_RANKS];
@@ -39,16 +46,26 @@ __global__ void spans_kernel(pass_params p) {
     *p.num_spans = n;
     if (p.comm_auto) /* scaled by the rows this rank moves per FLOP, with turned transfers */
         *p.comm_dev = mok__cuda_comm_ctas_scaled(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
+    /* NOTE: the tag of a context the megakernel is about to write (it runs when the word is clear
+       here, this thread being the only one of the pass before it), ahead of its rows in stream
+       order. A megakernel that stops in the middle (a timeout, a stall) leaves the group
+       unusable, so no backward reads a context whose tag is ahead of its rows. */
+    if (!p.backward && *(volatile int *)p.error == 0)
+        mok__context_tag_write(p.context_tag, p.workspace_tag, v.header->build, p.rank);
 }
 
 /* The schedule a pass runs, into the rank's window, where peers read it (turned transfers):
- * the arrays before the rows whole, the rows' peers and slots up to padded_rows (a schedule that
- * is not one gets its header only; spans_kernel refuses it on every rank). */
-__global__ void sched_publish_kernel(mok_sched_layout layout, const char *schedule, char *out) {
+ * the arrays before the rows whole, the rows' peers and slots up to padded_rows. A schedule that
+ * is not this workspace's gets its header only (spans_kernel refuses it on every rank): another
+ * workspace's may be smaller than this one's layout. */
+__global__ void sched_publish_kernel(mok_sched_layout layout, const char *schedule, char *out,
+                                     unsigned long long workspace_tag) {
     const mok_sched_header *h = (const mok_sched_header *)schedule;
-    long long rows = h->magic == MOK_SCHED_MAGIC ? h->padded_rows : 0;
+    const bool ours = h->magic == MOK_SCHED_MAGIC && h->workspace == workspace_tag;
+    long long rows = ours ? h->padded_rows : 0;
     rows = rows < 0 ? 0 : rows > layout.max_rows ? layout.max_rows : rows;
-    const long long head = (long long)layout.off_row_peer / 16, n = rows * 4 / 16;
+    const long long head = ours ? (long long)layout.off_row_peer / 16 : (long long)(sizeof(mok_sched_header) + 15) / 16;
+    const long long n = rows * 4 / 16;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < head + 2 * n; i += stride) {
         const long long b = i < head ? 16 * i
@@ -78,7 +95,7 @@ mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, 
     if (p->trace_count) CUDA_TRY(cudaMemsetAsync(p->trace_count, 0, sizeof(unsigned long long), stream));
     if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
         LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
-                                                                        R->sym + p->off_sched));
+                                                                        R->sym + p->off_sched, p->workspace_tag));
     st = mok__cuda_barrier(ws, lr, stream, num_tokens, 0);
     if (st != MOK_OK) return st;
     LAUNCH_TRY(spans_kernel<<<1, 1, 0, stream>>>(*p));

@@ -26,7 +26,12 @@ struct pass_params {
     size_t off_x, off_comb, off_dy, off_router_w, off_dxbuf, off_drw;
     const uint16_t *x, *dy, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down;
     const float *router_w;
+    /* the context: its routed rows (context) and shared rows (context_shared), past its tag */
     uint16_t *ring_x, *ring_h, *ring_y, *sh_h, *sh_out, *context, *context_shared;
+    /* The tags (core/schedule.h), which spans_kernel checks and writes: the context's, at its
+       start, and the workspace's, which the schedule and the context must carry */
+    mok_context_tag *context_tag;
+    unsigned long long workspace_tag;
     /* backward */
     uint16_t *ring_dy, *ring_dyw, *ring_gu, *ring_dgu, *sh_dgu;
     float *ring_w, *ring_rdot, *carry;
@@ -135,9 +140,22 @@ static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, 
     plan->rank = p.rank;
 }
 
-static __device__ bool schedule_ok(const pass_params &p, const mok_sched_view &v) {
-    return v.header->magic == MOK_SCHED_MAGIC && v.header->rank == p.rank && !v.header->error &&
-           v.header->num_tokens[p.rank] == p.num_tokens;
+/* Why the pass must not run on its schedule (and, in a backward, its context): 0, or the error
+ * word's code (error_word.cuh), with the value found and the one expected for a tag's. The tags
+ * first, so that another workspace's schedule is named as such. */
+static __device__ int pass_refusal(const pass_params &p, const mok_sched_view &v, long long *found,
+                                   long long *expected) {
+    const mok_sched_header *h = v.header;
+    int64_t f = 0, e = 0;
+    *found = *expected = 0;
+    if (h->magic != MOK_SCHED_MAGIC) return MOK_KERR_SCHEDULE;
+    int tag = mok__sched_tag_check(h, p.workspace_tag, p.rank, &f, &e);
+    if (tag == MOK_TAG_OK && (h->error || h->num_tokens[p.rank] != p.num_tokens)) return MOK_KERR_SCHEDULE;
+    if (tag == MOK_TAG_OK && p.backward)
+        tag = mok__context_tag_check(p.context_tag, p.workspace_tag, h->build, p.rank, &f, &e);
+    *found = f;
+    *expected = e;
+    return tag == MOK_TAG_OK ? 0 : MOK_KERR_TAG_BASE + tag;
 }
 
 /* The fields every pass shares: layer, schedule, buffers, counters. */
@@ -148,6 +166,7 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     memset(p, 0, sizeof *p);
     p->layout = ws->sched_layout;
     p->schedule = schedule;
+    p->workspace_tag = ws->tag;
     p->num_local_experts = (int)ws->num_local_experts;
     p->topk = (int)s->topk;
     p->rank = R->rank;
@@ -228,7 +247,8 @@ static void pass_params_layer(pass_params *p, const mok_workspace *ws, const voi
     p->s_gate = (const uint16_t *)s_gate;
     p->s_up = (const uint16_t *)s_up;
     p->s_down = (const uint16_t *)s_down;
-    p->context = (uint16_t *)context;
+    p->context_tag = (mok_context_tag *)context;
+    p->context = (uint16_t *)((const char *)context + ws->context_routed_offset);
     p->context_shared = (uint16_t *)((const char *)context + ws->context_shared_offset);
 }
 
