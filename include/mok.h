@@ -149,7 +149,7 @@ typedef struct mok_config {
                                [2, 1024]) */
     int cpu_comm_threads;   /* cpu backend: how many of cpu_threads move data; in [1, 1024] */
     /* The transfers' directions (mok_direction), each either way on every backend with the same
-       results bit for bit; the defaults are the faster ones measured (docs/perf.md). */
+       results bit for bit; the defaults are the faster ones measured (docs/log.md). */
     int fwd_dispatch;       /* MOK_PULL; MOK_PUSH: each rank writes its x rows into the peers'
                                rings */
     int fwd_combine;        /* MOK_PUSH; MOK_PULL: each rank gathers its expert outputs from the

@@ -156,12 +156,13 @@ typedef struct cuda_workspace {
 
 /* ---- what one file gives the others (host side) -------------------------------------------- */
 /* barrier.cu: barrier `step` of the workspace's call in progress (ws->call; the rank's schedule
- * build) on a rank's stream; tokens_to_publish >= 0 also publishes T. A peer in another call sets
+ * build, or for a pass the build in its schedule's header, `schedule`, which the kernel reads) on a
+ * rank's stream; tokens_to_publish >= 0 also publishes T. A peer in another call sets
  * MOK_KERR_MISMATCH, a peer whose part of the call failed MOK_KERR_PEER_FAILED. The call words'
  * slots per rank, and the decoding of a word for messages. */
 #define CALL_SLOTS 4
 mok_status mok__cuda_barrier(mok_workspace *ws, int local_rank, cudaStream_t stream, int64_t tokens_to_publish,
-                             int step);
+                             int step, const void *schedule);
 void mok__cuda_describe_call_word(unsigned long long word, char *out, size_t size);
 
 /* error_word.cu (its NOTE says who writes, reads and clears the word, in which order): the word

@@ -72,19 +72,24 @@ static __device__ void set_peer_error(int *error, int code, int peer, unsigned l
  * work (pass_start), as for any error. */
 __global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_calls, size_t off_tokens, int rank,
                                int nranks, unsigned long long *epoch, long long tokens, int publish_tokens, int *error,
-                               long long timeout_ns, unsigned long long call) {
-    __shared__ unsigned long long e;
-    __shared__ int failed;
+                               long long timeout_ns, unsigned long long call, const mok_sched_header *schedule) {
+    __shared__ unsigned long long e, word;
     __threadfence_system();
     if (threadIdx.x == 0) {
         if (publish_tokens) *(volatile long long *)(peers[rank] + off_tokens) = tokens;
         e = *epoch + 1;
         *epoch = e;
-        failed = *(volatile int *)error != 0;
+        word = call;
+        /* a pass's barrier: the build of the schedule it runs, which only the device can read (the
+           host does not wait for the schedule); one that is not a schedule is refused after the
+           barrier (spans_kernel) */
+        if (schedule && schedule->magic == MOK_SCHED_MAGIC && schedule->build > 0)
+            word = (word & CALL_LOW_BITS) | (1ull + (unsigned long long)(schedule->build % 65535)) << 48;
+        if (*(volatile int *)error != 0) word = CALL_FAILED;
         __threadfence_system();
     }
     __syncthreads();
-    if (failed) call = CALL_FAILED;
+    call = word;
     const size_t slot = (size_t)(e % CALL_SLOTS) * MOK_MAX_RANKS;
     for (int p = threadIdx.x; p < nranks; p += blockDim.x) {
         *(volatile unsigned long long *)((unsigned long long *)(peers[p] + off_calls) + slot + rank) = call;
@@ -114,13 +119,15 @@ __global__ void barrier_kernel(char *const *peers, size_t off_flags, size_t off_
     __syncthreads();
 }
 
-mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish, int step) {
+mok_status mok__cuda_barrier(mok_workspace *ws, int lr, cudaStream_t stream, int64_t tokens_to_publish, int step,
+                             const void *schedule) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     cuda_rank *R = &cw->ranks[lr];
     const unsigned long long call = call_word(&ws->call, step, ws->call_build[lr]);
     LAUNCH_TRY(barrier_kernel<<<1, 128, 0, stream>>>(R->peers, cw->sym.flags, cw->sym.calls, cw->sym.tokens, R->rank,
                                                       ws->group->nranks, R->epoch, (long long)tokens_to_publish,
                                                       tokens_to_publish >= 0, (int *)R->error_word,
-                                                      (long long)(ws->config.peer_timeout_ms * 1e6), call));
+                                                      (long long)(ws->config.peer_timeout_ms * 1e6), call,
+                                                      (const mok_sched_header *)schedule));
     return MOK_OK;
 }

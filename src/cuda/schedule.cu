@@ -379,7 +379,7 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         if (a->num_tokens > 0)
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.ids, a->topk_ids, (size_t)(a->num_tokens * ws->shape.topk) * 4,
                                      cudaMemcpyDeviceToDevice, stream));
-        st = mok__cuda_barrier(ws, lr, stream, a->num_tokens, 0);
+        st = mok__cuda_barrier(ws, lr, stream, a->num_tokens, 0, NULL);
         if (st != MOK_OK) return st;
         sched_params p;
         p.peers = R->peers;
@@ -402,7 +402,7 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         LAUNCH_TRY(sched_count_kernel<<<chunks, COUNT_THREADS, count_smem, stream>>>(p));
         LAUNCH_TRY(sched_scan_kernel<<<1, SCAN_THREADS, 0, stream>>>(p));
         LAUNCH_TRY(sched_place_kernel<<<chunks, PLACE_THREADS, place_smem, stream>>>(p));
-        st = mok__cuda_barrier(ws, lr, stream, -1, 1);
+        st = mok__cuda_barrier(ws, lr, stream, -1, 1, NULL);
         if (st != MOK_OK) return st;
     }
     cudaSetDevice(previous);

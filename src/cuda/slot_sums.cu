@@ -44,6 +44,7 @@ static __device__ __forceinline__ void slot_sum8(float (&acc)[8], const int32_t 
 /* y[t] = bf16(shared[t] + sum_j w[t,j] * comb[t,j]) in fp32, in that order; one thread per 8
  * columns of a token. */
 __global__ void forward_slot_sums_kernel(const pass_params p, const float *router_w, uint16_t *y, const char *comb_base) {
+    if (*(volatile const int *)p.error) return; /* the pass failed or was refused: its schedule may not be one */
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     const long long chunks = p.hidden / 8;
     const uint16_t *comb = (const uint16_t *)comb_base;
@@ -68,6 +69,7 @@ __global__ void forward_slot_sums_kernel(const pass_params p, const float *route
  * experts' owners (0 for empty slots). One thread per 8 columns of a token. */
 __global__ void backward_slot_sums_kernel(const pass_params p, uint16_t *dx, float *d_router_w, const char *sym,
                                          size_t off_dxbuf, size_t off_drw) {
+    if (*(volatile const int *)p.error) return; /* the pass failed or was refused: its schedule may not be one */
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     const long long chunks = p.hidden / 8;
     const uint16_t *dxbuf = (const uint16_t *)(sym + off_dxbuf);

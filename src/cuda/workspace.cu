@@ -129,7 +129,7 @@ static mok_status workspace_agree(mok_workspace *ws) {
     ws->call_build[0] = 0;
     cudaSetDevice(R->device);
     CUDA_TRY(cudaMemcpy(R->sym + cw->sym.blob, &own, sizeof own, cudaMemcpyHostToDevice));
-    mok_status st = mok__cuda_barrier(ws, 0, 0, -1, 0);
+    mok_status st = mok__cuda_barrier(ws, 0, 0, -1, 0, NULL);
     if (st != MOK_OK) return st;
     CUDA_TRY(cudaDeviceSynchronize());
     st = mok__cuda_check_error_word(ws);

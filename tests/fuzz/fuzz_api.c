@@ -445,7 +445,7 @@ static void judge(world *w, int index) {
         for (int p = 0; p < P; ++p) {
             const ctx_model *c = &w->cm[o[p].ctx][p];
             unforwarded |= !models[p]->forwarded;
-            unjudged |= !c->known || !c->build; /* the ledger does not know it either */
+            unjudged |= !c->known || !c->build; /* the model cannot tell what its tag holds */
             other_build |= c->known && c->build && c->build != build;
         }
         if (unforwarded) MUST_FAIL("no forward ran with the schedule build");

@@ -96,10 +96,10 @@ mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, 
     if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
         LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
                                                                         R->sym + p->off_sched, p->workspace_tag));
-    st = mok__cuda_barrier(ws, lr, stream, num_tokens, 0);
+    st = mok__cuda_barrier(ws, lr, stream, num_tokens, 0, p->schedule);
     if (st != MOK_OK) return st;
     LAUNCH_TRY(spans_kernel<<<1, 1, 0, stream>>>(*p));
     void *kargs[] = {p, (void *)maps}; /* the kernel's second parameter, when it has one */
     CUDA_TRY(cudaLaunchCooperativeKernel(kernel, dim3(R->num_sms), dim3(threads), kargs, smem, stream));
-    return mok__cuda_barrier(ws, lr, stream, -1, 1);
+    return mok__cuda_barrier(ws, lr, stream, -1, 1, p->schedule);
 }
