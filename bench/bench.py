@@ -639,7 +639,8 @@ def main():
               "the passes)")
         for r in fp8:
             print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} skew {r['skew']}: forward "
-                  f"{r['fp8_vs_bf16_forward']:.2f}x, forward+backward {r.get('fp8_vs_bf16_forward_backward', float('nan')):.2f}x; "
+                  f"{r['fp8_vs_bf16_forward']:.2f}x, forward+backward "
+                  f"{r.get('fp8_vs_bf16_forward_backward', float('nan')):.2f}x; "
                   f"quantize {r['quantize_ms']:.3f} ms; FP8 weights {r['fp8_weight_bytes'] / 2**20:.1f} MiB per rank")
     peered = [r for r in rows if "ligercute" in r]
     if peered:
@@ -658,7 +659,8 @@ def main():
     if ceil:
         print("\nagainst cuBLAS (batched GEMM) on every expert's own GEMM shapes (TFLOP/s; ratio = mok / cuBLAS)")
         for r in ceil:
-            print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} {r['precision']}: forward mok {r['forward_tflops']:6.1f} "
+            print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} {r['precision']}: forward mok "
+                  f"{r['forward_tflops']:6.1f} "
                   f"cuBLAS {r['cublas_forward_tflops']:6.1f} ({r['forward_vs_cublas']:.2f}); backward mok "
                   f"{r.get('backward_tflops', float('nan')):6.1f} cuBLAS {r['cublas_backward_tflops']:6.1f} "
                   f"({r.get('backward_vs_cublas', float('nan')):.2f})")

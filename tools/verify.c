@@ -145,7 +145,8 @@ static int compare_tensor(const run_state *st, const reference *ref, tools_tenso
             return -1;
         const tools_dtype got_type = t == TOOLS_D_ROUTER_W ? TOOLS_F32 : TOOLS_BF16;
         const tools_dtype ref_type = (t == TOOLS_Y || t == TOOLS_DX) ? TOOLS_BF16 : TOOLS_F32;
-        const tools_error e = tools_compare(t, st->shape.precision, ref->got, got_type, ref->out[t][r], ref_type, count);
+        const tools_error e =
+            tools_compare(t, st->shape.precision, ref->got, got_type, ref->out[t][r], ref_type, count);
         if (!(e.normalized <= worst->normalized)) {
             *worst = e;
             *worst_rank = r;

@@ -143,7 +143,8 @@ def quantize_blocks(w, block_rows):
     scales = np.empty((rows // block_rows, cols // 128))
     for bi in range(rows // block_rows):
         for bj in range(cols // 128):
-            v = w[bi * block_rows:(bi + 1) * block_rows, bj * 128:(bj + 1) * 128].astype(np.float64)
+            block = (slice(bi * block_rows, (bi + 1) * block_rows), slice(bj * 128, (bj + 1) * 128))
+            v = w[block].astype(np.float64)
             amax = np.abs(v).max()
             e = 0
             if amax > 0:
@@ -155,7 +156,7 @@ def quantize_blocks(w, block_rows):
             u = v / 2.0 ** e
             binade = np.floor(np.log2(np.maximum(np.abs(u), 2.0 ** -6)))  # subnormals share 2^-6's quantum
             quantum = 2.0 ** (binade - 3)
-            out[bi * block_rows:(bi + 1) * block_rows, bj * 128:(bj + 1) * 128] = np.round(u / quantum) * quantum * 2.0 ** e
+            out[block] = np.round(u / quantum) * quantum * 2.0 ** e
             scales[bi, bj] = 2.0 ** e
     return out, scales
 
@@ -316,7 +317,8 @@ def test_torch_tensors_give_the_numpy_bits():
         for key in ("dx", "dw_gate", "dw_down", "ds_up"):
             assert np.array_equal(tg[key][0].view(torch.int16).numpy().view(np.uint16), g[key][0]), key
         # numpy FP8 weights beside torch tensors: one kind per call
-        with pytest.raises(ValueError, match=r"fp8_weights\[0\] is a numpy array but the call's other arrays are torch"):
+        with pytest.raises(ValueError, match=r"fp8_weights\[0\] is a numpy array but the call's other arrays are "
+                                             "torch"):
             mok.forward(ws, s, T["x"], T["router_w"], *tw, fp8_weights=fp8)
 
 
