@@ -38,8 +38,11 @@ FP8 (--precision fp8): a fifth model, mok's layer in FP8 (mok.torch.MoE(precisio
 GEMM operands with power-of-two block scales, include/mok.h), from the same initial weights on the
 same batches. It quantizes its bf16 master weights once per optimizer step. Its verdict: the mean
 relative gap |loss_fp8 - loss_mok| / loss_mok over the last quarter of the run within --fp8-bar
-(0.5%). The bf16 models do not see it: their curves are the same bits with or without it. H, I and
-I_s are then multiples of 128.
+(0.5%). That gap carries the free-running curves' drift too (see the yardsticks above), so every
+--check-every steps the FP8 layer also runs on mok's bf16 weights of that step and the same batch
+(loss and gradients against mok's, reported): its own error, which does not drift. The bf16
+models do not see any of it: their curves are the same bits with or without it. H, I and I_s are
+then multiples of 128.
 
 Outputs in --out: losses.csv (step, lr, loss_* and gnorm_* of mok, torch[, order, fp32][, mok_fp8])
 and losses.png when matplotlib is importable.
@@ -505,9 +508,13 @@ def main():
         models["fp32"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, torch_moe(torch.float32)).to(device)
     # mok's layer on the twin's weights, for the same-weights checks along the run
     shadow = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, mok_moe).to(device) if a.check_every else None
+    shadow_fp8 = None
     if fp8:  # made last: the models above draw nothing from the random state after it
         models["mok_fp8"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq,
                                            lambda: mok_moe("fp8")).to(device)
+        # the FP8 layer on mok's bf16 weights of that step, for the FP8 same-weights checks
+        if a.check_every:
+            shadow_fp8 = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, lambda: mok_moe("fp8")).to(device)
     state = model_mok.state_dict()
     for name, m in models.items():
         if m is not model_mok:
@@ -527,7 +534,7 @@ def main():
 
     opts = {name: make_optimizer(m, a.lr, a.weight_decay) for name, m in models.items()}
     rows, times = [], {name: 0.0 for name in models}
-    checks = []
+    checks, fp8_checks = [], []
     names = list(models)
     for step in range(a.steps):
         inputs, targets = lang.batch(step, a.batch, a.seq, a.seed)
@@ -540,6 +547,12 @@ def main():
             print(f"step {step:4d}  same weights (the twin's): loss {c['loss']:.1e}, gradients: MoE {c['moe']:.1e}, "
                   f"other {c['other']:.1e} (worst {c['worst']})  {'ok' if same_weights_ok(c) else 'OVER THE LIMIT'}",
                   flush=True)
+        if shadow_fp8 is not None and (step % a.check_every == 0 or step == a.steps - 1):
+            shadow_fp8.load_state_dict(model_mok.state_dict())
+            c = same_weights_check(shadow_fp8, model_mok, inputs, targets)
+            fp8_checks.append((step, c))
+            print(f"step {step:4d}  same weights (mok's), FP8 against bf16: loss {c['loss']:.1e}, gradients: MoE "
+                  f"{c['moe']:.1e}, other {c['other']:.1e} (worst {c['worst']})", flush=True)
         row = {"step": step, "lr": lr}
         for name in names:
             t0 = time.perf_counter()
@@ -618,6 +631,11 @@ def main():
               f"{f['first_q_rel']:.3%}, last quarter {f['last_q_rel']:.3%} (for scale, bf16 mok against its twin: "
               f"{s['last_q_rel']:.3%} over the last quarter)")
         print(f"FP8: weights quantized {counts} times per layer over {a.steps} steps (once per optimizer step)")
+        if fp8_checks:  # the FP8 layer's own error, which free-running curves bury under their drift
+            losses = [c["loss"] for _, c in fp8_checks]
+            print(f"FP8 on mok's bf16 weights, {len(fp8_checks)} checks: loss relative difference mean "
+                  f"{sum(losses) / len(losses):.2e}, worst {max(losses):.2e}; gradients (norm-relative) worst MoE "
+                  f"{max(c['moe'] for _, c in fp8_checks):.2e}, other {max(c['other'] for _, c in fp8_checks):.2e}")
         fp8_ok = f["last_q_rel"] <= a.fp8_bar
         print(f"FP8 within {a.fp8_bar:.1%} of bf16 (mean relative gap over the last quarter): "
               f"{'yes' if fp8_ok else 'NO'}")

@@ -22,7 +22,7 @@ import mok  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 EXAMPLE = os.path.join(ROOT, "examples", "train_moe.py")
 SMALL = ["--steps", "12", "--blocks", "1", "--batch", "2", "--seq", "16", "--experts", "4", "--topk", "2",
-         "--hidden", "128", "--intermediate", "128", "--shared", "128", "--no-noise-ref", "--check-every", "0",
+         "--hidden", "128", "--intermediate", "128", "--shared", "128", "--no-noise-ref", "--check-every", "6",
          "--log-every", "4", "--cpu-threads", "2"]
 SHORT_RUN_BAR = "0.05"  # a few steps into the sharp drop: FP8's gap is ~0.1-1% there; a broken layer's is not
 
@@ -53,6 +53,10 @@ def test_fp8_run_beside_bf16(tmp_path):
     assert max(gaps) < float(SHORT_RUN_BAR)
     out = fp8.stdout
     assert "FP8: weights quantized [12] times per layer over 12 steps (once per optimizer step)" in out
+    # the same-weights checks (steps 0, 6 and the last): the FP8 layer on mok's bf16 weights, its own error
+    checks = re.findall(r"same weights \(mok's\), FP8 against bf16: loss ([0-9.e+-]+)", out)
+    assert len(checks) == 3 and all(0 < float(c) < 2e-2 for c in checks), checks
+    assert "FP8 on mok's bf16 weights, 3 checks: loss relative difference mean" in out
     q = len(gaps) // 4
     reported = re.search(r"\|loss_fp8 - loss_mok\| / loss_mok: .* last quarter ([0-9.]+)% \(for scale", out)
     assert reported, out[-2000:]
