@@ -4,12 +4,18 @@
     python3 bench/bench.py --ranks 2 --out build/bench        # two H200s, one process drives both
     python3 bench/bench.py --ranks 1 --no-sweep --compare-env MOK_CUDA_RASTER=8   # an A/B in one run (repeatable)
     python3 bench/bench.py --ranks 2 --no-sweep --compare-config fwd_dispatch=push,fwd_combine=pull  # config A/B
+    python3 bench/bench.py --ranks 1 --no-sweep --precision fp8   # each case in FP8 beside bf16
 
 For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
 on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
 all-to-all baseline runs under torchrun (bench/torch_baseline.py, see bench/run.sh). Times are
 CUDA-event medians; every configuration gets a fresh workspace; inputs are random, never zeros.
 Prints a table, writes JSON and a PNG of the sweeps.
+
+--precision fp8 adds a row per case beside its bf16 row: the same inputs through an FP8 workspace
+(include/mok.h, FP8), its weights quantized once before the timed passes (quantize_ms, apart from
+them), and its times against the bf16 row's (fp8_vs_bf16). Where the backend refuses FP8 workspaces,
+the row says "skipped: " and the library's reason.
 """
 import argparse
 import json
@@ -32,9 +38,9 @@ from mok import functional as F  # noqa: E402
 LAYERS = LY.LAYERS
 # MOK_BENCH_SMOKE=1: the whole harness on the cpu backend with tiny layers (no GPU), to check it.
 SMOKE = os.environ.get("MOK_BENCH_SMOKE") == "1"
-if SMOKE:
-    LAYERS = {"deepseek-v3": dict(hidden=128, inter=64, topk=4, shared=64),
-              "qwen3-30b-a3b": dict(hidden=128, inter=64, topk=4, shared=0)}
+if SMOKE:  # H, I and I_s multiples of 128, as FP8 needs
+    LAYERS = {"deepseek-v3": dict(hidden=128, inter=128, topk=4, shared=128),
+              "qwen3-30b-a3b": dict(hidden=128, inter=128, topk=4, shared=0)}
 
 
 def device_of(r):
@@ -102,23 +108,33 @@ def baseline_step(i):
 
 
 class MokRun:
-    def __init__(self, group, layer, experts, tokens, inputs, config):
+    """mok's passes on a case's inputs, in a workspace of its own. precision "fp8": an FP8 workspace
+    (mok.UnsupportedError where the backend has none), its weights quantized here, once."""
+
+    def __init__(self, group, layer, experts, tokens, inputs, config, precision="bf16"):
         self.inputs = inputs
         self.ws = F.Workspace(group, layer["hidden"], layer["inter"], experts, layer["topk"], layer["shared"],
-                              max_tokens=tokens, config=config)
+                              max_tokens=tokens, config=config, precision=precision)
         self.ids = [i["ids"] for i in inputs]
         self.args = lambda k: [i[k] for i in inputs]
         self.wts = lambda k: [i["w"].get(k) for i in inputs]
+        self.fp8 = None
+        if precision == "fp8":
+            self.fp8 = self.quantize()
+
+    def quantize(self):
+        return F.quantize_weights(self.ws, self.wts("w_gate"), self.wts("w_up"), self.wts("w_down"), *self._shared())
 
     def forward(self):
         self.schedules = F.build_schedule(self.ws, self.ids)
         self.y, self.contexts = F.forward(self.ws, self.schedules, self.args("x"), self.args("rw"), self.wts("w_gate"),
-                                          self.wts("w_up"), self.wts("w_down"), *self._shared())
+                                          self.wts("w_up"), self.wts("w_down"), *self._shared(), fp8_weights=self.fp8)
         return self.y
 
     def backward(self):
         return F.backward(self.ws, self.schedules, self.contexts, self.args("dy"), self.args("x"), self.args("rw"),
-                          self.wts("w_gate"), self.wts("w_up"), self.wts("w_down"), *self._shared())
+                          self.wts("w_gate"), self.wts("w_up"), self.wts("w_down"), *self._shared(),
+                          fp8_weights=self.fp8)
 
     def _shared(self):
         if self.inputs[0]["w"].get("s_gate") is None:
@@ -129,15 +145,23 @@ class MokRun:
         self.ws.close()
 
 
-def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, baseline=None, layer=None):
+def unsupported_reason(err):
+    """The library's message of a refused workspace without the field it names ("shape.precision: ")."""
+    message = err.message or str(err)
+    return message.split(": ", 1)[1] if message.startswith("shape.precision: ") else message
+
+
+def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, baseline=None, layer=None,
+             precision="bf16"):
     """One case: mok's forward and backward times and the device memory they held (and, with check
     on one rank, the error against PyTorch and PyTorch's times, or those of `baseline`, an earlier
     row of the same case). layer: the layer's dimensions when not LAYERS[name]'s (a routed-only
-    variant)."""
+    variant). precision "fp8": an FP8 workspace (the row then says "skipped" and why where the
+    backend refuses one), its quantization timed apart (quantize_ms)."""
     layer = layer or LAYERS[name]
     inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
     row = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew,
-               comm_sms=config.fwd_comm_sms, minibatch=config.minibatch_rows)
+               comm_sms=config.fwd_comm_sms, minibatch=config.minibatch_rows, precision=precision)
     y_ref = None
     if check and ranks == 1:  # the baselines first, so that mok's memory below counts none of theirs
         i = inputs[0]
@@ -157,8 +181,15 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
     before = None if SMOKE else M.snapshot()
     if not SMOKE:
         M.reset_peak()
-    run = MokRun(group, layer, experts, tokens, inputs, config)
+    try:
+        run = MokRun(group, layer, experts, tokens, inputs, config, precision)
+    except mok.UnsupportedError as e:
+        row["skipped"] = unsupported_reason(e)
+        return row
     row["workspace_bytes"] = run.ws.sizes.workspace_bytes
+    if run.fp8 is not None:
+        row["fp8_weight_bytes"] = run.ws.fp8_layout.bytes
+        row["quantize_ms"] = time_ranks(run.quantize, ranks, max(3, reps // 2))
     row["context_bytes"] = run.ws.sizes.context_bytes
     # rows that cross a link: (rank p, token, slot) whose expert lives on another rank
     E_local = experts // ranks
@@ -198,6 +229,25 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
         row["speedup"] = row["baseline_forward_ms"] / row["forward_ms"]
     if row.get("baseline_forward_backward_ms") and row.get("backward_ms"):
         row["speedup_forward_backward"] = row["baseline_forward_backward_ms"] / (row["forward_ms"] + row["backward_ms"])
+    return row
+
+
+def fp8_row(group, ranks, name, experts, tokens, skew, config, reps, bf16_row):
+    """The FP8 row of a case beside its bf16 row (whose baseline times it shares), with the ratios
+    of their times; printed as it comes, or its reason when the backend has no FP8 path."""
+    t0 = time.time()
+    row = run_case(group, ranks, name, experts, tokens, skew, config, reps, check=True, baseline=bf16_row,
+                   precision="fp8")
+    row["wall_s"] = time.time() - t0
+    row["env"] = "fp8"
+    if "skipped" in row:
+        print(f"{name} E {experts} T {tokens} EP{ranks} fp8: skipped: {row['skipped']}", flush=True)
+    else:
+        row["fp8_vs_bf16_forward"] = bf16_row["forward_ms"] / row["forward_ms"]
+        if row.get("backward_ms") and bf16_row.get("backward_ms"):
+            row["fp8_vs_bf16_forward_backward"] = ((bf16_row["forward_ms"] + bf16_row["backward_ms"]) /
+                                                   (row["forward_ms"] + row["backward_ms"]))
+        print(json.dumps(row), flush=True)
     return row
 
 
@@ -472,6 +522,9 @@ def main():
     ap.add_argument("--liger", default=os.environ.get("MOK_BENCH_LIGER", ""), metavar="SITE",
                     help="LigerCute installed in SITE (bench/liger-setup.sh): one-GPU cases also run it as a peer "
                          "(routed experts only), in a process of its own per case (bench/liger_peer.py)")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: each case also runs in FP8 (include/mok.h, FP8), a row beside its bf16 row, or a "
+                         "'skipped' row saying why where the backend has no FP8 path")
     ap.add_argument("--host", action="store_true",
                     help="per case, mok's and PyTorch's host time per call and GPU time per call queued back to "
                          "back (the table times each call from idle GPUs, so host time shows as GPU idle there)")
@@ -525,6 +578,8 @@ def main():
                 peer_rows(group, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
             first = first or row
             print(json.dumps(row), flush=True)
+        if a.precision == "fp8":
+            rows.append(fp8_row(group, a.ranks, name, experts, tokens, skew, base, a.reps, first))
     hosts = []
     if a.host:
         for name, experts, tokens, skew in cases:
@@ -562,11 +617,15 @@ def main():
     with open(os.path.join(a.out, f"bench_ep{a.ranks}.json"), "w") as f:
         json.dump(dict(cases=rows, sweeps=sweeps, host=hosts), f, indent=1)
     print()
-    print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} {'skew':>4} | {'mok fwd ms':>10} {'TFLOP/s':>7} | {'torch ms':>8} "
-          f"{'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | {'torch f+b':>9} {'speedup':>7} | err | env | "
-          f"ws GiB | link GB/s")
+    print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} {'skew':>4} {'prec':>4} | {'mok fwd ms':>10} {'TFLOP/s':>7} | "
+          f"{'torch ms':>8} {'speedup':>7} | {'mok bwd ms':>10} {'TFLOP/s':>7} | {'torch f+b':>9} {'speedup':>7} | "
+          f"err | env | ws GiB | link GB/s")
     for r in rows:
-        print(f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} {r['skew']:>4} | {r['forward_ms']:>10.3f} "
+        head = f"{r['layer']:<14} {r['experts']:>4} {r['tokens']:>6} {r['skew']:>4} {r['precision']:>4} |"
+        if "skipped" in r:
+            print(f"{head} skipped: {r['skipped']}")
+            continue
+        print(f"{head} {r['forward_ms']:>10.3f} "
               f"{r['forward_tflops']:>7.1f} | {r.get('baseline_forward_ms', float('nan')):>8.3f} "
               f"{r.get('speedup', float('nan')):>7.2f} | {r.get('backward_ms') or float('nan'):>10.3f} "
               f"{r.get('backward_tflops', float('nan')):>7.1f} | "
@@ -574,6 +633,15 @@ def main():
               f"{r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
               f"{r.get('env', '')} | "
               f"{r['workspace_bytes'] / 2**30:6.2f} | {r.get('forward_link_GBps', float('nan')):9.1f}")
+    fp8 = [r for r in rows if r["precision"] == "fp8" and "skipped" not in r]
+    if fp8:
+        print("\nFP8 beside bf16 (ratio = bf16 ms / fp8 ms; quantize: the weights, once per optimizer step, not in "
+              "the passes)")
+        for r in fp8:
+            print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} skew {r['skew']}: forward "
+                  f"{r['fp8_vs_bf16_forward']:.2f}x, forward+backward "
+                  f"{r.get('fp8_vs_bf16_forward_backward', float('nan')):.2f}x; "
+                  f"quantize {r['quantize_ms']:.3f} ms; FP8 weights {r['fp8_weight_bytes'] / 2**20:.1f} MiB per rank")
     peered = [r for r in rows if "ligercute" in r]
     if peered:
         print("\nrouted experts only, beside LigerCute (ms; ratio = mok / LigerCute; memory GiB held beyond the inputs)")
@@ -591,7 +659,8 @@ def main():
     if ceil:
         print("\nagainst cuBLAS (batched GEMM) on every expert's own GEMM shapes (TFLOP/s; ratio = mok / cuBLAS)")
         for r in ceil:
-            print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6}: forward mok {r['forward_tflops']:6.1f} "
+            print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} {r['precision']}: forward mok "
+                  f"{r['forward_tflops']:6.1f} "
                   f"cuBLAS {r['cublas_forward_tflops']:6.1f} ({r['forward_vs_cublas']:.2f}); backward mok "
                   f"{r.get('backward_tflops', float('nan')):6.1f} cuBLAS {r['cublas_backward_tflops']:6.1f} "
                   f"({r.get('backward_vs_cublas', float('nan')):.2f})")

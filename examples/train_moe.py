@@ -34,8 +34,18 @@ the same batch against the twin (loss, and each parameter's gradient), so that d
 pile up over steps. Free-running curves drift apart after the loss's sharp drop whatever the
 perturbation (the yardsticks' own gaps reach 1-2%); the same-weights checks do not drift.
 
-Outputs in --out: losses.csv (step, lr, loss_* and gnorm_* of mok, torch[, order, fp32]) and
-losses.png when matplotlib is importable.
+FP8 (--precision fp8): a fifth model, mok's layer in FP8 (mok.torch.MoE(precision="fp8"): E4M3
+GEMM operands with power-of-two block scales, include/mok.h), from the same initial weights on the
+same batches. It quantizes its bf16 master weights once per optimizer step. Its verdict: the mean
+relative gap |loss_fp8 - loss_mok| / loss_mok over the last quarter of the run within --fp8-bar
+(0.5%). That gap carries the free-running curves' drift too (see the yardsticks above), so every
+--check-every steps the FP8 layer also runs on mok's bf16 weights of that step and the same batch
+(loss and gradients against mok's, reported): its own error, which does not drift. The bf16
+models do not see any of it: their curves are the same bits with or without it. H, I and I_s are
+then multiples of 128.
+
+Outputs in --out: losses.csv (step, lr, loss_* and gnorm_* of mok, torch[, order, fp32][, mok_fp8])
+and losses.png when matplotlib is importable.
 """
 import argparse
 import csv
@@ -404,6 +414,21 @@ def same_weights_ok(check):
     return all(check[k] < lim for k, lim in SAME_WEIGHTS_LIMITS.items())
 
 
+def fp8_refusal(backend, device):
+    """Why mok's backend refuses FP8 workspaces (the library's words), or None when it runs them:
+    asked of the library itself on a one-rank layer, before any model is made."""
+    group = mok.Group.create_local(1, backend=backend,
+                                   devices=[device.index or 0] if backend == "cuda" else None)
+    try:
+        mok.Workspace(group, 128, 128, 1, 1, max_tokens=1, precision="fp8").close()
+    except mok.UnsupportedError as err:
+        message = err.message or str(err)
+        return message.split(": ", 1)[1] if message.startswith("shape.precision: ") else message
+    finally:
+        group.close()
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -436,21 +461,38 @@ def main():
     ap.add_argument("--check-every", type=int, default=50,
                     help="every this many steps (and at the last), mok on the twin's weights of that step "
                          "against the twin (0: never)")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: also train mok's layer in FP8 from the same weights on the same batches and compare "
+                         "its loss curve with mok's bf16 curve (H, I and I_s multiples of 128)")
+    ap.add_argument("--fp8-bar", type=float, default=0.005,
+                    help="with --precision fp8: the largest mean relative gap of the FP8 loss curve to the bf16 one "
+                         "over the last quarter that passes (default 0.5%%)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--out", default="build/train_moe")
     a = ap.parse_args()
 
     if a.device == "cuda" and not (torch.cuda.is_available() and mok.backend_available("cuda") >= 1):
         sys.exit("--device cuda: needs a GPU and a CUDA build of libmok (mok.backend_available('cuda') == 0)")
+    fp8 = a.precision == "fp8"
+    if fp8:
+        for name, value in (("--hidden", a.hidden), ("--intermediate", a.intermediate), ("--shared", a.shared)):
+            if value % 128:
+                sys.exit(f"{name} {value}: --precision fp8 needs a multiple of 128 (FP8's blocks)")
     device = torch.device(a.device)
     os.makedirs(a.out, exist_ok=True)
     tokens_per_step = a.batch * a.seq
     config = mok.Config(cpu_threads=a.cpu_threads) if a.cpu_threads else None
     lang = MarkovLanguage(a.vocab, a.branch, a.seed)
 
-    def mok_moe():
+    def mok_moe(precision="bf16"):
         return mok.torch.MoE(a.hidden, a.intermediate, a.experts, a.topk, a.shared, config=config,
-                             backend=a.device, max_tokens=tokens_per_step, device=device)
+                             backend=a.device, max_tokens=tokens_per_step, device=device, precision=precision)
+
+    if fp8:
+        reason = fp8_refusal(a.device, device)
+        if reason:
+            sys.exit(f"--device {a.device} --precision fp8: mok's {a.device} backend does not run FP8 layers: "
+                     f"{reason}; --device cpu trains the FP8 layer")
 
     def torch_moe(dtype, split_k=False):
         return lambda: TorchMoE(a.hidden, a.intermediate, a.experts, a.topk, a.shared, device=device,
@@ -466,6 +508,13 @@ def main():
         models["fp32"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, torch_moe(torch.float32)).to(device)
     # mok's layer on the twin's weights, for the same-weights checks along the run
     shadow = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, mok_moe).to(device) if a.check_every else None
+    shadow_fp8 = None
+    if fp8:  # made last: the models above draw nothing from the random state after it
+        models["mok_fp8"] = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq,
+                                           lambda: mok_moe("fp8")).to(device)
+        # the FP8 layer on mok's bf16 weights of that step, for the FP8 same-weights checks
+        if a.check_every:
+            shadow_fp8 = MoETransformer(a.vocab, a.hidden, a.heads, a.blocks, a.seq, lambda: mok_moe("fp8")).to(device)
     state = model_mok.state_dict()
     for name, m in models.items():
         if m is not model_mok:
@@ -485,7 +534,7 @@ def main():
 
     opts = {name: make_optimizer(m, a.lr, a.weight_decay) for name, m in models.items()}
     rows, times = [], {name: 0.0 for name in models}
-    checks = []
+    checks, fp8_checks = [], []
     names = list(models)
     for step in range(a.steps):
         inputs, targets = lang.batch(step, a.batch, a.seq, a.seed)
@@ -498,6 +547,12 @@ def main():
             print(f"step {step:4d}  same weights (the twin's): loss {c['loss']:.1e}, gradients: MoE {c['moe']:.1e}, "
                   f"other {c['other']:.1e} (worst {c['worst']})  {'ok' if same_weights_ok(c) else 'OVER THE LIMIT'}",
                   flush=True)
+        if shadow_fp8 is not None and (step % a.check_every == 0 or step == a.steps - 1):
+            shadow_fp8.load_state_dict(model_mok.state_dict())
+            c = same_weights_check(shadow_fp8, model_mok, inputs, targets)
+            fp8_checks.append((step, c))
+            print(f"step {step:4d}  same weights (mok's), FP8 against bf16: loss {c['loss']:.1e}, gradients: MoE "
+                  f"{c['moe']:.1e}, other {c['other']:.1e} (worst {c['worst']})", flush=True)
         row = {"step": step, "lr": lr}
         for name in names:
             t0 = time.perf_counter()
@@ -511,6 +566,7 @@ def main():
         rows.append(row)
         if step % a.log_every == 0 or step == a.steps - 1:
             extra = f"  order {row['loss_order']:.4f}  fp32 {row['loss_fp32']:.4f}" if a.noise_ref else ""
+            extra += f"  fp8 {row['loss_mok_fp8']:.4f}" if fp8 else ""
             print(f"step {step:4d}  lr {lr:.2e}  mok {row['loss_mok']:.4f}  torch {row['loss_torch']:.4f}  "
                   f"|diff| {abs(row['loss_mok'] - row['loss_torch']):.4f}{extra}  "
                   f"gnorm mok {row['gnorm_mok']:.3f} torch {row['gnorm_torch']:.3f}", flush=True)
@@ -566,7 +622,25 @@ def main():
         agree = agree and not bad
         rule += "; every same-weights check within its limits"
     print(f"within bf16 noise ({rule}): {'yes' if agree else 'NO'}")
+    fp8_ok = True
+    if fp8:
+        f = stats("loss_mok_fp8", "loss_mok")
+        counts = [b.moe.fp8_quantizations for b in models["mok_fp8"].blocks]
+        print(f"FP8: loss step 0 -> {a.steps - 1}: {first['loss_mok_fp8']:.4f} -> {last['loss_mok_fp8']:.4f}; "
+              f"|loss_fp8 - loss_mok| / loss_mok: mean {f['mean_rel']:.3%}, max {f['max_rel']:.3%}, first quarter "
+              f"{f['first_q_rel']:.3%}, last quarter {f['last_q_rel']:.3%} (for scale, bf16 mok against its twin: "
+              f"{s['last_q_rel']:.3%} over the last quarter)")
+        print(f"FP8: weights quantized {counts} times per layer over {a.steps} steps (once per optimizer step)")
+        if fp8_checks:  # the FP8 layer's own error, which free-running curves bury under their drift
+            losses = [c["loss"] for _, c in fp8_checks]
+            print(f"FP8 on mok's bf16 weights, {len(fp8_checks)} checks: loss relative difference mean "
+                  f"{sum(losses) / len(losses):.2e}, worst {max(losses):.2e}; gradients (norm-relative) worst MoE "
+                  f"{max(c['moe'] for _, c in fp8_checks):.2e}, other {max(c['other'] for _, c in fp8_checks):.2e}")
+        fp8_ok = f["last_q_rel"] <= a.fp8_bar
+        print(f"FP8 within {a.fp8_bar:.1%} of bf16 (mean relative gap over the last quarter): "
+              f"{'yes' if fp8_ok else 'NO'}")
     print("time per step: " + ", ".join(f"{k} {v / a.steps * 1e3:.1f} ms" for k, v in times.items()))
+    ok = agree and fp8_ok
 
     csv_path = os.path.join(a.out, "losses.csv")
     keys = ["step", "lr"] + [f"loss_{n}" for n in names] + [f"gnorm_{n}" for n in names]
@@ -582,7 +656,7 @@ def main():
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not importable: no plot (pip install matplotlib)")
-        return 0 if agree else 1
+        return 0 if ok else 1
     steps = [r["step"] for r in rows]
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     ax.plot(steps, [r["loss_mok"] for r in rows], label="mok (mok.torch.MoE)", lw=1.4)
@@ -590,6 +664,8 @@ def main():
     if a.noise_ref:
         ax.plot(steps, [r["loss_order"] for r in rows], label="PyTorch twin (split-K matmuls)", lw=0.8, ls="-.")
         ax.plot(steps, [r["loss_fp32"] for r in rows], label="PyTorch twin (fp32 MoE)", lw=0.8, ls=":")
+    if fp8:
+        ax.plot(steps, [r["loss_mok_fp8"] for r in rows], label="mok in FP8", lw=1.0)
     ax.axhline(lang.entropy_rate, color="gray", lw=0.8, ls="-.", label=f"entropy rate {lang.entropy_rate:.3f}")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_title(f"MoE transformer, {a.blocks} blocks, E={a.experts} k={a.topk} H={a.hidden} I_s={a.shared}, "
@@ -603,6 +679,9 @@ def main():
                  label="|twin (split-K) - twin| / twin", alpha=0.7)
         ax2.plot(steps, [100 * abs(r["loss_fp32"] - r["loss_torch"]) / r["loss_torch"] for r in rows], lw=0.8,
                  label="|twin (fp32 MoE) - twin| / twin", alpha=0.7)
+    if fp8:
+        ax2.plot(steps, [100 * abs(r["loss_mok_fp8"] - r["loss_mok"]) / r["loss_mok"] for r in rows], lw=0.8,
+                 label="|mok FP8 - mok| / mok")
     ax2.set_ylabel("rel. diff (%)")
     ax2.set_xlabel("step")
     ax2.legend(fontsize=8)
@@ -611,7 +690,7 @@ def main():
     png = os.path.join(a.out, "losses.png")
     fig.savefig(png, dpi=110)
     print(f"wrote {png}")
-    return 0 if agree else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # cli.sh — checks of the `mok` command: usage, the preset list, every preset scaled down on four
 # cpu ranks against the reference, a few configurations that stress the protocol, the report's
 # options (--no-backward, --check-tokens, link bandwidth), the cuda backend (checked against the
-# reference where nvidia-smi lists GPUs, else it must be refused cleanly), and bad input (each
+# reference where nvidia-smi lists GPUs, else it must be refused cleanly), --precision fp8 (checked
+# against the FP8 reference, deterministic, bf16 unchanged beside it), and bad input (each
 # must exit 2 with a message: the command's own, or the library's "mok: <function>: ..."); and
 # build/mok_mp_rank, the one-rank driver of tests/mp_rank.c (its arguments, its run on the cpu
 # backend, its refusal where there is no GPU for its rank).
@@ -112,6 +113,72 @@ check_run hash-with-check "${hash_args[@]}" --check
 hash_check=$(grep "^outputs hash" "$out")
 check_run hash-alone "${hash_args[@]}" --hash
 same_hash hash-alone-equals-check "$hash_check" "$(grep "^outputs hash" "$out")"
+
+# ---- FP8 (--precision fp8) -------------------------------------------------------------------------
+# The FP8 function (include/mok.h, FP8) on the cpu backend against the FP8 reference: four ranks with
+# a shared expert; and uneven skewed tokens, a clamp, several macrobatches and a replayed context.
+check_run fp8-check-four-ranks --preset deepseek-v3 --scale 16 --ranks 4 --precision fp8 --repeat 2 --check \
+    --backend cpu
+check_run fp8-protocol --preset qwen3-30b-a3b --scale 16 --ranks 2 --uneven --skew 2 --tokens 192 \
+    --minibatch 128 --ring 256 --context-rows 256 --limit 0.5 --precision FP8 --repeat 2 --check --backend cpu
+# The same FP8 bits from two processes, and the hash --check prints is the one --hash prints.
+fp8_args=(--preset olmoe-1b-7b --scale 16 --ranks 2 --uneven --tokens 48 --repeat 2 --backend cpu)
+check_run fp8-hash-with-check "${fp8_args[@]}" --precision fp8 --check
+fp8_check=$(grep "^outputs hash" "$out")
+check_run fp8-hash-first "${fp8_args[@]}" --precision fp8 --hash
+fp8_first=$(grep "^outputs hash" "$out")
+check_run fp8-hash-second "${fp8_args[@]}" --precision fp8 --hash
+same_hash fp8-hash-twice "$fp8_first" "$(grep "^outputs hash" "$out")"
+same_hash fp8-hash-equals-check "$fp8_check" "$fp8_first"
+# bf16 is what it was: the default and --precision bf16 write the same bits (the hash-alone run
+# above has the same arguments), and FP8 writes other bits than bf16.
+check_run bf16-explicit "${hash_args[@]}" --precision bf16 --hash
+same_hash bf16-explicit-equals-default "$hash_check" "$(grep "^outputs hash" "$out")"
+if grep -q "precision bf16  backend cpu" "$out"; then
+    echo "PASS bf16-header"
+    passed=$((passed + 1))
+else
+    echo "FAIL bf16-header: the header does not say 'precision bf16'"
+    failed=$((failed + 1))
+fi
+# qwen3-235b-a22b at --scale 16 has the same shape under both (H 256, I 128): the same layer and
+# inputs, other bits.
+same_shape=(--preset qwen3-235b-a22b --scale 16 --ranks 2 --tokens 48 --repeat 1 --backend cpu --hash)
+check_run bf16-same-shape "${same_shape[@]}"
+bf16_hash=$(grep "^outputs hash" "$out")
+check_run fp8-same-shape "${same_shape[@]}" --precision fp8
+if grep -q "rounds to multiples" "$out"; then
+    echo "FAIL fp8-same-shape-kept: the FP8 run's shape differs from the bf16 run's"
+    failed=$((failed + 1))
+elif [ -n "$bf16_hash" ] && [ "$bf16_hash" != "$(grep "^outputs hash" "$out")" ]; then
+    echo "PASS fp8-differs-from-bf16"
+    passed=$((passed + 1))
+else
+    echo "FAIL fp8-differs-from-bf16: the FP8 run of the same layer and inputs wrote the bf16 run's bits ($bf16_hash)"
+    failed=$((failed + 1))
+fi
+# The header says the precision, and when FP8's blocks of 128 make --scale round differently; the
+# inputs line shows the weights' quantization; the memory lines the FP8 weights.
+expect fp8-header 0 "precision fp8  backend cpu  ranks 2" run --preset deepseek-v3 --scale 16 --ranks 2 --tokens 32 \
+    --repeat 1 --precision fp8 --backend cpu
+expect fp8-scale-rounds 0 "--scale 16 rounds to multiples of 128 under fp8 (its blocks), not 64: H 512 (bf16: 448)" \
+    run --preset deepseek-v3 --scale 16 --ranks 2 --tokens 32 --repeat 1 --precision fp8 --backend cpu
+if grep -q "^inputs .*random .*quantize " "$out" && grep -q "FP8 weights .* bytes: codes, block scales" "$out"; then
+    echo "PASS fp8-quantize-shown"
+    passed=$((passed + 1))
+else
+    echo "FAIL fp8-quantize-shown: no quantize pass on the inputs line, or no FP8 weights in the memory lines"
+    failed=$((failed + 1))
+fi
+if grep -q "rounds to multiples" <("$mok" run --preset deepseek-v3 --scale 8 --ranks 2 --tokens 32 --repeat 1 \
+    --precision fp8 --backend cpu 2>&1); then
+    echo "FAIL fp8-scale-kept: deepseek-v3 at --scale 8 (H 896, I 256, I_s 256) is said to round differently"
+    failed=$((failed + 1))
+else
+    echo "PASS fp8-scale-kept"
+    passed=$((passed + 1))
+fi
+expect bad-precision 2 "--precision expects bf16 or fp8, not 'fp16'" run --preset olmoe-1b-7b --precision fp16
 
 # ---- what the report holds -----------------------------------------------------------------------
 # --no-backward: the forward alone, checked; the backward row says why it is missing.
@@ -253,6 +320,7 @@ if [ "${gpus:-0}" -eq 0 ]; then
         unavailable="--backend cuda: no GPU is visible to this process (this build has the CUDA backend"
     fi
     expect cuda-unavailable 2 "$unavailable" run --preset olmoe-1b-7b --scale 16 --backend cuda
+    expect cuda-unavailable-fp8 2 "$unavailable" run --preset olmoe-1b-7b --scale 16 --precision fp8 --backend cuda
     expect cuda-unavailable-ranks 2 "$unavailable" run --preset qwen3-30b-a3b --scale 16 --ranks 4 --check \
         --backend CUDA
     expect auto-is-cpu 0 "backend cpu  ranks 2" run --preset olmoe-1b-7b --scale 16 --ranks 2 --tokens 32 \
@@ -273,6 +341,9 @@ else
             --bwd-dispatch pull
         same_hash cuda-turned-transfers-hash "$hash_defaults" "$(grep "^outputs hash" "$out")"
     fi
+    # FP8 on cuda: refused by the library until its FP8 tiles exist, in the words of the flag.
+    expect cuda-fp8-refused 2 "mok run: --precision: the cuda backend has no FP8" \
+        run --preset olmoe-1b-7b --scale 16 --precision fp8 --backend cuda
     expect cuda-too-few-gpus 2 "ranks on the cuda backend need $((gpus + 1)) GPUs" \
         run --preset olmoe-1b-7b --scale 16 --ranks $((gpus + 1)) --backend cuda
 fi

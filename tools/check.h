@@ -1,6 +1,6 @@
 /* check.h — how `mok run --check` judges the library against mok_ref_*: one tolerance per
- * output tensor (the table in check.c says why each value), and the error of a tensor as
- * max |got - ref| / (atol + rtol * max |ref|), which passes at <= 1. */
+ * output tensor and precision (the tables in check.c say why each value), and the error of a
+ * tensor as max |got - ref| / (atol + rtol * max |ref|), which passes at <= 1. */
 #ifndef MOK_TOOLS_CHECK_H
 #define MOK_TOOLS_CHECK_H
 
@@ -27,7 +27,8 @@ typedef struct tools_tolerance {
     double atol; /* floor, for a tensor that is zero or nearly so */
 } tools_tolerance;
 
-const tools_tolerance *tools_tolerance_of(tools_tensor tensor);
+/* precision: mok_precision (the FP8 function is compared with the FP8 reference). */
+const tools_tolerance *tools_tolerance_of(tools_tensor tensor, int precision);
 
 typedef struct tools_error {
     double max_abs_error; /* +inf when an element is NaN or infinite on either side */
@@ -36,7 +37,7 @@ typedef struct tools_error {
     int64_t worst_index;  /* element of the largest error; -1 for an empty tensor */
 } tools_error;
 
-tools_error tools_compare(tools_tensor tensor, const void *got, tools_dtype got_type,
+tools_error tools_compare(tools_tensor tensor, int precision, const void *got, tools_dtype got_type,
                           const void *ref, tools_dtype ref_type, int64_t count);
 
 #endif

@@ -39,13 +39,16 @@ static double reference_bytes(const tools_run_size *run) {
     const double layer = 8.0 * (P * (T * H + T * k + experts) + shared);
     const double outputs = 8.0 * P * (b ? 2.0 * T * H + T * k + experts + shared : T * H); /* dy with them */
     const double scratch = 8.0 * (P * (T * k * H + T * H) + 4.0 * REFERENCE_BLOCK_ROWS * wide + H);
-    return kept + layer + outputs + scratch;
+    /* FP8: the quantized copy of x, dy and the weights, fp64 too */
+    const double quantized = s->precision == MOK_PRECISION_FP8 ? 8.0 * (P * (2.0 * T * H + experts) + shared) : 0.0;
+    return kept + layer + outputs + scratch + quantized;
 }
 
 tools_host_need tools_host_need_of(const tools_run_size *run) {
     tools_host_need need = {0.0, 0.0, 0.0, 0.0};
     const double P = (double)run->nranks;
-    if (run->library_on_host) need.workspace = P * (run->workspace_bytes + run->schedule_bytes + run->context_bytes);
+    if (run->library_on_host)
+        need.workspace = P * (run->workspace_bytes + run->schedule_bytes + run->context_bytes + run->fp8_weight_bytes);
     need.tensors = P * rank_tensor_bytes(run) + 3.0 * (double)run->shape->shared_intermediate *
                                                     (double)run->shape->hidden * 2.0;
     if (run->check) need.reference = reference_bytes(run);

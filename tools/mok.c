@@ -66,7 +66,8 @@ static tools_host_need need_of(const run_state *st, const mok_shape *shape, int6
                           .check_tokens = check_tokens < tokens ? check_tokens : tokens,
                           .workspace_bytes = workspace_share * (double)st->sizes.workspace_bytes,
                           .schedule_bytes = workspace_share * (double)st->sizes.schedule_bytes,
-                          .context_bytes = workspace_share * (double)st->sizes.context_bytes};
+                          .context_bytes = workspace_share * (double)st->sizes.context_bytes,
+                          .fp8_weight_bytes = workspace_share * (double)st->fp8_layout.bytes};
     return tools_host_need_of(&run);
 }
 
@@ -78,7 +79,8 @@ static double scale_that_fits(const run_state *st, double available) {
     const run_options *opt = st->opt;
     for (double scale = 2.0 * opt->scale; scale <= TOOLS_SCALE_MAX; scale *= 2.0) {
         const int64_t tokens = opt->tokens >= 0 ? opt->tokens : tools_default_tokens(scale);
-        const mok_shape shape = tools_preset_shape(opt->preset, scale, st->nranks, tokens > 0 ? tokens : 1);
+        const mok_shape shape = tools_preset_shape(opt->preset, scale, st->nranks, tokens > 0 ? tokens : 1,
+                                                  opt->precision);
         double share = (double)shape.hidden / (double)st->shape.hidden;
         const double share_i = (double)shape.intermediate / (double)st->shape.intermediate;
         if (share_i > share) share = share_i;
@@ -121,17 +123,25 @@ static int check_host_memory(const run_state *st, double available, int report) 
 
 /* ---- mok run ------------------------------------------------------------------------------------- */
 
+/* The random inputs and, under FP8, the FP8 weights quantized from them once (as a training step
+ * would after each optimizer step), all before the timed runs. */
 static int make_inputs(run_state *st) {
     tools_progress_line(st->progress, "inputs");
     tools_progress_pass(st->progress, "random");
-    const double start = tools_now_seconds();
-    if (run_make_tensors(st) != 0) {
-        tools_progress_end_line(st->progress);
-        return -1;
+    double start = tools_now_seconds();
+    int rc = run_make_tensors(st);
+    if (rc == 0) {
+        tools_progress_done(st->progress, tools_now_seconds() - start);
+        if (st->shape.precision == MOK_PRECISION_FP8) {
+            tools_progress_pass(st->progress, "quantize");
+            start = tools_now_seconds();
+            rc = run_quantize_weights(st);
+            st->quantize_seconds = tools_now_seconds() - start;
+            if (rc == 0) tools_progress_done(st->progress, st->quantize_seconds);
+        }
     }
-    tools_progress_done(st->progress, tools_now_seconds() - start);
     tools_progress_end_line(st->progress);
-    return 0;
+    return rc;
 }
 
 static int write_trace(const run_state *st) {
@@ -168,7 +178,8 @@ static int run_layer(const run_options *opt) {
     st.backend = MOK_BACKEND_CPU;
     st.backward = !opt->no_backward;
     st.tokens = opt->tokens >= 0 ? opt->tokens : tools_default_tokens(opt->scale);
-    st.shape = tools_preset_shape(opt->preset, opt->scale, opt->nranks, st.tokens > 0 ? st.tokens : 1);
+    st.shape = tools_preset_shape(opt->preset, opt->scale, opt->nranks, st.tokens > 0 ? st.tokens : 1,
+                                  opt->precision);
     st.num_local_experts = opt->nranks > 0 ? st.shape.num_experts / opt->nranks : 0;
 
     int result = 2;

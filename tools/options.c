@@ -23,8 +23,13 @@ void tools_usage(FILE *out) {
             "\n"
             "  --preset NAME       a layer from `mok presets` (case-insensitive)\n"
             "  --scale S           divide H, I, I_s and E by S, from 1 (full size, the default) to\n"
-            "                      %g; dimensions round to multiples of %d, E to a multiple of P,\n"
-            "                      and k is cut to E when E falls below it (the header says so)\n"
+            "                      %g; dimensions round to multiples of %d (%d under FP8, the header\n"
+            "                      says when that differs), E to a multiple of P, and k is cut to E\n"
+            "                      when E falls below it (the header says so)\n"
+            "  --precision P       bf16 (the default) or fp8: block-scaled E4M3 GEMM operands\n"
+            "                      (include/mok.h's FP8 section, which says the backends that run\n"
+            "                      it); the FP8 weights are quantized once, before the runs, and\n"
+            "                      --check compares with the FP8 reference\n"
             "  --ranks P           expert-parallel ranks (default 1)\n"
             "  --tokens T          tokens per rank (default 4096 at full size, else 16384/S^2,\n"
             "                      at least 32 and at most 4096)\n"
@@ -64,7 +69,7 @@ void tools_usage(FILE *out) {
             "                      a thread per worker\n"
             "\n"
             "Exit status: 0 success, 1 --check failed, 2 bad arguments or a library error.\n",
-            TOOLS_SCALE_MAX, MOK_DIM_TILE, CHECK_TOKENS_LARGE);
+            TOOLS_SCALE_MAX, MOK_DIM_TILE, MOK_FP8_BLOCK, CHECK_TOKENS_LARGE);
 }
 
 /* ---- values ---------------------------------------------------------------------------------- */
@@ -179,6 +184,13 @@ static int parse_backend(const char *flag, const char *value, run_options *opt) 
     return 0;
 }
 
+static int parse_precision(const char *flag, const char *value, run_options *opt) {
+    if (equal_ignoring_case(value, "bf16")) opt->precision = MOK_PRECISION_BF16;
+    else if (equal_ignoring_case(value, "fp8")) opt->precision = MOK_PRECISION_FP8;
+    else return bad_value(flag, value, "bf16 or fp8");
+    return 0;
+}
+
 static int parse_check_tokens(const char *flag, const char *value, run_options *opt) {
     return parse_int64(flag, value, 1, INT64_MAX, &opt->check_tokens);
 }
@@ -267,7 +279,7 @@ static const struct {
     {"--comm-sms", parse_comm_sms},       {"--limit", parse_limit},
     {"--trace", parse_trace},             {"--fwd-dispatch", parse_fwd_dispatch},
     {"--fwd-combine", parse_fwd_combine}, {"--bwd-combine", parse_bwd_combine},
-    {"--bwd-dispatch", parse_bwd_dispatch},
+    {"--bwd-dispatch", parse_bwd_dispatch}, {"--precision", parse_precision},
 };
 
 static value_parser parser_of(const char *flag) {
@@ -285,6 +297,7 @@ static void set_defaults(run_options *opt) {
     opt->tokens = -1;
     opt->seed = 1;
     opt->backend = MOK_BACKEND_AUTO;
+    opt->precision = MOK_PRECISION_BF16;
     opt->check_tokens = -1;
     opt->repeat = 3;
     opt->config = mok_config_default();
@@ -364,6 +377,7 @@ static const struct {
 } field_flags[] = {
     {"nranks", "--ranks"},
     {"shape.max_tokens", "--tokens"},
+    {"shape.precision", "--precision"},
     {"config.minibatch_rows", "--minibatch"},
     {"minibatch_rows", "--minibatch"},
     {"config.ring_rows", "--ring"},

@@ -24,6 +24,7 @@ typedef struct run_options {
     double scale;         /* in [1, TOOLS_SCALE_MAX] */
     int nranks;
     int64_t tokens;       /* per rank; -1 = tools_default_tokens(scale) */
+    int precision;        /* mok_precision: --precision bf16 (the default) or fp8 */
     int uneven;
     double skew;
     uint64_t seed;

@@ -50,19 +50,21 @@ static int64_t scaled_multiple(int64_t value, double scale, int64_t unit) {
     return (int64_t)units * unit;
 }
 
-mok_shape tools_preset_shape(const tools_preset *preset, double scale, int nranks,
-                             int64_t max_tokens) {
+int64_t tools_dim_unit(int precision) { return precision == MOK_PRECISION_FP8 ? MOK_FP8_BLOCK : MOK_DIM_TILE; }
+
+mok_shape tools_preset_shape(const tools_preset *preset, double scale, int nranks, int64_t max_tokens,
+                             int precision) {
+    const int64_t unit = tools_dim_unit(precision);
     mok_shape shape;
-    shape.hidden = scaled_multiple(preset->hidden, scale, MOK_DIM_TILE);
-    shape.intermediate = scaled_multiple(preset->intermediate, scale, MOK_DIM_TILE);
-    shape.shared_intermediate = preset->shared_intermediate == 0
-                                    ? 0
-                                    : scaled_multiple(preset->shared_intermediate, scale, MOK_DIM_TILE);
+    shape.hidden = scaled_multiple(preset->hidden, scale, unit);
+    shape.intermediate = scaled_multiple(preset->intermediate, scale, unit);
+    shape.shared_intermediate =
+        preset->shared_intermediate == 0 ? 0 : scaled_multiple(preset->shared_intermediate, scale, unit);
     shape.num_experts = scale == 1.0 ? preset->num_experts
                                      : scaled_multiple(preset->num_experts, scale, nranks >= 1 ? nranks : 1);
     shape.topk = preset->topk < shape.num_experts ? preset->topk : shape.num_experts;
     shape.max_tokens = max_tokens;
-    shape.precision = MOK_PRECISION_BF16;
+    shape.precision = precision;
     return shape;
 }
 

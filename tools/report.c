@@ -30,14 +30,45 @@ static void report_config(const run_state *st) {
                st->nranks - 1, c->fwd_comm_sms, c->bwd_comm_sms);
 }
 
+/* FP8 rounds --scale's H, I and I_s to multiples of MOK_FP8_BLOCK instead of MOK_DIM_TILE: the
+ * dimensions where that gives another size than a bf16 run of the same --scale. */
+static void report_fp8_rounding(const run_state *st) {
+    const run_options *opt = st->opt;
+    const mok_shape bf16 = tools_preset_shape(opt->preset, opt->scale, st->nranks, st->shape.max_tokens,
+                                              MOK_PRECISION_BF16);
+    const struct {
+        const char *name;
+        int64_t fp8, bf16;
+    } dims[] = {{"H", st->shape.hidden, bf16.hidden},
+                {"I", st->shape.intermediate, bf16.intermediate},
+                {"shared I", st->shape.shared_intermediate, bf16.shared_intermediate}};
+    char changed[160] = "";
+    size_t n = 0;
+    for (size_t d = 0; d < sizeof dims / sizeof dims[0]; ++d)
+        if (dims[d].fp8 != dims[d].bf16 && n < sizeof changed)
+            n += (size_t)snprintf(changed + n, sizeof changed - n, "%s%s %lld (bf16: %lld)", n ? ", " : "",
+                                  dims[d].name, (long long)dims[d].fp8, (long long)dims[d].bf16);
+    if (n)
+        printf("         --scale %g rounds to multiples of %d under fp8 (its blocks), not %d: %s\n", opt->scale,
+               MOK_FP8_BLOCK, MOK_DIM_TILE, changed);
+}
+
 void report_layer(const run_state *st) {
     const run_options *opt = st->opt;
     const mok_shape *s = &st->shape;
-    printf("mok run  preset %s  scale %g  backend %s  ranks %d  seed %llu  skew %g\n", opt->preset->name, opt->scale,
-           mok_backend_name(st->backend), st->nranks, (unsigned long long)opt->seed, opt->skew);
+    const int fp8 = s->precision == MOK_PRECISION_FP8;
+    printf("mok run  preset %s  scale %g  precision %s  backend %s  ranks %d  seed %llu  skew %g\n", opt->preset->name,
+           opt->scale, fp8 ? "fp8" : "bf16", mok_backend_name(st->backend), st->nranks, (unsigned long long)opt->seed,
+           opt->skew);
     printf("layer    H %lld  I %lld  E %lld (%lld per rank)  k %lld  shared I %lld\n", (long long)s->hidden,
            (long long)s->intermediate, (long long)s->num_experts, (long long)st->num_local_experts,
            (long long)s->topk, (long long)s->shared_intermediate);
+    if (fp8) {
+        printf("         fp8: E4M3 GEMM operands with power-of-two scales per 1x%d of x, h, dy, dg, du and per\n"
+               "         %dx%d block of the weights, fp32 accumulation (include/mok.h, FP8)\n",
+               MOK_FP8_BLOCK, MOK_FP8_BLOCK, MOK_FP8_BLOCK);
+        report_fp8_rounding(st);
+    }
     if (s->topk < opt->preset->topk)
         printf("         k lowered from the preset's %lld to %lld: --scale %g leaves %lld experts, and a token "
                "picks k different ones\n",
@@ -63,15 +94,28 @@ void report_memory(const run_state *st) {
            st->sizes.workspace_bytes, sym, st->sizes.symmetric_bytes);
     printf("         schedule %s, context %s; worst case %lld routed rows\n", sched, ctx,
            (long long)st->sizes.max_routed_rows);
+    if (st->shape.precision == MOK_PRECISION_FP8) {
+        char fp8[32];
+        report_format_bytes(fp8, sizeof fp8, (double)st->fp8_layout.bytes);
+        printf("         FP8 weights %s (%zu bytes: codes, block scales and the transposed copies)\n", fp8,
+               st->fp8_layout.bytes);
+    }
     char tuning[256]; /* the backend's knobs as the workspace resolved them (none on cpu) */
     if (mok_workspace_tuning(st->workspace, tuning, sizeof tuning) == MOK_OK && tuning[0]) printf("tuning   %s\n", tuning);
     fflush(stdout);
 }
 
-/* Bytes that crossed rank q's links in the forward: its remote rows, H bf16 values each, once in
- * the dispatch and once in the combine. */
+/* Bytes of one remote row in the forward's dispatch: H bf16 values, or under FP8 H E4M3 codes and
+ * an fp32 scale per MOK_FP8_BLOCK of them (mok.h: the dispatch moves x^). */
+static double dispatch_row_bytes(const run_state *st) {
+    const double H = (double)st->shape.hidden;
+    return st->shape.precision == MOK_PRECISION_FP8 ? H + H / MOK_FP8_BLOCK * 4.0 : 2.0 * H;
+}
+
+/* Bytes that crossed rank q's links in the forward: its remote rows, once in the dispatch and once
+ * in the combine (H bf16 values). */
 static double link_bytes(const run_state *st, int q) {
-    return 2.0 * (double)st->ranks[q].remote_rows * (double)st->shape.hidden * 2.0;
+    return (double)st->ranks[q].remote_rows * (dispatch_row_bytes(st) + 2.0 * (double)st->shape.hidden);
 }
 
 /* Effective GB/s per rank of the forward's links (median forward time); NAN if not known. */
@@ -98,7 +142,9 @@ int report_ranks(run_state *st) {
     }
     if (links)
         printf("(remote rows: rows of other ranks' tokens routed to this rank's experts; fwd link GB/s:\n"
-               " remote rows x H x 2 bytes, dispatch plus combine, over the median forward time)\n");
+               " remote rows x %s, dispatch plus combine, over the median forward time)\n",
+               st->shape.precision == MOK_PRECISION_FP8 ? "(H + H/32 + 2H) bytes (FP8 x^ and its scales out, bf16 back)"
+                                                       : "H x 2 bytes");
     return 0;
 }
 
@@ -147,6 +193,10 @@ void report_timings(const run_state *st) {
            R, R == 1 ? "" : "s, median", st->backend == MOK_BACKEND_CUDA ? ", after one untimed warm-up run" : "",
            s->shared_intermediate > 0 ? "6*T*H*(k*I + I_s) forward, twice that backward"
                                       : "6*T*k*H*I forward, twice that backward");
+    if (s->precision == MOK_PRECISION_FP8)
+        printf("FP8 weights quantized once before the runs (mok_quantize_weights, every rank): %.3f ms, not in\n"
+               " the phases above (a training step quantizes once per optimizer step)\n",
+               1e3 * st->quantize_seconds);
     if (st->nranks > 1 && st->median[PHASE_FORWARD] > 0.0) report_links(st);
 }
 

@@ -125,6 +125,7 @@ int run_create_group(run_state *st) {
 int run_create_workspace(run_state *st) {
     CALL(mok_workspace_create, &st->workspace, st->group, &st->shape, &st->opt->config);
     CALL(mok_workspace_sizes, st->workspace, &st->sizes);
+    if (st->shape.precision == MOK_PRECISION_FP8) CALL(mok_workspace_fp8_layout, st->workspace, &st->fp8_layout);
     return 0;
 }
 
@@ -136,9 +137,11 @@ static int allocate_arrays(run_state *st) {
     st->schedule_args = calloc((size_t)P, sizeof *st->schedule_args);
     st->forward_args = calloc((size_t)P, sizeof *st->forward_args);
     st->backward_args = calloc((size_t)P, sizeof *st->backward_args);
+    st->quantize_args = calloc((size_t)P, sizeof *st->quantize_args);
     st->seconds = calloc((size_t)R, sizeof *st->seconds);
     st->output_hashes = calloc((size_t)R, sizeof *st->output_hashes);
-    if (st->ranks && st->schedule_args && st->forward_args && st->backward_args && st->seconds && st->output_hashes)
+    if (st->ranks && st->schedule_args && st->forward_args && st->backward_args && st->quantize_args && st->seconds &&
+        st->output_hashes)
         return 0;
     fprintf(stderr, "mok run: out of host memory\n");
     return -1;
@@ -174,6 +177,9 @@ static int create_buffers(run_state *st, int r) {
         tools_buffer_create_device(&rt->schedule, pl, st->sizes.schedule_bytes, "the schedule") ||
         tools_buffer_create_device(&rt->context, pl, st->sizes.context_bytes, "the forward context"))
         return -1;
+    if (st->shape.precision == MOK_PRECISION_FP8 &&
+        tools_buffer_create_device(&rt->fp8_weights, pl, st->fp8_layout.bytes, "the FP8 weights"))
+        return -1;
     if (Is > 0 && (tools_buffer_mirror(&rt->s_gate, pl, st->shared[0], bytes_of(Is * H, 2), "s_gate") ||
                    tools_buffer_mirror(&rt->s_up, pl, st->shared[1], bytes_of(Is * H, 2), "s_up") ||
                    tools_buffer_mirror(&rt->s_down, pl, st->shared[2], bytes_of(H * Is, 2), "s_down")))
@@ -181,7 +187,8 @@ static int create_buffers(run_state *st, int r) {
     for (int t = 0; t < TOOLS_NUM_TENSORS; ++t) {
         if (!run_tensor_present(st, (tools_tensor)t)) continue;
         size_t bytes = bytes_of(run_tensor_count(st, T, (tools_tensor)t), run_output_element((tools_tensor)t));
-        if (tools_buffer_create_device(&rt->outputs[t], pl, bytes, tools_tolerance_of((tools_tensor)t)->name))
+        const char *name = tools_tolerance_of((tools_tensor)t, s->precision)->name;
+        if (tools_buffer_create_device(&rt->outputs[t], pl, bytes, name))
             return -1;
     }
     return 0;
@@ -227,7 +234,8 @@ static void fill_pass_args(run_state *st, int r) {
         .num_tokens = T, .schedule = rt->schedule.device, .x = rt->x.device, .router_w = rt->router_w.device,
         .w_gate = rt->w_gate.device, .w_up = rt->w_up.device, .w_down = rt->w_down.device,
         .s_gate = rt->s_gate.device, .s_up = rt->s_up.device, .s_down = rt->s_down.device,
-        .y = rt->outputs[TOOLS_Y].device, .context = rt->context.device, .stream = NULL};
+        .y = rt->outputs[TOOLS_Y].device, .context = rt->context.device, .stream = NULL,
+        .fp8_weights = rt->fp8_weights.device};
     st->backward_args[r] = (mok_backward_args){
         .num_tokens = T, .schedule = rt->schedule.device, .context = rt->context.device, .dy = rt->dy.device,
         .x = rt->x.device, .router_w = rt->router_w.device, .w_gate = rt->w_gate.device, .w_up = rt->w_up.device,
@@ -236,7 +244,12 @@ static void fill_pass_args(run_state *st, int r) {
         .d_router_w = rt->outputs[TOOLS_D_ROUTER_W].device, .accumulate = 0,
         .dw_gate = rt->outputs[TOOLS_DW_GATE].device, .dw_up = rt->outputs[TOOLS_DW_UP].device,
         .dw_down = rt->outputs[TOOLS_DW_DOWN].device, .ds_gate = rt->outputs[TOOLS_DS_GATE].device,
-        .ds_up = rt->outputs[TOOLS_DS_UP].device, .ds_down = rt->outputs[TOOLS_DS_DOWN].device, .stream = NULL};
+        .ds_up = rt->outputs[TOOLS_DS_UP].device, .ds_down = rt->outputs[TOOLS_DS_DOWN].device, .stream = NULL,
+        .fp8_weights = rt->fp8_weights.device};
+    st->quantize_args[r] = (mok_quantize_args){
+        .w_gate = rt->w_gate.device, .w_up = rt->w_up.device, .w_down = rt->w_down.device,
+        .s_gate = rt->s_gate.device, .s_up = rt->s_up.device, .s_down = rt->s_down.device,
+        .fp8_weights = rt->fp8_weights.device, .stream = NULL};
 }
 
 /* Rows that cross links in the forward: (p, t, j) whose expert lives on a rank q != p, counted on q
@@ -265,6 +278,12 @@ int run_make_tensors(run_state *st) {
         fill_pass_args(st, r);
     }
     count_remote_rows(st);
+    return 0;
+}
+
+int run_quantize_weights(run_state *st) {
+    CALL(mok_quantize_weights, st->workspace, st->quantize_args);
+    CALL(mok_synchronize, st->workspace);
     return 0;
 }
 
@@ -389,7 +408,8 @@ void run_destroy(run_state *st) {
     for (int r = 0; st->ranks && r < st->nranks; ++r) {
         rank_tensors *rt = &st->ranks[r];
         tools_buffer *all[] = {&rt->x, &rt->dy, &rt->topk_ids, &rt->router_w, &rt->w_gate, &rt->w_up,
-                               &rt->w_down, &rt->s_gate, &rt->s_up, &rt->s_down, &rt->schedule, &rt->context};
+                               &rt->w_down, &rt->s_gate, &rt->s_up, &rt->s_down, &rt->schedule, &rt->context,
+                               &rt->fp8_weights};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) tools_buffer_destroy(all[i]);
         for (int t = 0; t < TOOLS_NUM_TENSORS; ++t) tools_buffer_destroy(&rt->outputs[t]);
     }
@@ -400,6 +420,7 @@ void run_destroy(run_state *st) {
     free(st->schedule_args);
     free(st->forward_args);
     free(st->backward_args);
+    free(st->quantize_args);
     free(st->seconds);
     free(st->output_hashes);
 }

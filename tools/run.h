@@ -26,6 +26,8 @@ typedef struct rank_tensors {
     tools_buffer outputs[TOOLS_NUM_TENSORS]; /* y, dx, d_router_w, then the gradients (bf16);
                                                 library memory only, read back for --check */
     tools_buffer schedule, context;          /* library memory only */
+    tools_buffer fp8_weights;                /* FP8: mok_fp8_layout.bytes of library memory, written
+                                                by mok_quantize_weights from the weights above */
 } rank_tensors;
 
 typedef struct run_state {
@@ -38,11 +40,14 @@ typedef struct run_state {
     mok_group *group;
     mok_workspace *workspace;
     mok_sizes sizes;
+    mok_fp8_layout fp8_layout;     /* FP8: one rank's FP8 weights (mok_workspace_fp8_layout); zero for bf16 */
     uint16_t *shared[3];   /* host copies of s_gate, s_up, s_down */
     rank_tensors *ranks;
     mok_schedule_args *schedule_args;
     mok_forward_args *forward_args;
     mok_backward_args *backward_args;
+    mok_quantize_args *quantize_args; /* FP8 */
+    double quantize_seconds;       /* FP8: the one mok_quantize_weights before the runs */
     double (*seconds)[NUM_PHASES]; /* [repeat]; NAN for a phase that did not run */
     uint64_t *output_hashes;       /* [repeat], with --check or --hash */
     double median[NUM_PHASES], min[NUM_PHASES], max[NUM_PHASES]; /* NAN: the phase never ran */
@@ -54,6 +59,7 @@ typedef struct run_state {
 int run_create_group(run_state *st);      /* the group (the config and the shape checked first) */
 int run_create_workspace(run_state *st);  /* the workspace and its sizes */
 int run_make_tensors(run_state *st);      /* every rank's inputs and outputs, the pass arguments */
+int run_quantize_weights(run_state *st);  /* FP8: every rank's FP8 weights from its bf16 ones */
 int run_passes(run_state *st);            /* the warm-up (cuda) and the --repeat timed runs */
 int run_summarize(run_state *st);         /* median, min and max of each phase */
 void run_destroy(run_state *st);

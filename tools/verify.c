@@ -1,4 +1,5 @@
-/* verify.c — `mok run --check`: the library's fp64 reference (mok_ref_forward / mok_ref_backward)
+/* verify.c — `mok run --check`: the library's fp64 reference (mok_ref_forward / mok_ref_backward,
+ * of the run's shape and so of its precision: under FP8 it quantizes at the FP8 points itself)
  * on the same host inputs, the first N tokens of every rank, then the worst error of each output
  * over the ranks. A token's outputs (y, dx, d_router_w) depend only on that token, so a prefix is
  * checked exactly; the weight gradients sum over every token and are compared only when the
@@ -144,7 +145,8 @@ static int compare_tensor(const run_state *st, const reference *ref, tools_tenso
             return -1;
         const tools_dtype got_type = t == TOOLS_D_ROUTER_W ? TOOLS_F32 : TOOLS_BF16;
         const tools_dtype ref_type = (t == TOOLS_Y || t == TOOLS_DX) ? TOOLS_BF16 : TOOLS_F32;
-        const tools_error e = tools_compare(t, ref->got, got_type, ref->out[t][r], ref_type, count);
+        const tools_error e =
+            tools_compare(t, st->shape.precision, ref->got, got_type, ref->out[t][r], ref_type, count);
         if (!(e.normalized <= worst->normalized)) {
             *worst = e;
             *worst_rank = r;
@@ -159,7 +161,7 @@ static int print_comparison(const run_state *st, const reference *ref) {
     int failed = 0;
     for (int t = 0; t < TOOLS_NUM_TENSORS; ++t) {
         if (!run_tensor_present(st, (tools_tensor)t)) continue;
-        const tools_tolerance *tol = tools_tolerance_of((tools_tensor)t);
+        const tools_tolerance *tol = tools_tolerance_of((tools_tensor)t, st->shape.precision);
         if (!ref->compared[t]) {
             printf("%-11s n/a (%s)\n", tol->name, t != TOOLS_Y && !st->backward ? "no backward" : "sampled tokens");
             continue;
@@ -169,7 +171,7 @@ static int print_comparison(const run_state *st, const reference *ref) {
         if (compare_tensor(st, ref, (tools_tensor)t, &worst, &worst_rank) != 0) return -1;
         const int pass = worst.normalized <= 1.0;
         failed |= !pass;
-        printf("%-11s %13.4e %12.4e %7.0e %9.4f %5d %s\n", tol->name, worst.max_abs_error, worst.max_abs_ref, tol->rtol,
+        printf("%-11s %13.4e %12.4e %7.2g %9.4f %5d %s\n", tol->name, worst.max_abs_error, worst.max_abs_ref, tol->rtol,
                worst.normalized, worst_rank, pass ? "ok" : "FAIL");
     }
     return failed;
@@ -184,7 +186,8 @@ int verify_against_reference(run_state *st) {
         char which[96];
         if (ref.sampled) snprintf(which, sizeof which, "the first %lld tokens of each rank", (long long)ref.sample);
         else snprintf(which, sizeof which, "all tokens");
-        printf("\ncheck against the reference (fp64, %s); error = max|got-ref| / (atol + rtol*max|ref|)\n", which);
+        printf("\ncheck against the reference (fp64, %s%s); error = max|got-ref| / (atol + rtol*max|ref|)\n",
+               st->shape.precision == MOK_PRECISION_FP8 ? "the FP8 function, " : "", which);
         fflush(stdout);
         if (reference_run(st, &ref) == 0) {
             int failed = print_comparison(st, &ref);

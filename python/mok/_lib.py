@@ -11,7 +11,7 @@ import ctypes.util
 import enum
 import os
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float, c_int, c_int32, c_int64,
-                    c_size_t, c_uint16, c_void_p)
+                    c_size_t, c_uint8, c_uint16, c_void_p)
 from pathlib import Path
 
 DIM_TILE = 64     # MOK_DIM_TILE: H, I and I_s are multiples of it
@@ -19,6 +19,7 @@ ROW_TILE = 128    # MOK_ROW_TILE: per-expert row padding, minibatch granularity
 MAX_RANKS = 72    # MOK_MAX_RANKS
 ALIGN = 16        # MOK_ALIGN: every pointer handed to the library
 CONTEXT_TAG_BYTES = 256  # MOK_CONTEXT_TAG_BYTES: a forward context's tag, at its start
+FP8_BLOCK = 128   # MOK_FP8_BLOCK: FP8 scales cover 1 x 128 activations and 128 x 128 weights; H, I, I_s its multiples
 
 
 class Status(enum.IntEnum):
@@ -49,6 +50,25 @@ class Precision(enum.IntEnum):
 class Direction(enum.IntEnum):
     PULL = 0
     PUSH = 1
+
+
+class FP8Matrix(enum.IntEnum):
+    """mok_fp8_matrix: the matrices of one rank's FP8 weights, in the order of their layout."""
+    W_GATE = 0
+    W_UP = 1
+    W_DOWN = 2
+    W_GATE_T = 3
+    W_UP_T = 4
+    W_DOWN_T = 5
+    S_GATE = 6
+    S_UP = 7
+    S_DOWN = 8
+    S_GATE_T = 9
+    S_UP_T = 10
+    S_DOWN_T = 11
+
+
+FP8_NUM_MATRICES = len(FP8Matrix)  # MOK_FP8_NUM_MATRICES
 
 
 class CopyKind(enum.IntEnum):
@@ -181,6 +201,30 @@ class BackwardArgs(Structure):
     ]
 
 
+class FP8Layout(Structure):
+    """mok_fp8_layout: byte offsets of each matrix's E4M3 codes and fp32 block scales in one rank's
+    FP8 weights buffer of `bytes` bytes."""
+    _fields_ = [
+        ("bytes", c_size_t),
+        ("codes", c_size_t * FP8_NUM_MATRICES),
+        ("scales", c_size_t * FP8_NUM_MATRICES),
+    ]
+
+
+class QuantizeArgs(Structure):
+    """mok_quantize_args."""
+    _fields_ = [
+        ("w_gate", c_void_p),
+        ("w_up", c_void_p),
+        ("w_down", c_void_p),
+        ("s_gate", c_void_p),
+        ("s_up", c_void_p),
+        ("s_down", c_void_p),
+        ("fp8_weights", c_void_p),
+        ("stream", c_void_p),
+    ]
+
+
 class RefLayer(Structure):
     """mok_ref_layer."""
     _fields_ = [
@@ -235,6 +279,11 @@ FUNCTIONS = {
     "mok_forward": (_status, [_workspace_p, POINTER(ForwardArgs)]),
     "mok_backward": (_status, [_workspace_p, POINTER(BackwardArgs)]),
     "mok_recompute_context": (_status, [_workspace_p, POINTER(ForwardArgs)]),
+    # FP8
+    "mok_workspace_fp8_layout": (_status, [_workspace_p, POINTER(FP8Layout)]),
+    "mok_quantize_weights": (_status, [_workspace_p, POINTER(QuantizeArgs)]),
+    "mok_e4m3_from_float": (c_uint8, [c_float]),
+    "mok_e4m3_to_float": (c_float, [c_uint8]),
     # memory and synchronisation
     "mok_memory_alloc": (_status, [_group_p, c_int, c_size_t, POINTER(c_void_p)]),
     "mok_memory_free": (_status, [_group_p, c_int, c_void_p]),

@@ -8,6 +8,11 @@ arrays (cpu backend; bf16 carried as np.uint16 bit patterns, see mok.bf16) or to
 for cuda). Shapes, dtypes, devices and contiguity are checked here with a ValueError that names
 the argument; ranges (T <= max_tokens, expert ids) are the library's to check, and it raises
 MokError with its own message. Outputs are allocated here, of the inputs' kind.
+
+Precision: a Workspace is bf16 (the default) or precision="fp8" (include/mok.h, FP8: block-scaled
+E4M3 GEMM operands). An FP8 workspace's passes take the FP8 weights beside the bf16 ones:
+quantize_weights(ws, weights...) writes them (FP8Weights, one per local rank) once per change of
+the weights, and forward / backward / recompute_forward_context take them as fp8_weights=.
 """
 import ctypes
 import dataclasses
@@ -17,12 +22,12 @@ from ctypes import POINTER, byref, c_float, c_int, c_int32, c_int64, c_void_p
 import numpy as np
 
 from . import _lib
-from ._lib import CONTEXT_TAG_BYTES, ROW_TILE, Backend, Direction
+from ._lib import CONTEXT_TAG_BYTES, ROW_TILE, Backend, Direction, FP8Matrix, Precision
 
 __all__ = [
     "Config", "Group", "Workspace", "Sizes", "Schedule", "ScheduleInfo", "Context", "backend_available", "device_count",
     "build_schedule", "forward", "backward", "recompute_forward_context", "reference_forward",
-    "reference_backward",
+    "reference_backward", "FP8Layout", "FP8Weights", "quantize_weights",
 ]
 
 # ---- config --------------------------------------------------------------------------------------------
@@ -149,6 +154,18 @@ def _backend(value):
     if value in (Backend.AUTO, Backend.CPU, Backend.CUDA):
         return Backend(int(value))
     raise ValueError(f"backend: {value!r} is not 'cpu', 'cuda' or 'auto'")
+
+
+_PRECISIONS = {"bf16": Precision.BF16, "fp8": Precision.FP8}
+
+
+def _precision(value, what="precision"):
+    """The name ("bf16" or "fp8") of a precision given as a name (any case) or a mok Precision."""
+    if isinstance(value, str) and value.lower() in _PRECISIONS:
+        return value.lower()
+    if not isinstance(value, str) and value in (Precision.BF16, Precision.FP8):
+        return Precision(int(value)).name.lower()
+    raise ValueError(f"{what}: {value!r} is not 'bf16' or 'fp8'")
 
 
 def device_count(backend):
@@ -296,13 +313,25 @@ class ScheduleInfo:
     max_expert_rows: int
 
 
+@dataclasses.dataclass(frozen=True)
+class FP8Layout:
+    """mok_fp8_layout of an FP8 workspace: the bytes of one rank's FP8 weights and, per matrix
+    (FP8Matrix names in lower case: "w_gate", ..., "s_down_t"), the byte offsets of its E4M3 codes
+    and of its fp32 block scales."""
+    bytes: int
+    codes: dict
+    scales: dict
+
+
 class Workspace(_Closing):
     """The buffers of one layer shape on one group (mok_workspace). Collective: every rank makes it
     with the same shape and config. config=None takes the group's. One workspace serves many layer
-    calls of its shape; the schedule and context of each call are separate buffers."""
+    calls of its shape; the schedule and context of each call are separate buffers. precision:
+    "bf16" or "fp8" (H, I and I_s then multiples of 128; the passes take fp8_weights, and
+    fp8_layout says their size)."""
 
     def __init__(self, group, hidden, intermediate, num_experts, topk, shared_intermediate=0, *, max_tokens,
-                 config=None):
+                 config=None, precision="bf16"):
         if not isinstance(group, Group):
             raise TypeError(f"group: expected mok.Group, got {type(group).__name__}")
         self._box = [None]  # [mok_workspace *], shared with the group (see Group.__init__)
@@ -310,6 +339,7 @@ class Workspace(_Closing):
         self.hidden, self.intermediate = int(hidden), int(intermediate)
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.shared_intermediate, self.max_tokens = int(shared_intermediate), int(max_tokens)
+        self.precision = _precision(precision, "Workspace: precision")
         self.config = config if config is not None else group.config
         shape = self._shape()
         cfg = _config_struct(config)
@@ -322,10 +352,16 @@ class Workspace(_Closing):
         _lib.call("mok_workspace_sizes", handle, byref(s))
         self.sizes = Sizes(s.schedule_bytes, s.context_bytes, s.symmetric_bytes, s.workspace_bytes, s.max_routed_rows)
         self.num_local_experts = self.num_experts // group.nranks
+        self.fp8_layout = None
+        if self.precision == "fp8":
+            layout = _lib.FP8Layout()
+            _lib.call("mok_workspace_fp8_layout", handle, byref(layout))
+            self.fp8_layout = FP8Layout(layout.bytes, {m.name.lower(): layout.codes[m] for m in FP8Matrix},
+                                        {m.name.lower(): layout.scales[m] for m in FP8Matrix})
 
     def _shape(self):
         return _lib.Shape(self.hidden, self.intermediate, self.num_experts, self.topk, self.shared_intermediate,
-                          self.max_tokens, int(_lib.Precision.BF16))
+                          self.max_tokens, int(_PRECISIONS[self.precision]))
 
     nranks = property(lambda self: self.group.nranks)
     num_local_ranks = property(lambda self: self.group.num_local_ranks)
@@ -356,7 +392,7 @@ class Workspace(_Closing):
     def __repr__(self):
         return (f"mok.Workspace(hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
                 f"topk={self.topk}, shared_intermediate={self.shared_intermediate}, max_tokens={self.max_tokens}, "
-                f"backend={self.backend!r}, nranks={self.nranks})")
+                f"precision={self.precision!r}, backend={self.backend!r}, nranks={self.nranks})")
 
 
 # ---- arrays: numpy or torch --------------------------------------------------------------------------
@@ -640,8 +676,150 @@ def _weights(call, ws, r, w_gate, w_up, w_down, s_gate, s_up, s_down, need_down=
     return wg, wu, wd, sg, su, sd
 
 
+# ---- FP8 weights ----------------------------------------------------------------------------------------
+
+def _fp8_layer(ws):
+    """What one rank's FP8 weights depend on (the buffer's header, mok_fp8_layout): H, I, I_s and the
+    experts per rank."""
+    return (ws.hidden, ws.intermediate, ws.shared_intermediate, ws.num_local_experts)
+
+
+def _fp8_matrix(matrix):
+    if isinstance(matrix, str):
+        try:
+            return FP8Matrix[matrix.upper()]
+        except KeyError:
+            pass
+    elif matrix in tuple(FP8Matrix):
+        return FP8Matrix(int(matrix))
+    names = ", ".join(m.name.lower() for m in FP8Matrix)
+    raise ValueError(f"FP8Weights: {matrix!r} is not one of the FP8 matrices ({names})")
+
+
+class FP8Weights:
+    """One local rank's FP8 weights: caller memory of ws.fp8_layout.bytes (a uint8 array of the
+    weights' kind, on their device) that mok_quantize_weights wrote from the bf16 weights: E4M3
+    codes, one fp32 scale per 128 x 128 block, and the transposed copies the backward reads. Made by
+    quantize_weights; the FP8 passes take it as fp8_weights=. It holds the weights of the moment it
+    was made: after the bf16 weights change (an optimizer step), quantize again. Any FP8 workspace of
+    the same layer (H, I, I_s, experts per rank) and local rank can use it."""
+
+    def __init__(self, workspace, local_rank, buffer):
+        self.workspace = workspace
+        self.local_rank = local_rank
+        self.buffer = buffer
+        self.layer = _fp8_layer(workspace)
+        self.layout = workspace.fp8_layout
+
+    @property
+    def ptr(self):
+        return _ptr(self.buffer)
+
+    @property
+    def nbytes(self):
+        return self.layout.bytes
+
+    def _shape(self, m):
+        """[E_local, rows, cols] of a routed matrix, [rows, cols] of a shared one (mok.h, mok_fp8_matrix)."""
+        H, I, Is, E = self.layer
+        shared = m >= FP8Matrix.S_GATE
+        base = FP8Matrix(m - FP8Matrix.S_GATE if shared else m)
+        inner = Is if shared else I
+        rows, cols = (inner, H) if base in (FP8Matrix.W_GATE, FP8Matrix.W_UP, FP8Matrix.W_DOWN_T) else (H, inner)
+        return (rows, cols) if shared else (E, rows, cols)
+
+    def _bytes(self):
+        b = self.buffer
+        if not isinstance(b, np.ndarray):
+            b = b.detach().cpu().numpy()
+        return b.view(np.uint8)
+
+    def codes(self, matrix):
+        """A host copy of one matrix's E4M3 codes (uint8) in its shape: matrix is a name ("w_gate",
+        "w_down_t", "s_up", ...) or an FP8Matrix. Shared matrices are empty without a shared expert."""
+        m = _fp8_matrix(matrix)
+        shape = self._shape(m)
+        count = int(np.prod(shape, dtype=np.int64))
+        start = self.layout.codes[m.name.lower()]
+        return self._bytes()[start:start + count].copy().reshape(shape)
+
+    def scales(self, matrix):
+        """A host copy of one matrix's block scales (float32, powers of two): [..., rows / 128, cols / 128]."""
+        m = _fp8_matrix(matrix)
+        shape = self._shape(m)
+        shape = shape[:-2] + (shape[-2] // _lib.FP8_BLOCK, shape[-1] // _lib.FP8_BLOCK)
+        count = int(np.prod(shape, dtype=np.int64))
+        start = self.layout.scales[m.name.lower()]
+        return self._bytes()[start:start + 4 * count].copy().view(np.float32).reshape(shape)
+
+    def __repr__(self):
+        H, I, Is, E = self.layer
+        return (f"mok.FP8Weights(local_rank={self.local_rank}, hidden={H}, intermediate={I}, "
+                f"shared_intermediate={Is}, num_local_experts={E}, bytes={self.nbytes})")
+
+
+def quantize_weights(ws, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None, *, streams=None):
+    """The FP8 weights of every local rank (mok_quantize_weights) from its bf16 weights, laid out as
+    forward's: w_gate / w_up [E_local, I, H], w_down [E_local, H, I], the shared expert s_gate / s_up
+    [I_s, H], s_down [H, I_s] (None without one). Returns one FP8Weights per local rank (bare for a
+    bare w_gate), for the passes' fp8_weights=. Deterministic: the same weights give the same bits.
+    Not collective. Call it again after every change of the weights (once per optimizer step)."""
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"quantize_weights: expected mok.Workspace, got {type(ws).__name__}")
+    if ws.precision != "fp8":
+        raise ValueError(f"quantize_weights: the workspace's precision is {ws.precision}; FP8 weights belong to "
+                         "a Workspace(..., precision='fp8')")
+    w_gate, bare = _per_rank(ws, w_gate, "w_gate")
+    w_up, _ = _per_rank(ws, w_up, "w_up")
+    w_down, _ = _per_rank(ws, w_down, "w_down")
+    s_gate, _ = _per_rank(ws, s_gate, "s_gate", broadcast=True)
+    s_up, _ = _per_rank(ws, s_up, "s_up", broadcast=True)
+    s_down, _ = _per_rank(ws, s_down, "s_down", broadcast=True)
+    call = _Call(ws, "quantize_weights")
+    args = (_lib.QuantizeArgs * ws.num_local_ranks)()
+    kept, out = [], []
+    for r in range(ws.num_local_ranks):
+        weights = _weights(call, ws, r, w_gate, w_up, w_down, s_gate, s_up, s_down)
+        buffer = call.empty((ws.fp8_layout.bytes,), "u8", r)
+        kept.append(weights)
+        out.append(FP8Weights(ws, r, buffer))
+        a = args[r]
+        a.w_gate, a.w_up, a.w_down, a.s_gate, a.s_up, a.s_down = (_ptr(w) for w in weights)
+        a.fp8_weights = _ptr(buffer)
+        a.stream = call.stream(r, streams)
+    _lib.call("mok_quantize_weights", ws.handle, args)
+    return _unbare(out, bare)
+
+
+def _fp8_pointers(call, ws, fp8_weights):
+    """The fp8_weights argument of a pass: None for a bf16 workspace, else one FP8Weights per local
+    rank made for this layer and local rank; their buffers' pointers (checked like the arrays)."""
+    if ws.precision != "fp8":
+        if fp8_weights is not None:
+            raise ValueError(f"{call.what}: fp8_weights given, but the workspace's precision is {ws.precision} "
+                             "(FP8 weights belong to a Workspace(..., precision='fp8'))")
+        return [None] * ws.num_local_ranks
+    if fp8_weights is None:
+        raise ValueError(f"{call.what}: fp8_weights is required: the workspace's precision is fp8 "
+                         "(quantize_weights makes them from the bf16 weights)")
+    items, _ = _per_rank(ws, fp8_weights, "fp8_weights")
+    pointers = []
+    for r, q in enumerate(items):
+        if not isinstance(q, FP8Weights):
+            raise ValueError(f"{call.what}: fp8_weights[{r}] must be the FP8Weights that quantize_weights returns, "
+                             f"got {type(q).__name__}")
+        if q.local_rank != r:
+            raise ValueError(f"{call.what}: fp8_weights[{r}] was quantized for local rank {q.local_rank}")
+        if q.layer != _fp8_layer(ws):
+            raise ValueError(f"{call.what}: fp8_weights[{r}] was quantized for another layer (H, I, I_s, experts per "
+                             f"rank = {q.layer}; this workspace's are {_fp8_layer(ws)})")
+        buffer = call.check(q.buffer, f"fp8_weights[{r}]", "u8", (ws.fp8_layout.bytes,), r, output=True)
+        pointers.append(_ptr(buffer))
+    return pointers
+
+
 def _forward_common(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, recompute, streams,
-                    what, out_contexts=None):
+                    what, out_contexts=None, fp8_weights=None):
     scheds = _schedules(ws, schedules)
     out_contexts, _ = _per_rank(ws, out_contexts, "out", broadcast=True)
     xs, bare = _per_rank(ws, x, "x")
@@ -676,27 +854,31 @@ def _forward_common(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate, s_
         a.y = _nonempty(y)
         a.context = _ptr(ctx)
         a.stream = call.stream(r, streams)
+    for a, pointer in zip(args, _fp8_pointers(call, ws, fp8_weights)):
+        a.fp8_weights = pointer
     _lib.call("mok_recompute_context" if recompute else "mok_forward", ws.handle, args)
     return _unbare(ys, bare), _unbare(contexts, bare)
 
 
 def forward(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None, *,
-            streams=None):
+            streams=None, fp8_weights=None):
     """y = the MoE layer of x. Collective. Per local rank: x [T, H] bf16, router_w [T, k] fp32,
     w_gate / w_up [E_local, I, H], w_down [E_local, H, I], the shared expert s_gate / s_up [I_s, H],
-    s_down [H, I_s] (None without one; a bare shared array is used by every local rank).
+    s_down [H, I_s] (None without one; a bare shared array is used by every local rank);
+    fp8_weights: an FP8 workspace's FP8Weights per local rank (quantize_weights), None for bf16.
     Returns (y, contexts): y [T, H] bf16 and the contexts the backward needs."""
     return _forward_common(ws, schedules, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, False, streams,
-                           "forward")
+                           "forward", fp8_weights=fp8_weights)
 
 
 def recompute_forward_context(ws, schedules, x, router_w, w_gate, w_up, s_gate=None, s_up=None, *, streams=None,
-                              out=None):
+                              out=None, fp8_weights=None):
     """Rebuilds the contexts forward returned (activation checkpointing), bitwise equal to them.
     Collective. The down projections are not needed. out: caller buffers to write the contexts
-    into (uint8 [sizes.context_bytes] per local rank, of the arrays' kind)."""
+    into (uint8 [sizes.context_bytes] per local rank, of the arrays' kind). fp8_weights: as
+    forward's (the FP8 forward's gate and up GEMMs read them)."""
     _, contexts = _forward_common(ws, schedules, x, router_w, w_gate, w_up, None, s_gate, s_up, None, True, streams,
-                                  "recompute_forward_context", out)
+                                  "recompute_forward_context", out, fp8_weights)
     return contexts
 
 
@@ -704,8 +886,9 @@ _GRAD_KEYS = ("dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down")
 
 
 def backward(ws, schedules, contexts, dy, x, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
-             *, accumulate=False, grads=None, streams=None):
-    """Gradients of the layer call that left `contexts`. Collective. Returns a dict: dx [T, H] bf16,
+             *, accumulate=False, grads=None, streams=None, fp8_weights=None):
+    """Gradients of the layer call that left `contexts`. Collective. fp8_weights: as forward's (the
+    same FP8Weights the forward took). Returns a dict: dx [T, H] bf16,
     d_router_w [T, k] fp32, and the weight gradients dw_gate, dw_up, dw_down, ds_gate, ds_up, ds_down
     in the weights' layouts (ds_* None without a shared expert); each value per local rank (bare for
     a bare x). accumulate=False: weight gradients are bf16, overwritten. accumulate=True: they are
@@ -776,6 +959,8 @@ def backward(ws, schedules, contexts, dy, x, router_w, w_gate, w_up, w_down, s_g
         a.dw_gate, a.dw_up, a.dw_down = _ptr(res["dw_gate"]), _ptr(res["dw_up"]), _ptr(res["dw_down"])
         a.ds_gate, a.ds_up, a.ds_down = _ptr(res["ds_gate"]), _ptr(res["ds_up"]), _ptr(res["ds_down"])
         a.stream = call.stream(r, streams)
+    for a, pointer in zip(args, _fp8_pointers(call, ws, fp8_weights)):
+        a.fp8_weights = pointer
     _lib.call("mok_backward", ws.handle, args)
     return {key: _unbare(values, bare) for key, values in out.items()}
 
@@ -816,7 +1001,8 @@ def _ranks(value, name):
 class _RefLayer:
     """The mok_ref_layer of per-rank numpy arrays, with the arrays it points into kept alive."""
 
-    def __init__(self, x, topk_ids, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, max_tokens):
+    def __init__(self, x, topk_ids, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, max_tokens,
+                 precision):
         xs, self.bare = _ranks(x, "x")
         P = len(xs)
         ids, _ = _ranks(topk_ids, "topk_ids")
@@ -862,7 +1048,7 @@ class _RefLayer:
                 raise ValueError("reference: s_up / s_down given without s_gate")
             self.sg = self.su = self.sd = None
         T_max = max(max(self.num_tokens), 1) if max_tokens is None else int(max_tokens)
-        self.shape = _lib.Shape(H, I, E_local * P, k, Is, T_max, int(_lib.Precision.BF16))
+        self.shape = _lib.Shape(H, I, E_local * P, k, Is, T_max, int(_PRECISIONS[_precision(precision)]))
         self.E_local, self.I = E_local, I
         self.c_tokens = (c_int64 * P)(*self.num_tokens)
         self.c_x = (c_void_p * P)(*[_nonempty(a) for a in self.x])
@@ -877,11 +1063,13 @@ class _RefLayer:
 
 
 def reference_forward(x, topk_ids, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None, *,
-                      swiglu_limit=0.0, max_tokens=None):
+                      swiglu_limit=0.0, max_tokens=None, precision="bf16"):
     """The naive fp64 reference (mok_ref_forward) of every rank at once: per-rank lists of x,
     topk_ids, router_w and each rank's experts, one copy of the shared expert. Returns y per rank
-    (np.uint16 bf16; bare for bare arguments)."""
-    L = _RefLayer(x, topk_ids, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, max_tokens)
+    (np.uint16 bf16; bare for bare arguments). precision="fp8": the FP8 function, the reference
+    quantizing the bf16 weights and activations itself at the FP8 points."""
+    L = _RefLayer(x, topk_ids, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, max_tokens,
+                  precision)
     ys = [_np_aligned((T, L.H), np.uint16) for T in L.num_tokens]
     c_y = (c_void_p * L.P)(*[_nonempty(a) for a in ys])
     _lib.call("mok_ref_forward", byref(L.layer), c_y)
@@ -889,11 +1077,12 @@ def reference_forward(x, topk_ids, router_w, w_gate, w_up, w_down, s_gate=None, 
 
 
 def reference_backward(dy, x, topk_ids, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None, *,
-                       swiglu_limit=0.0, max_tokens=None):
+                       swiglu_limit=0.0, max_tokens=None, precision="bf16"):
     """The reference backward (mok_ref_backward). Returns a dict like backward's: dx (bf16), and
     d_router_w and every weight gradient as fp32 before the last rounding; the shared expert's
-    gradients are per rank (each rank's own tokens)."""
-    L = _RefLayer(x, topk_ids, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, max_tokens)
+    gradients are per rank (each rank's own tokens). precision: as reference_forward's."""
+    L = _RefLayer(x, topk_ids, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down, swiglu_limit, max_tokens,
+                  precision)
     dys, _ = _ranks(dy, "dy")
     if len(dys) != L.P:
         raise ValueError(f"reference: dy has {len(dys)} ranks, x has {L.P}")

@@ -4,6 +4,14 @@ mok.torch.MoEExperts, the same experts over parameters another module owns (what
 and Megatron integrations use). Both run through the mok:: custom ops of mok.ops (schedule,
 forward with autograd registered on it, backward), so torch.compile(fullgraph=True) traces them.
 
+FP8 (precision="fp8", include/mok.h's FP8 section): MoE quantizes its bf16 master weights into
+FP8 weights (mok.functional.quantize_weights) at the first forward after they change, which it
+tells by the parameters' version counters and storage (an optimizer step, load_state_dict or any
+in-place write through the parameter moves them; MoE.fp8_weights says what it cannot see): once
+per optimizer step, however many forwards run between steps.
+The FP8 layer runs eagerly through its own autograd function (torch.compile leaves it out of the
+graph: the mok:: ops take no FP8 weights).
+
 The one idea: the router stays ordinary autograd. The forward op takes the router weights as an
 input and its backward returns mok's d_router_w as their gradient, so the gradient reaches the
 router (and x) through softmax and top-k without mok knowing about the router.
@@ -21,7 +29,8 @@ import weakref
 
 import mok
 
-__all__ = ["MoE", "MoEExperts", "MoEFunction", "moe_function", "mok_group_from_process_group", "inside_checkpoint"]
+__all__ = ["MoE", "MoEExperts", "MoEFunction", "FP8Function", "moe_function", "mok_group_from_process_group",
+           "inside_checkpoint"]
 
 _lock = threading.Lock()
 _built = {}
@@ -90,16 +99,17 @@ def _local_group(backend, device, config):
     return group
 
 
-def _workspace(group, hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config):
+def _workspace(group, hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config,
+               precision="bf16"):
     """One workspace per (group, shape, config), shared by every layer of that shape: a workspace
     serves one pass at a time, and each call keeps its own schedule and context (so a model of
     many MoE layers of one shape holds one workspace)."""
-    key = (id(group), hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config)
+    key = (id(group), hidden, intermediate, num_experts, topk, shared_intermediate, max_tokens, config, precision)
     with _lock:  # NOTE: not held across the (collective) creation, which waits for the peers
         ws = _workspaces.get(key)
     if ws is None or ws._handle is None:
         ws = mok.Workspace(group, hidden, intermediate, num_experts, topk, shared_intermediate,
-                           max_tokens=max_tokens, config=config)
+                           max_tokens=max_tokens, config=config, precision=precision)
         with _lock:
             _workspaces[key] = ws
     return ws
@@ -189,8 +199,10 @@ def _build():
             _experts[self._key] = weakref.ref(self)
             weakref.finalize(self, _experts.pop, self._key, None)
 
-        def mok_workspace(self, device):
-            """The mok workspace for tensors on `device` (made on first use; collective then)."""
+        def mok_workspace(self, device, precision="bf16"):
+            """The mok workspace for tensors on `device` (made on first use; collective then), of
+            the given precision ("bf16" for the mok:: ops this module runs; MoE's FP8 layer asks
+            for "fp8")."""
             backend = _backend_for(device, self.backend)
             if isinstance(self.group, mok.Group):
                 group = self.group
@@ -201,7 +213,7 @@ def _build():
             else:
                 group = _local_group(backend, device, self.config)
             return _workspace(group, self.hidden, self.intermediate, self.num_experts, self.topk,
-                              self.shared_intermediate, self.max_tokens, self.config)
+                              self.shared_intermediate, self.max_tokens, self.config, precision)
 
         def forward(self, x, topk_ids, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None):
             device = x.device
@@ -260,6 +272,36 @@ def _build():
             return (None, None, g["dx"], g["d_router_w"], g["dw_gate"], g["dw_up"], g["dw_down"],
                     g["ds_gate"], g["ds_up"], g["ds_down"])
 
+    class FP8Function(torch.autograd.Function):
+        """MoE's FP8 layer on one local rank: schedule + FP8 forward, and the FP8 backward, every pass
+        taking `fp8` (the FP8Weights quantized from w_gate .. s_down, which the passes also take).
+        keep: keep the forward's context for the backward; else keep the schedule only and rebuild
+        the context (recompute_forward_context) in the backward. Gradients as MoEFunction's."""
+
+        @staticmethod
+        def forward(ctx, ws, fp8, keep, topk_ids, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down):
+            schedule = mok.build_schedule(ws, topk_ids)
+            y, context = mok.forward(ws, schedule, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down,
+                                     fp8_weights=fp8)
+            ctx.ws, ctx.fp8, ctx.context = ws, fp8, context if keep else None
+            ctx.save_for_backward(schedule.buffer, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            schedule_buffer, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down = ctx.saved_tensors
+            ws, fp8 = ctx.ws, ctx.fp8
+            schedule = mok.Schedule(ws, 0, schedule_buffer, x.shape[0])
+            context = ctx.context
+            if context is None:  # not kept: rebuilt bitwise as the forward left it
+                context = mok.recompute_forward_context(ws, schedule, x, router_w, w_gate, w_up, s_gate, s_up,
+                                                        fp8_weights=fp8)
+            g = mok.backward(ws, schedule, context, dy.to(torch.bfloat16).contiguous(), x, router_w, w_gate, w_up,
+                             w_down, s_gate, s_up, s_down, accumulate=False, fp8_weights=fp8)
+            ctx.context = ctx.fp8 = None  # one backward per forward: free them now
+            return (None, None, None, None, g["dx"], g["d_router_w"], g["dw_gate"], g["dw_up"], g["dw_down"],
+                    g["ds_gate"], g["ds_up"], g["ds_down"])
+
     def moe_function(ws, topk_ids, x, router_w, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None):
         """The autograd form of mok's schedule + forward (one local rank)."""
         return MoEFunction.apply(ws, topk_ids, x, router_w, w_gate, w_up, w_down, s_gate, s_up, s_down)
@@ -273,7 +315,10 @@ def _build():
         (follow the tensors: cpu tensors -> cpu backend, cuda tensors -> cuda), "cpu" or "cuda".
         max_tokens: the most tokens one forward may take on this rank (the workspace is sized by it).
         recompute_context: as MoEExperts's ("auto": rebuild the context in the backward inside
-        torch.utils.checkpoint, keep it otherwise).
+        torch.utils.checkpoint, keep it otherwise). precision: "bf16" or "fp8" (block-scaled E4M3
+        GEMM operands: hidden, intermediate and shared_intermediate multiples of 128; the FP8
+        weights are quantized from the bf16 parameters at the first forward after they change,
+        counted in fp8_quantizations; fp8_weights(device) returns them).
 
         Parameters: router.weight [E, H] (fp32 by default), w_gate, w_up [E_local, I, H], w_down
         [E_local, H, I], and with a shared expert s_gate, s_up [I_s, H], s_down [H, I_s] (bf16).
@@ -281,10 +326,18 @@ def _build():
 
         def __init__(self, hidden, intermediate, num_experts, topk, shared_intermediate=0, group=None, config=None,
                      backend="auto", max_tokens=4096, device=None, router_dtype=torch.float32,
-                     recompute_context="auto"):
+                     recompute_context="auto", precision="bf16"):
             super().__init__()
             if backend not in ("auto", "cpu", "cuda"):
                 raise ValueError(f"MoE: backend={backend!r} is not 'auto', 'cpu' or 'cuda'")
+            if precision not in ("bf16", "fp8"):
+                raise ValueError(f"MoE: precision={precision!r} is not 'bf16' or 'fp8'")
+            if precision == "fp8":
+                for name, value in (("hidden", hidden), ("intermediate", intermediate),
+                                    ("shared_intermediate", shared_intermediate)):
+                    if value % mok._lib.FP8_BLOCK:
+                        raise ValueError(f"MoE: {name}={value} is not a multiple of {mok._lib.FP8_BLOCK}, which "
+                                         "precision='fp8' needs (its scales cover blocks of that many)")
             if isinstance(group, mok.Group):
                 if group.num_local_ranks != 1:
                     raise ValueError("MoE: a mok.Group given to MoE must drive one local rank (Group.create)")
@@ -303,6 +356,9 @@ def _build():
             self.shared_intermediate, self.max_tokens = int(shared_intermediate), int(max_tokens)
             self.config = config
             self.backend = backend
+            self.precision = precision
+            self.fp8_quantizations = 0  # how many times the FP8 weights were quantized (fp8 only)
+            self._fp8_cache = None      # (workspace, [(parameter's storage, version)], FP8Weights)
             self.group = group
             self.nranks, self.rank = nranks, rank
             self.num_local_experts = num_experts // nranks
@@ -338,7 +394,56 @@ def _build():
 
         def mok_workspace(self, device):
             """The mok workspace for tensors on `device` (made on first use; collective then)."""
-            return self.kernel.mok_workspace(device)
+            return self.kernel.mok_workspace(device, self.precision)
+
+        def _expert_weights(self):
+            return (self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up, self.s_down)
+
+        def fp8_weights(self, device):
+            """precision="fp8": the FP8 weights of the current bf16 parameters for tensors on
+            `device` (mok.functional.FP8Weights), quantized again only when a parameter changed
+            since they were made: its version counter moved (every in-place write through the
+            parameter does that: an optimizer step, load_state_dict, copy_ under no_grad) or its
+            storage was replaced (a new .data). A write that autograd does not see either (through
+            p.data, which has a version counter of its own, or from outside PyTorch) is not seen
+            here: call invalidate_fp8_weights() after one."""
+            if self.precision != "fp8":
+                raise ValueError("MoE.fp8_weights: the layer's precision is bf16")
+            ws = self.mok_workspace(device)
+            params = [p for p in self._expert_weights() if p is not None]
+            cache = self._fp8_cache
+            if cache is not None and cache[0] is ws and len(cache[1]) == len(params) and all(
+                    p.data_ptr() == held.data_ptr() and p._version == version
+                    for p, (held, version) in zip(params, cache[1])):
+                return cache[2]
+            with torch.no_grad():
+                fp8 = mok.functional.quantize_weights(ws, *(p.detach() if p is not None else None
+                                                            for p in self._expert_weights()))
+            # NOTE: the detached tensors held here keep the storage they were quantized from, so
+            # that a replaced .data can never reuse its address and pass for it. A new FP8Weights
+            # each time, never the cached buffer overwritten: a graph whose backward has not run
+            # yet keeps the weights its forward ran with.
+            self._fp8_cache = (ws, [(p.detach(), p._version) for p in params], fp8)
+            self.fp8_quantizations += 1
+            return fp8
+
+        def invalidate_fp8_weights(self):
+            """Forgets the cached FP8 weights: the next forward quantizes the parameters again."""
+            self._fp8_cache = None
+
+        def _forward_fp8(self, flat, ids, router_w):
+            fp8 = self.fp8_weights(flat.device)
+            ws = self.mok_workspace(flat.device)
+            mode = self.kernel.recompute_context
+            checkpointed = mode == "auto" and torch.is_grad_enabled() and inside_checkpoint()
+            keep = not (mode is True or checkpointed)
+            args = (ws, fp8, keep, ids, flat.to(torch.bfloat16).contiguous(), router_w.to(torch.float32).contiguous(),
+                    *self._expert_weights())
+            if not checkpointed:
+                return FP8Function.apply(*args)
+            # As MoEExperts.forward: the saved tensors stay outside the checkpoint's bookkeeping.
+            with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _keep_saved):
+                return FP8Function.apply(*args)
 
         def route(self, x):
             """The router on x [T, H]: (topk_ids [T, k] int32, router_w [T, k] fp32, probs [T, E] fp32).
@@ -355,20 +460,26 @@ def _build():
             lead = x.shape[:-1]
             flat = x.reshape(-1, self.hidden)
             ids, router_w, _ = self.route(flat)
-            y = self.kernel(flat, ids, router_w, self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up,
-                            self.s_down)
+            if self.precision == "fp8":
+                y = _eager(self._forward_fp8)(flat, ids, router_w)
+            else:
+                y = self.kernel(flat, ids, router_w, self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up,
+                                self.s_down)
             return y.to(x.dtype).reshape(*lead, self.hidden)
 
         def extra_repr(self):
             return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
                     f"topk={self.topk}, shared_intermediate={self.shared_intermediate}, nranks={self.nranks}, "
-                    f"rank={self.rank}, max_tokens={self.max_tokens}")
+                    f"rank={self.rank}, max_tokens={self.max_tokens}, precision={self.precision!r}")
 
-    return {"MoE": MoE, "MoEExperts": MoEExperts, "MoEFunction": MoEFunction, "moe_function": moe_function}
+    _eager = getattr(torch.compiler, "disable", None) or torch._dynamo.disable
+
+    return {"MoE": MoE, "MoEExperts": MoEExperts, "MoEFunction": MoEFunction, "moe_function": moe_function,
+            "FP8Function": FP8Function}
 
 
 def __getattr__(name):
-    if name in ("MoE", "MoEExperts", "MoEFunction", "moe_function"):
+    if name in ("MoE", "MoEExperts", "MoEFunction", "moe_function", "FP8Function"):
         with _lock:
             if not _built:
                 _built.update(_build())
