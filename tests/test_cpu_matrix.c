@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "core/schedule.h"
+#include "determinism.h"
 #include "layer.h"
 #include "test.h"
 
@@ -585,71 +586,16 @@ MOK_TEST(cpu_determinism) {
         layer_free(&L);
         return;
     }
-    typedef struct {
-        int minibatch, ring, threads, comm;
-        int64_t context;
-    } variant;
-    const variant all[] = {
-        {128, 512, 2, 1, 0},   /* the base; runs three times on one workspace */
-        {256, 512, 2, 1, 0},   {512, 512, 2, 1, 0},   {128, 128, 2, 1, 0},   {128, 16384, 2, 1, 0},
-        {128, 512, 3, 1, 0},   {128, 512, 4, 1, 0},   {128, 512, 3, 2, 0},   {128, 512, 4, 2, 0},
-        {128, 512, 2, 1, 128}, {256, 256, 3, 2, 128}, {128, 128, 4, 2, 128},
+    const layer_variant all[] = {
+        {128, 512, 2, 1, 0, 0},   /* the base; runs three times on one workspace */
+        {256, 512, 2, 1, 0, 0},   {512, 512, 2, 1, 0, 0},   {128, 128, 2, 1, 0, 0},   {128, 16384, 2, 1, 0, 0},
+        {128, 512, 3, 1, 0, 0},   {128, 512, 4, 1, 0, 0},   {128, 512, 3, 2, 0, 0},   {128, 512, 4, 2, 0, 0},
+        {128, 512, 2, 1, 128, 0}, {256, 256, 3, 2, 128, 0}, {128, 128, 4, 2, 128, 0},
     };
-    const variant few[] = {{128, 512, 2, 1, 0}, {256, 512, 3, 2, 0}, {128, 128, 2, 1, 128}, {512, 16384, 4, 1, 0}};
-    const variant *list = quick ? few : all;
-    const size_t count = quick ? sizeof few / sizeof few[0] : sizeof all / sizeof all[0];
-    layer_result first[2] = {{0}, {0}};
-    int have_first = 0;
-    for (size_t v = 0; v < count; ++v) {
-        mok_config c = base_config();
-        c.minibatch_rows = list[v].minibatch;
-        c.ring_rows = list[v].ring;
-        c.cpu_threads = list[v].threads;
-        c.cpu_comm_threads = list[v].comm;
-        c.context_rows = list[v].context;
-        char tag[160];
-        snprintf(tag, sizeof tag, "minibatch %d ring %d threads %d comm %d context_rows %lld MOK_TEST_SEED=%llu",
-                 c.minibatch_rows, c.ring_rows, c.cpu_threads, c.cpu_comm_threads, (long long)c.context_rows,
-                 mok_test_seed());
-        layer_backend B;
-        mok_status st = layer_backend_open(&B, &L, &c);
-        CHECK(st == MOK_OK, "%s: %s", tag, B.message);
-        const int repeats = v == 0 ? 3 : 1;
-        for (int rep = 0; st == MOK_OK && rep < repeats; ++rep)
-            for (int accumulate = 0; accumulate < 2; ++accumulate) {
-                layer_result r = {0};
-                mok_status rst = layer_backend_run(&B, &L, accumulate, &r);
-                CHECK(rst == MOK_OK, "%s accumulate=%d run %d: %s", tag, accumulate, rep, r.message);
-                if (rst == MOK_OK) {
-                    if (v == 0 && rep == 0) {
-                        first[accumulate] = r;
-                        have_first |= 1 << accumulate;
-                        continue;
-                    }
-                    char what[200] = "";
-                    CHECK(!(have_first >> accumulate & 1) || layer_equal(&L, &first[accumulate], &r, what, sizeof what),
-                          "%s accumulate=%d run %d: not bitwise equal to the first run: %s", tag, accumulate, rep,
-                          what);
-                }
-                layer_result_free(&r);
-            }
-        layer_backend_close(&B);
-    }
-    /* what the runs agree on must also be right */
-    if (have_first == 3) {
-        layer_result ref = {0};
-        mok_status st = layer_run_reference(&L, &ref);
-        CHECK(st == MOK_OK, "determinism: reference failed: %s", ref.message);
-        for (int accumulate = 0; st == MOK_OK && accumulate < 2; ++accumulate) {
-            char tag[96];
-            snprintf(tag, sizeof tag, "determinism base accumulate=%d MOK_TEST_SEED=%llu", accumulate, mok_test_seed());
-            double err = layer_compare(&L, &first[accumulate], &ref, tag);
-            CHECK(err <= 1.0, "%s: worst normalized error %.3g > 1", tag, err);
-        }
-        layer_result_free(&ref);
-    }
-    layer_result_free(&first[0]);
-    layer_result_free(&first[1]);
+    const layer_variant few[] = {{128, 512, 2, 1, 0, 0}, {256, 512, 3, 2, 0, 0}, {128, 128, 2, 1, 128, 0},
+                                 {512, 16384, 4, 1, 0, 0}};
+    if (quick) check_determinism(name, &L, base_config(), few, sizeof few / sizeof few[0]);
+    else check_determinism(name, &L, base_config(), all, sizeof all / sizeof all[0]);
     layer_free(&L);
 }
 
