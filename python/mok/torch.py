@@ -123,7 +123,16 @@ def inside_checkpoint():
     if top is None:  # a PyTorch without the query: treated as outside (the context is kept)
         return False
     hooks = top(False)
-    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+    return hooks is not None and _is_checkpoint_pack_hook(hooks[0])
+
+
+def _is_checkpoint_pack_hook(fn):
+    """torch.utils.checkpoint marks its pack hooks with _checkpoint_internal; releases before that mark
+    define them as closures in the __init__ of its two hook classes (the forward's, the recomputation's)."""
+    if getattr(fn, "_checkpoint_internal", False):
+        return True
+    return (getattr(fn, "__module__", None) == "torch.utils.checkpoint" and
+            getattr(fn, "__qualname__", "").startswith(("_checkpoint_hook.__init__.", "_recomputation_hook.__init__.")))
 
 
 def _keep_saved(t):

@@ -26,6 +26,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
@@ -40,9 +41,12 @@ spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
 
 
 def build():
+    """The model as Megatron trains it in bf16: wrapped in Float16Module, which casts every parameter
+    (the norms' too) and the inputs to bf16 and the loss back to fp32."""
     model_parallel_cuda_manual_seed(seed + 123)
     torch.manual_seed(seed + 123)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
+    return Float16Module(config, gpt)
 
 
 perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))

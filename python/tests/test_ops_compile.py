@@ -247,7 +247,7 @@ def _run(model, x, dy):
     y = model(x)
     y.backward(dy)
     grads = {name.replace("_orig_mod.", ""): p.grad.detach().clone() for name, p in model.named_parameters()}
-    return y.detach(), x.grad.detach().clone(), grads
+    return y.detach().clone(), x.grad.detach().clone(), grads
 
 
 def test_compile_fullgraph_matches_eager_aot_eager():
@@ -270,17 +270,34 @@ class _RoutedExperts(torch.nn.Module):
     are compiled (conversions, a residual add): what inductor compiles around mok's ops must hand
     them the same bits as eager does."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
         super().__init__()
-        g = lambda *shape, fan: torch.nn.Parameter(((torch.rand(*shape) * 2 - 1) * fan ** -0.5).to(torch.bfloat16))  # noqa
+        g = lambda *shape, fan: torch.nn.Parameter(  # noqa: E731
+            ((torch.rand(*shape) * 2 - 1) * fan ** -0.5).to(device=device, dtype=torch.bfloat16))
         self.w_gate, self.w_up, self.w_down = g(E, I, H, fan=H), g(E, I, H, fan=H), g(E, H, I, fan=I)
         self.s_gate, self.s_up, self.s_down = g(IS, H, fan=H), g(IS, H, fan=H), g(H, IS, fan=IS)
-        self.experts = mt.MoEExperts(H, I, E, K, IS, max_tokens=128, config=CONFIG, backend="cpu")
+        self.experts = mt.MoEExperts(H, I, E, K, IS, max_tokens=128, config=CONFIG, backend=torch.device(device).type)
 
     def forward(self, x, ids, router_w):
         xb = x.to(torch.bfloat16)
         y = self.experts(xb, ids, router_w, self.w_gate, self.w_up, self.w_down, self.s_gate, self.s_up, self.s_down)
         return x + y.float()
+
+
+def _routed_inputs(tokens, device="cpu"):
+    """x, dy, top-k ids and normalised router weights of a random routing."""
+    x, dy = torch.randn(tokens, H, device=device), torch.randn(tokens, H, device=device)
+    w, ids = torch.topk(torch.softmax(torch.randn(tokens, E, device=device), -1), K, dim=-1)
+    return x, dy, ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).contiguous()
+
+
+def _run_routed(m, x, dy, ids, router_w):
+    """y, x's and the router weights' gradients and every parameter's, of one forward + backward."""
+    m.zero_grad(set_to_none=True)
+    xg, rw = x.clone().requires_grad_(True), router_w.detach().clone().requires_grad_(True)
+    y = m(xg, ids, rw)
+    y.backward(dy)
+    return [y.detach().clone(), xg.grad.clone(), rw.grad.clone()] + [p.grad.clone() for p in m.parameters()]
 
 
 def test_compile_fullgraph_matches_eager_inductor():
@@ -291,22 +308,11 @@ def test_compile_fullgraph_matches_eager_inductor():
     may differ from eager's in the last bits, so there the outputs and gradients agree within a few
     bf16 roundings (the tolerances below), not bit for bit."""
     model = _RoutedExperts()
-    x, dy = torch.randn(70, H), torch.randn(70, H)
-    logits = torch.randn(70, E)
-    w, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
-    router_w = (w / w.sum(-1, keepdim=True)).contiguous().requires_grad_(True)
-
-    def run(m):
-        m.zero_grad(set_to_none=True)
-        xg, rw = x.clone().requires_grad_(True), router_w.detach().clone().requires_grad_(True)
-        y = m(xg, ids.to(torch.int32), rw)
-        y.backward(dy)
-        return [y.detach(), xg.grad, rw.grad] + [p.grad.clone() for p in m.parameters()]
-
-    want = run(model)
+    inputs = _routed_inputs(70)
+    want = _run_routed(model, *inputs)
     compiled = torch.compile(model, fullgraph=True)
     for _ in range(2):
-        got = run(compiled)
+        got = _run_routed(compiled, *inputs)
         assert all(_bits_equal(g, w) for g, w in zip(got, want)), [_bits_equal(g, w) for g, w in zip(got, want)]
 
     # mok.torch.MoE as a whole: within bf16 rounding of eager (a router weight one fp32 ulp off moves
@@ -387,6 +393,34 @@ def test_checkpoint_recomputes_the_context_not_the_layer(monkeypatch):
     assert all(_bits_equal(again[2][name], want) for name, want in plain[2].items())
 
 
+def test_checkpoint_hooks_are_recognised_with_and_without_their_mark():
+    """mok.torch.inside_checkpoint knows torch.utils.checkpoint's pack hooks (the forward's and the
+    recomputation's) by their _checkpoint_internal mark, and in PyTorch releases without the mark by
+    where they are defined: the same hooks with the mark removed are still recognised; a hook of
+    another saved_tensors_hooks is not."""
+    import inspect
+    import types
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def fn(x):
+        seen.append((mt.inside_checkpoint(), torch._C._autograd._top_saved_tensors_default_hooks(False)[0]))
+        return (x * 2).sin()
+
+    x = torch.randn(4, requires_grad=True)
+    checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert [inside for inside, _ in seen] == [True, True]  # the forward, then the recomputation
+    for _, hook in seen:
+        hook = inspect.unwrap(hook)  # the closure itself, under the wrapper PyTorch may put around it
+        unmarked = types.FunctionType(hook.__code__, hook.__globals__, hook.__name__, hook.__defaults__,
+                                      hook.__closure__)
+        assert not hasattr(unmarked, "_checkpoint_internal") and mt._is_checkpoint_pack_hook(unmarked)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not mt.inside_checkpoint()
+    assert not mt.inside_checkpoint()
+
+
 def test_layers_of_one_shape_share_one_workspace():
     model = _Block(layers=3)
     other = mt.MoE(H, I * 2, E, K, max_tokens=128, config=CONFIG, backend="cpu")
@@ -422,21 +456,34 @@ def test_expert_parallel_group_from_a_torch_distributed_subgroup(tmp_path):
 # ---- GPU: CUDA graphs through torch.compile (skipped without CUDA) --------------------------------------
 
 def test_cuda_compile_reduce_overhead_matches_eager():
-    """mode="reduce-overhead" (CUDA graphs through torch.compile) on the GPU: replays with fresh
-    inputs match eager bit for bit in y and the experts' gradients."""
+    """mode="reduce-overhead" (CUDA graphs through torch.compile, inductor around them) on the GPU.
+    mok's ops given the same routing: replays with fresh inputs match eager bit for bit in y and
+    every gradient. The whole mok.torch.MoE: within bf16 rounding of eager, as under inductor on
+    the cpu (inductor's router may differ from eager's in the last fp32 bits)."""
     if not torch.cuda.is_available() or not mok.backend_available("cuda"):
         pytest.skip("needs a GPU and a CUDA build of libmok")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
+    routed = _RoutedExperts(dev)
+    compiled = torch.compile(routed, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):  # warm-up, record, then replays
+        inputs = _routed_inputs(70, dev)
+        got = _run_routed(compiled, *inputs)
+        want = _run_routed(routed, *inputs)
+        torch.cuda.synchronize(dev)
+        same = [_bits_equal(g, w) for g, w in zip(got, want)]
+        assert all(same), f"step {step}: {same}"
+
     m = mt.MoE(256, 128, 8, 2, shared_intermediate=128, max_tokens=512, device=dev,
                config=mok.Config(minibatch_rows=128, ring_rows=256))
     compiled = torch.compile(m, mode="reduce-overhead", fullgraph=True)
-    for step in range(4):  # warm-up, record, then replays
+    rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
+    for step in range(4):
         x = torch.randn(300, 256, device=dev).to(torch.bfloat16)
         dy = torch.randn(300, 256, device=dev).to(torch.bfloat16)
         got = _run(compiled, x, dy)
         want = _run(m, x, dy)
         torch.cuda.synchronize(dev)
-        assert _bits_equal(got[0], want[0]), f"step {step}: y"
+        assert rel(got[0], want[0]) <= 1e-2, (step, "y", rel(got[0], want[0]))
         for name in ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"):
-            assert _bits_equal(got[2][name], want[2][name]), f"step {step}: {name}"
+            assert rel(got[2][name], want[2][name]) <= 1e-2, (step, name, rel(got[2][name], want[2][name]))

@@ -1,5 +1,6 @@
 """test_transformers.py — mok.integrations.transformers.apply on tiny Hugging Face models built from
-their config classes with random weights (nothing downloaded), on the cpu backend: Qwen3-MoE,
+their config classes with random weights (nothing downloaded), on the cpu backend and, where a GPU
+is there, the cuda backend: Qwen3-MoE,
 Qwen2-MoE (gated shared expert), Mixtral, OLMoE and DeepSeek-V3 (grouped routing, scaling factor,
 fused shared expert) against the same model's own eager experts — logits, loss and every
 parameter's gradient —, the state dict and parameters left as they were, the refusals, HF gradient
@@ -80,6 +81,14 @@ def make_model(family, layers=1, seed=0):
     return model
 
 
+def _cuda_ready():
+    return torch.cuda.is_available() and mok.backend_available("cuda")
+
+
+# The comparisons run on the cpu backend everywhere and on the cuda backend where a GPU is there.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda_ready(), reason="no GPU or no cuda backend"))]
+
+
 def _err(got, want):
     got, want = got.detach().float(), want.detach().float()
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
@@ -93,20 +102,21 @@ def _step(model, ids, labels):
     return out.logits.detach(), out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_model_matches_its_own_eager_experts(family):
-    model = make_model(family)
+def test_model_matches_its_own_eager_experts(family, device):
+    model = make_model(family).to(device)
     ref32 = copy.deepcopy(model).float()
     moked = copy.deepcopy(model)
     assert apply(moked, max_tokens=256, config=CONFIG) == ["model.layers.0.mlp"]
     g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, VOCAB, (4, 32), generator=g)
-    labels = torch.randint(0, VOCAB, (4, 32), generator=g)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=g).to(device)
+    labels = torch.randint(0, VOCAB, (4, 32), generator=g).to(device)
     hf, mk, f32 = _step(model, ids, labels), _step(moked, ids, labels), _step(ref32, ids, labels)
     errors = {"logits": _err(mk[0], hf[0]), "loss": _err(mk[1], hf[1])}
     assert set(mk[2]) == set(hf[2])
     grad_errors = {name: _err(mk[2][name], hf[2][name]) for name in hf[2]}
-    print(family, errors, "worst grad", max(grad_errors.items(), key=lambda kv: kv[1]))
+    print(family, device, errors, "worst grad", max(grad_errors.items(), key=lambda kv: kv[1]))
     assert errors["logits"] <= TOL["logits"] and errors["loss"] <= TOL["loss"], errors
     bad = {name: e for name, e in grad_errors.items() if not e <= TOL["grads"]}
     assert not bad, bad
@@ -182,16 +192,17 @@ def test_what_mok_cannot_run_is_refused_before_anything_changes():
     assert not mok_blocks(model)
 
 
-def test_hf_gradient_checkpointing_recomputes_the_context(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_hf_gradient_checkpointing_recomputes_the_context(monkeypatch, device):
     """model.gradient_checkpointing_enable() (HF's non-reentrant torch.utils.checkpoint per decoder
     layer): each mok block runs its forward once and rebuilds its context in the backward with
     recompute_forward_context; the loss and every gradient equal the run without checkpointing bit
     for bit."""
-    model = make_model("qwen3_moe", layers=2)
+    model = make_model("qwen3_moe", layers=2).to(device)
     apply(model, max_tokens=256, config=CONFIG)
     model.train()
     g = torch.Generator().manual_seed(SEED + 1)
-    ids = torch.randint(0, VOCAB, (2, 32), generator=g)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=g).to(device)
     counts = {"forward": 0, "recompute_forward_context": 0, "backward": 0}
     for name in counts:
         original = getattr(mok.functional, name)
@@ -222,7 +233,8 @@ def _copy_task_batch(perm, step, batch=8, length=32):
     return torch.cat(seq, 1)
 
 
-def test_short_fine_tune_loss_curves_agree():
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_fine_tune_loss_curves_agree(device):
     """40 AdamW steps of a tiny two-layer Qwen3-MoE (bf16) from the same weights on the same batches,
     with its own eager experts and with mok. The criterion: the mean loss of the last 10 steps of the
     two runs within 3% of each other, every step within 10%, and both runs learning the task (the
@@ -235,13 +247,13 @@ def test_short_fine_tune_loss_curves_agree():
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(SEED))
     curves = {}
     for path in ("hf", "mok"):
-        model = make_model("qwen3_moe", layers=2, seed=7)
+        model = make_model("qwen3_moe", layers=2, seed=7).to(device)
         if path == "mok":
             apply(model, max_tokens=256, config=CONFIG)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for step in range(40):
-            ids = _copy_task_batch(perm, step)
+            ids = _copy_task_batch(perm, step).to(device)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -252,7 +264,7 @@ def test_short_fine_tune_loss_curves_agree():
     step_gap = max(abs(a - b) / b for a, b in zip(mk, hf))
     tail = lambda c: sum(c[-10:]) / 10  # noqa: E731
     tail_gap = abs(tail(mk) - tail(hf)) / tail(hf)
-    print("hf ", [round(v, 3) for v in hf[::5]], "\nmok", [round(v, 3) for v in mk[::5]],
+    print(device, "\nhf ", [round(v, 3) for v in hf[::5]], "\nmok", [round(v, 3) for v in mk[::5]],
           f"\nlast-10 gap {tail_gap:.4f}, worst step gap {step_gap:.4f}")
     assert tail_gap <= 0.03 and step_gap <= 0.10, (tail_gap, step_gap)
     assert tail(hf) < 0.35 * hf[0] and tail(mk) < 0.35 * mk[0]
