@@ -15,30 +15,8 @@
 
 #include "determinism.h"
 #include "layer.h"
+#include "matrix.h"
 #include "test.h"
-
-static uint64_t case_seed(const char *name) {
-    uint64_t h = 1469598103934665603ull ^ 0xf8f8f8f8ull;
-    for (const char *c = name; *c; ++c) h = (h ^ (unsigned char)*c) * 1099511628211ull;
-    return h ^ (mok_test_seed() * 0x9e3779b97f4a7c15ull);
-}
-
-static uint64_t pick(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static mok_config base_config(void) {
-    mok_config c = MOK_CONFIG_INIT;
-    c.minibatch_rows = 128;
-    c.ring_rows = 256;
-    c.cpu_threads = 2;
-    c.cpu_comm_threads = 1;
-    c.peer_timeout_ms = 120000.0;
-    return c;
-}
 
 static mok_shape fp8_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is) {
     mok_shape s = {H, I, E, k, Is, 0, MOK_PRECISION_FP8};
@@ -47,114 +25,64 @@ static mok_shape fp8_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t I
 
 static void *alloc_aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-/* Experts without rows: +0 bf16 gradients, or accumulate-mode buffers left bitwise as they were. */
-static void check_empty_experts(const char *tag, const layer *L, const layer_result *r) {
-    const int64_t El = L->shape.num_experts / L->nranks, per = L->shape.intermediate * L->shape.hidden;
-    for (int p = 0; p < L->nranks; ++p)
-        for (int64_t e = 0; e < El; ++e) {
-            int64_t rows = 0;
-            for (int q = 0; q < L->nranks; ++q)
-                for (int64_t s = 0; s < L->num_tokens[q] * L->shape.topk; ++s) rows += L->topk_ids[q][s] == p * El + e;
-            for (int m = 0; rows == 0 && m < 3; ++m) {
-                if (r->grads_f32) {
-                    CHECK(memcmp((const float *)r->dw[m][p] + e * per, r->dw_init[m][p] + e * per, (size_t)per * 4) ==
-                              0,
-                          "%s: expert %lld has no rows but its fp32 gradient %d changed", tag, (long long)(p * El + e),
-                          m);
-                } else {
-                    int64_t bad = 0;
-                    for (int64_t i = 0; i < per; ++i) bad += ((const uint16_t *)r->dw[m][p])[e * per + i] != 0;
-                    CHECK(bad == 0, "%s: expert %lld has no rows but %lld elements of gradient %d are not +0", tag,
-                          (long long)(p * El + e), (long long)bad, m);
-                }
-            }
-        }
-}
-
-enum { BF16_GRADS = 1, BOTH_MODES = 2 };
+static uint64_t case_seed(const char *name) { return matrix_case_seed(name, 0xf8f8f8f8ull); }
 
 static void check_layer(const char *tag, const layer *L, const mok_config *config, int modes) {
-    layer_result ref = {0};
-    mok_status st = layer_run_reference(L, &ref);
-    CHECK(st == MOK_OK, "%s: reference failed: %s", tag, ref.message);
-    for (int accumulate = 0; st == MOK_OK && accumulate < (modes == BOTH_MODES ? 2 : 1); ++accumulate) {
-        char sub[256];
-        snprintf(sub, sizeof sub, "%s accumulate=%d MOK_TEST_SEED=%llu", tag, accumulate, mok_test_seed());
-        layer_result got = {0};
-        mok_status bst = layer_run_backend(L, config, accumulate, &got);
-        CHECK(bst == MOK_OK, "%s: backend failed: %s", sub, got.message);
-        if (bst == MOK_OK) {
-            double err = layer_compare(L, &got, &ref, sub);
-            CHECK(err <= 1.0, "%s: worst normalized error %.3g > 1 (layer seed %llu)", sub, err,
-                  (unsigned long long)L->seed);
-            check_empty_experts(sub, L, &got);
-        }
-        layer_result_free(&got);
-    }
-    layer_result_free(&ref);
+    matrix_check_layer(tag, L, config, modes, NULL);
 }
 
 static void run_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing, float limit,
                      const mok_config *config, int modes) {
-    layer L;
-    if (layer_make(&L, shape, P, tokens, case_seed(name), routing) != 0) {
-        CHECK(0, "%s: layer_make failed", name);
-        layer_free(&L);
-        return;
-    }
-    L.swiglu_limit = limit;
-    if (limit > 0.0f) layer_avoid_clamp_flips(&L);
-    check_layer(name, &L, config, modes);
-    layer_free(&L);
+    matrix_run_case(name, case_seed(name), shape, P, tokens, routing, limit, config, modes, NULL);
 }
 
 /* ---- against the FP8 reference ------------------------------------------------------------- */
 
 MOK_TEST(cpu_fp8_routings) {
     const int quick = mok_test_quick();
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t T = quick ? 20 : 40;
     const int64_t t4[] = {T, T - 5, T + 3, T - 11};
     const mok_shape s = fp8_shape(256, 128, 8, 3, 128);
-    run_case("fp8 uniform", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
-    run_case("fp8 every slot to one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT, 0.0f, &config, BOTH_MODES);
-    run_case("fp8 -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, BOTH_MODES);
+    run_case("fp8 uniform", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
+    run_case("fp8 every slot to one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT, 0.0f, &config, MATRIX_BOTH_MODES);
+    run_case("fp8 -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, MATRIX_BOTH_MODES);
     run_case("fp8 router weights <= 0 and -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, &config,
-             BF16_GRADS);
+             MATRIX_BF16_GRADS);
     run_case("fp8 router weights <= 0, one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT | LAYER_SIGNED_WEIGHTS, 0.0f,
-             &config, BF16_GRADS);
-    run_case("fp8 encoded", &s, 4, t4, LAYER_ROUTE_UNIFORM | LAYER_ENCODED, 0.0f, &config, BF16_GRADS);
-    run_case("fp8 encoded, -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_ENCODED, 0.0f, &config, BF16_GRADS);
+             &config, MATRIX_BF16_GRADS);
+    run_case("fp8 encoded", &s, 4, t4, LAYER_ROUTE_UNIFORM | LAYER_ENCODED, 0.0f, &config, MATRIX_BF16_GRADS);
+    run_case("fp8 encoded, -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_ENCODED, 0.0f, &config, MATRIX_BF16_GRADS);
     const mok_shape even = fp8_shape(128, 128, 12, 3, 0);
     run_case("fp8 even experts only (odd ones empty), no shared expert", &even, 4, t4, LAYER_ROUTE_EVEN, 0.0f, &config,
-             BOTH_MODES);
+             MATRIX_BOTH_MODES);
     const mok_shape one_local = fp8_shape(128, 128, 4, 2, 128);
-    run_case("fp8 one local expert (E = P = 4)", &one_local, 4, t4, LAYER_ROUTE_SKEWED, 0.0f, &config, BF16_GRADS);
+    run_case("fp8 one local expert (E = P = 4)", &one_local, 4, t4, LAYER_ROUTE_SKEWED, 0.0f, &config, MATRIX_BF16_GRADS);
     const mok_shape k1 = fp8_shape(128, 256, 8, 1, 0);
-    run_case("fp8 k = 1, I = 256", &k1, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, BF16_GRADS);
+    run_case("fp8 k = 1, I = 256", &k1, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BF16_GRADS);
 }
 
 MOK_TEST(cpu_fp8_tokens_and_ranks) {
     const int quick = mok_test_quick();
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const mok_shape s = fp8_shape(128, 128, 8, 2, 128);
     {
         const int64_t t[] = {0, 40, 0, 17};
-        run_case("fp8 T = 0 on ranks 0 and 2", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("fp8 T = 0 on ranks 0 and 2", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         const int64_t t[] = {0, 0, 0, 0};
-        run_case("fp8 T = 0 on every rank", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("fp8 T = 0 on every rank", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         const int64_t t[] = {1, 130, 7, 64}; /* 130: two token tiles of the shared expert */
-        run_case("fp8 uneven T 1/130/7/64", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("fp8 uneven T 1/130/7/64", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         mok_shape big = s;
         big.max_tokens = 200;
         const int64_t t[] = {33, 21, 45, 9};
-        run_case("fp8 T < T_max", &big, 4, t, LAYER_ROUTE_SKEWED, 0.0f, &config, BF16_GRADS);
+        run_case("fp8 T < T_max", &big, 4, t, LAYER_ROUTE_SKEWED, 0.0f, &config, MATRIX_BF16_GRADS);
     }
     const int sizes[] = {1, 2, 3};
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
@@ -164,8 +92,8 @@ MOK_TEST(cpu_fp8_tokens_and_ranks) {
         const mok_shape sp = fp8_shape(128, 128, P == 1 ? 4 : 2 * P, 2, i % 2 ? 128 : 0);
         int64_t tokens[MOK_MAX_RANKS];
         uint64_t state = case_seed(name);
-        for (int p = 0; p < P; ++p) tokens[p] = (quick ? 8 : 20) + (int64_t)(pick(&state) % 30);
-        run_case(name, &sp, P, tokens, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        for (int p = 0; p < P; ++p) tokens[p] = (quick ? 8 : 20) + (int64_t)(matrix_pick(&state) % 30);
+        run_case(name, &sp, P, tokens, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
 }
 
@@ -176,9 +104,9 @@ MOK_TEST(cpu_fp8_ring_replay_clamp) {
     const mok_shape s = fp8_shape(128, 128, 8, 6, 128);
     const int64_t T = quick ? 48 : 64;
     const int64_t t4[] = {T, T + 9, T - 13, T + 20};
-    mok_config small_ring = base_config();
+    mok_config small_ring = matrix_config();
     small_ring.ring_rows = 128;
-    mok_config replay = base_config();
+    mok_config replay = matrix_config();
     replay.context_rows = 128;
     replay.ring_rows = 16384;
     mok_config both = small_ring;
@@ -200,7 +128,7 @@ MOK_TEST(cpu_fp8_ring_replay_clamp) {
             layer_free(&L);
             continue;
         }
-        check_layer(cases[i].name, &L, cases[i].config, i == 3 ? BOTH_MODES : BF16_GRADS);
+        check_layer(cases[i].name, &L, cases[i].config, i == 3 ? MATRIX_BOTH_MODES : MATRIX_BF16_GRADS);
         layer_result r = {0};
         mok_status st = layer_run_backend(&L, cases[i].config, 0, &r);
         CHECK(st == MOK_OK, "%s: %s", cases[i].name, r.message);
@@ -217,10 +145,10 @@ MOK_TEST(cpu_fp8_ring_replay_clamp) {
         layer_result_free(&r);
         layer_free(&L);
     }
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t t_clamp[] = {37, 52, 29, 44};
     const mok_shape sc = fp8_shape(128, 128, 8, 2, 128);
-    run_case("fp8 SwiGLU limit 0.5", &sc, 4, t_clamp, LAYER_ROUTE_UNIFORM, 0.5f, &config, BOTH_MODES);
+    run_case("fp8 SwiGLU limit 0.5", &sc, 4, t_clamp, LAYER_ROUTE_UNIFORM, 0.5f, &config, MATRIX_BOTH_MODES);
 }
 
 /* ---- determinism ----------------------------------------------------------------------------- */
@@ -242,8 +170,8 @@ MOK_TEST(cpu_fp8_determinism) {
         {128, 128, 2, 1, 0, 1}, {256, 512, 3, 2, 128, 1},
     };
     const layer_variant few[] = {{128, 512, 2, 1, 0, 0}, {256, 512, 3, 2, 0, 0}, {128, 128, 2, 1, 128, 1}};
-    if (quick) check_determinism("fp8 determinism", &L, base_config(), few, sizeof few / sizeof few[0]);
-    else check_determinism("fp8 determinism", &L, base_config(), all, sizeof all / sizeof all[0]);
+    if (quick) check_determinism("fp8 determinism", &L, matrix_config(), few, sizeof few / sizeof few[0]);
+    else check_determinism("fp8 determinism", &L, matrix_config(), all, sizeof all / sizeof all[0]);
     layer_free(&L);
 }
 
@@ -264,10 +192,10 @@ static void spread_blocks(layer *L, uint64_t seed) {
     uint64_t state = seed;
     int c[64], a[64], d[64], ds[64];
     for (int b = 0; b < 64; ++b) {
-        c[b] = (int)(pick(&state) % 17) - 8;
-        a[b] = (int)(pick(&state) % 17) - 8;
-        d[b] = (int)(pick(&state) % 17) - 8;
-        ds[b] = (int)(pick(&state) % 17) - 8;
+        c[b] = (int)(matrix_pick(&state) % 17) - 8;
+        a[b] = (int)(matrix_pick(&state) % 17) - 8;
+        d[b] = (int)(matrix_pick(&state) % 17) - 8;
+        ds[b] = (int)(matrix_pick(&state) % 17) - 8;
     }
     for (int p = 0; p < L->nranks; ++p) {
         for (int64_t t = 0; t < L->num_tokens[p]; ++t)
@@ -285,8 +213,8 @@ static void spread_blocks(layer *L, uint64_t seed) {
                 }
         for (int64_t t = 1; t < L->num_tokens[p]; t += 2)
             for (int64_t b = 0; b < H / B; ++b) {
-                const int64_t keep = (int64_t)(pick(&state) % B);
-                const int shrink_x = 4 + (int)(pick(&state) % 15), shrink_dy = 4 + (int)(pick(&state) % 15);
+                const int64_t keep = (int64_t)(matrix_pick(&state) % B);
+                const int shrink_x = 4 + (int)(matrix_pick(&state) % 15), shrink_dy = 4 + (int)(matrix_pick(&state) % 15);
                 for (int64_t h = b * B; h < (b + 1) * B; ++h)
                     if (h != b * B + keep) {
                         L->x[p][t * H + h] = scaled_bf16(L->x[p][t * H + h], -shrink_x);
@@ -303,7 +231,7 @@ static void spread_blocks(layer *L, uint64_t seed) {
 }
 
 MOK_TEST(cpu_fp8_outliers) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t t4[] = {41, 36, 29, 47};
     const mok_shape s = fp8_shape(384, 256, 8, 2, 256);
     const char *name = "fp8 blocks spanning 2^-26 .. 2^8";
@@ -356,7 +284,7 @@ static int row_equal(const uint16_t *a, const uint16_t *b, int64_t t, int64_t H)
  * their gradients; where it lands the outputs are NaN (an Inf becomes NaN in E4M3: nothing turns it
  * into a finite value, nor keeps it an infinity) and agree with the reference. */
 static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank, int in_weight) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int P = 4;
     const int64_t t4[] = {40, 33, 47, 25};
     const mok_shape s = fp8_shape(128, 128, 8, 2, 128);
@@ -368,9 +296,9 @@ static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank, in
     }
     const int64_t H = s.hidden, I = s.intermediate, k = s.topk, El = s.num_experts / P, per = I * H;
     uint64_t state = L.seed;
-    const int64_t bad_token = (int64_t)(pick(&state) % (uint64_t)t4[bad_rank]);
-    const int64_t bad_col = (int64_t)(pick(&state) % (uint64_t)H), bad_i = (int64_t)(pick(&state) % (uint64_t)I);
-    const int bad_expert = (int)(bad_rank * El + (int64_t)(pick(&state) % (uint64_t)El)); /* global id */
+    const int64_t bad_token = (int64_t)(matrix_pick(&state) % (uint64_t)t4[bad_rank]);
+    const int64_t bad_col = (int64_t)(matrix_pick(&state) % (uint64_t)H), bad_i = (int64_t)(matrix_pick(&state) % (uint64_t)I);
+    const int bad_expert = (int)(bad_rank * El + (int64_t)(matrix_pick(&state) % (uint64_t)El)); /* global id */
     layer_result clean = {0}, dirty = {0}, ref = {0};
     mok_status st = layer_run_backend(&L, &config, 0, &clean);
     CHECK(st == MOK_OK, "%s: clean run failed: %s", name, clean.message);
@@ -448,7 +376,7 @@ MOK_TEST(cpu_fp8_recompute_context) {
     const mok_shape s = fp8_shape(128, 128, 6, 2, 128);
     const int64_t t3[] = {60, 45, 80};
     for (int variant = 0; variant < 2; ++variant) {
-        mok_config config = base_config();
+        mok_config config = matrix_config();
         config.ring_rows = variant ? 128 : 512;
         config.context_rows = variant ? 128 : 0;
         char name[96];
@@ -518,7 +446,7 @@ MOK_TEST(cpu_fp8_memory) {
         {1024, 512, 16, 4, 512, 700, 2048, 5},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
-        mok_config config = base_config();
+        mok_config config = matrix_config();
         config.ring_rows = cases[c].ring;
         config.minibatch_rows = 128;
         config.cpu_threads = cases[c].threads;
@@ -587,7 +515,7 @@ static void distances(const layer *L, const layer_result *got, const layer_resul
  * distances are printed: they are the FP8 function's distance from the bf16 one, as the backend
  * sees it. */
 MOK_TEST(cpu_fp8_is_the_fp8_function) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t t4[] = {40, 35, 44, 29};
     const mok_shape s = fp8_shape(256, 256, 8, 3, 128);
     const char *name = "fp8 against both references";
@@ -640,7 +568,7 @@ static void expect(mok_status got, mok_status want, const char *needle, const ch
  * fp8_weights required (and checked) iff the workspace is FP8, aligned, written by
  * mok_quantize_weights for this shape; mok_quantize_weights' own arguments; the layout call. */
 MOK_TEST(cpu_fp8_argument_rules) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const mok_shape s = fp8_shape(128, 128, 4, 2, 128);
     const int64_t t2[] = {24, 17};
     layer L;

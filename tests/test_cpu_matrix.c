@@ -15,33 +15,10 @@
 #include "core/schedule.h"
 #include "determinism.h"
 #include "layer.h"
+#include "matrix.h"
 #include "test.h"
 
 #define ROW_TILE MOK_ROW_TILE
-
-static uint64_t case_seed(const char *name) {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a of the name, mixed with the run's seed */
-    for (const char *c = name; *c; ++c) h = (h ^ (unsigned char)*c) * 1099511628211ull;
-    return h ^ (mok_test_seed() * 0x9e3779b97f4a7c15ull);
-}
-
-/* A small generator for the tests' own choices (token counts, which token to poison). */
-static uint64_t pick(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static mok_config base_config(void) {
-    mok_config c = MOK_CONFIG_INIT;
-    c.minibatch_rows = 128;
-    c.ring_rows = 256;
-    c.cpu_threads = 2;
-    c.cpu_comm_threads = 1;
-    c.peer_timeout_ms = 120000.0; /* sanitizer builds on two cores are slow, not hung */
-    return c;
-}
 
 static mok_shape make_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is) {
     mok_shape s = {H, I, E, k, Is, 0, MOK_PRECISION_BF16};
@@ -50,21 +27,15 @@ static mok_shape make_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t 
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* ---- checks shared by every case ---------------------------------------------------------- */
+static uint64_t case_seed(const char *name) { return matrix_case_seed(name, 0); }
 
-/* Rows of every global expert, counted from the layer's ids. */
-static void expert_rows(const layer *L, int64_t *rows) {
-    for (int64_t e = 0; e < L->shape.num_experts; ++e) rows[e] = 0;
-    for (int p = 0; p < L->nranks; ++p)
-        for (int64_t s = 0; s < L->num_tokens[p] * L->shape.topk; ++s)
-            if (L->topk_ids[p][s] >= 0) rows[L->topk_ids[p][s]] += 1;
-}
+/* ---- checks shared by every case ---------------------------------------------------------- */
 
 /* mok_schedule_read of every rank against the counts the ids imply. */
 static void check_schedule_info(const char *tag, const layer *L, const mok_config *config, const layer_result *r) {
     const int64_t El = L->shape.num_experts / L->nranks;
     int64_t *rows = malloc((size_t)L->shape.num_experts * sizeof *rows);
-    expert_rows(L, rows);
+    matrix_expert_rows(L, rows);
     for (int q = 0; q < L->nranks; ++q) {
         int64_t routed = 0, padded = 0, busiest = 0;
         for (int64_t e = q * El; e < (q + 1) * El; ++e) {
@@ -88,81 +59,20 @@ static void check_schedule_info(const char *tag, const layer *L, const mok_confi
     free(rows);
 }
 
-/* Experts without rows: bf16 mode writes exact (+0) zeros, accumulate mode leaves the fp32
- * buffers bitwise as they were. Returns how many experts were empty. */
-static int check_empty_experts(const char *tag, const layer *L, const layer_result *r) {
-    const int64_t El = L->shape.num_experts / L->nranks, per = L->shape.intermediate * L->shape.hidden;
-    int64_t *rows = malloc((size_t)L->shape.num_experts * sizeof *rows);
-    expert_rows(L, rows);
-    int empty = 0;
-    for (int p = 0; p < L->nranks; ++p)
-        for (int64_t e = 0; e < El; ++e) {
-            if (rows[p * El + e] != 0) continue;
-            ++empty;
-            for (int m = 0; m < 3; ++m) {
-                if (r->grads_f32) {
-                    const float *got = (const float *)r->dw[m][p] + e * per, *init = r->dw_init[m][p] + e * per;
-                    CHECK(memcmp(got, init, (size_t)per * 4) == 0,
-                          "%s: accumulate mode changed the fp32 gradient (matrix %d) of expert %lld, which has no rows",
-                          tag, m, (long long)(p * El + e));
-                } else {
-                    const uint16_t *got = (const uint16_t *)r->dw[m][p] + e * per;
-                    int64_t bad = 0;
-                    for (int64_t i = 0; i < per; ++i) bad += got[i] != 0;
-                    CHECK(bad == 0, "%s: %lld elements of the bf16 gradient (matrix %d) of expert %lld (no rows) are not +0",
-                          tag, (long long)bad, m, (long long)(p * El + e));
-                }
-            }
-        }
-    free(rows);
-    return empty;
-}
-
-enum { BF16_ONLY = 1, BOTH_MODES = 2 };
-
-/* The reference once, then the backend in bf16 mode (and in accumulate mode with BOTH_MODES);
- * each run is compared, its schedule info and empty experts checked. */
+/* The shared case run (matrix.h), each backend run's schedule info checked too. */
 static void check_layer(const char *tag, const layer *L, const mok_config *config, int modes) {
-    layer_result ref = {0};
-    mok_status st = layer_run_reference(L, &ref);
-    CHECK(st == MOK_OK, "%s: reference failed: %s", tag, ref.message);
-    for (int accumulate = 0; st == MOK_OK && accumulate < (modes == BOTH_MODES ? 2 : 1); ++accumulate) {
-        char sub[256];
-        snprintf(sub, sizeof sub, "%s accumulate=%d MOK_TEST_SEED=%llu", tag, accumulate, mok_test_seed());
-        layer_result got = {0};
-        mok_status bst = layer_run_backend(L, config, accumulate, &got);
-        CHECK(bst == MOK_OK, "%s: backend failed: %s", sub, got.message);
-        if (bst == MOK_OK) {
-            check_schedule_info(sub, L, config, &got);
-            double err = layer_compare(L, &got, &ref, sub);
-            CHECK(err <= 1.0, "%s: worst normalized error %.3g > 1 (layer seed %llu)", sub, err,
-                  (unsigned long long)L->seed);
-            check_empty_experts(sub, L, &got);
-        }
-        layer_result_free(&got);
-    }
-    layer_result_free(&ref);
+    matrix_check_layer(tag, L, config, modes, check_schedule_info);
 }
 
-/* One case: make the layer, check it, free it. tokens: per rank. */
 static void run_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
                      float limit, const mok_config *config, int modes) {
-    layer L;
-    uint64_t seed = case_seed(name);
-    if (layer_make(&L, shape, P, tokens, seed, routing) != 0) {
-        CHECK(0, "%s: layer_make failed", name);
-        layer_free(&L);
-        return;
-    }
-    L.swiglu_limit = limit;
-    check_layer(name, &L, config, modes);
-    layer_free(&L);
+    matrix_run_case(name, case_seed(name), shape, P, tokens, routing, limit, config, modes, check_schedule_info);
 }
 
 /* Token counts lo + [0, span] per rank, from the case's seed. */
 static void random_tokens(const char *name, int P, int64_t lo, int64_t span, int64_t *tokens) {
     uint64_t state = case_seed(name) ^ 0x746f6b656e73ull;
-    for (int p = 0; p < P; ++p) tokens[p] = lo + (int64_t)(pick(&state) % (uint64_t)(span + 1));
+    for (int p = 0; p < P; ++p) tokens[p] = lo + (int64_t)(matrix_pick(&state) % (uint64_t)(span + 1));
 }
 
 /* ---- presets ------------------------------------------------------------------------------ */
@@ -190,7 +100,7 @@ MOK_TEST(cpu_presets) {
     const int quick = mok_test_quick();
     const int P = quick ? 2 : 4;
     const double scale = 16.0;
-    mok_config config = base_config();
+    mok_config config = matrix_config();
     config.ring_rows = 512;
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; ++i) {
         mok_shape s = make_shape(scaled(presets[i].H, scale, MOK_DIM_TILE), scaled(presets[i].I, scale, MOK_DIM_TILE),
@@ -202,70 +112,70 @@ MOK_TEST(cpu_presets) {
         int64_t tokens[MOK_MAX_RANKS];
         random_tokens(name, P, quick ? 16 : 32, quick ? 16 : 32, tokens);
         /* accumulate mode on every other preset keeps the file's time in bounds */
-        run_case(name, &s, P, tokens, LAYER_ROUTE_UNIFORM, 0.0f, &config, i % 2 ? BOTH_MODES : BF16_ONLY);
+        run_case(name, &s, P, tokens, LAYER_ROUTE_UNIFORM, 0.0f, &config, i % 2 ? MATRIX_BOTH_MODES : MATRIX_BF16_GRADS);
     }
 }
 
 /* ---- edge cases --------------------------------------------------------------------------- */
 
 MOK_TEST(cpu_edge_tokens) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const mok_shape s = make_shape(128, 64, 8, 2, 64);
     {
         const int64_t t[] = {0, 40, 0, 17};
-        run_case("T = 0 on ranks 0 and 2", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("T = 0 on ranks 0 and 2", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         const int64_t t[] = {0, 0, 0, 0};
-        run_case("T = 0 on every rank", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("T = 0 on every rank", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         const int64_t t[] = {1, 130, 7, 64}; /* 130: two token tiles of the shared expert */
-        run_case("uneven T 1/130/7/64", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("uneven T 1/130/7/64", &s, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         const int64_t t[] = {50, 0, 0, 0};
-        run_case("only rank 0 has tokens", &s, 4, t, LAYER_ROUTE_SKEWED, 0.0f, &config, BF16_ONLY);
+        run_case("only rank 0 has tokens", &s, 4, t, LAYER_ROUTE_SKEWED, 0.0f, &config, MATRIX_BF16_GRADS);
     }
     {
         /* T below T_max: the workspace is sized for more tokens than any rank has */
         mok_shape big = s;
         big.max_tokens = 200;
         const int64_t t[] = {33, 21, 45, 9};
-        run_case("T < T_max", &big, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, BF16_ONLY);
+        run_case("T < T_max", &big, 4, t, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BF16_GRADS);
     }
 }
 
 MOK_TEST(cpu_edge_routing) {
     const int quick = mok_test_quick();
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t T = quick ? 24 : 48;
     const int64_t t4[] = {T, T - 5, T + 3, T - 11};
     {
         mok_shape s = make_shape(128, 64, 8, 1, 0);
-        run_case("k = 1", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("k = 1", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         mok_shape s = make_shape(128, 64, 4, 2, 64);
-        run_case("one local expert (E = P = 4), k = 2", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, BOTH_MODES);
+        run_case("one local expert (E = P = 4), k = 2", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BOTH_MODES);
         s.topk = 4;
-        run_case("one local expert, k = E = 4", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, BF16_ONLY);
+        run_case("one local expert, k = E = 4", &s, 4, t4, LAYER_ROUTE_UNIFORM, 0.0f, &config, MATRIX_BF16_GRADS);
     }
     {
         /* P*T*k rows, all to one expert: several macrobatches of one expert (ring 256) */
         mok_shape s = make_shape(128, 64, 8, 3, 0);
-        run_case("every slot to one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT, 0.0f, &config, BOTH_MODES);
+        run_case("every slot to one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT, 0.0f, &config, MATRIX_BOTH_MODES);
     }
     {
         mok_shape s = make_shape(128, 64, 12, 3, 64);
-        run_case("even experts only (odd ones empty)", &s, 4, t4, LAYER_ROUTE_EVEN, 0.0f, &config, BOTH_MODES);
-        run_case("-1 slots", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, BOTH_MODES);
+        run_case("even experts only (odd ones empty)", &s, 4, t4, LAYER_ROUTE_EVEN, 0.0f, &config, MATRIX_BOTH_MODES);
+        run_case("-1 slots", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, MATRIX_BOTH_MODES);
         s.shared_intermediate = 0;
-        run_case("-1 slots, no shared expert", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, BF16_ONLY);
-        run_case("skewed", &s, 4, t4, LAYER_ROUTE_SKEWED, 0.0f, &config, BF16_ONLY);
-        run_case("encoded", &s, 4, t4, LAYER_ROUTE_UNIFORM | LAYER_ENCODED, 0.0f, &config, BOTH_MODES);
-        run_case("encoded, one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT | LAYER_ENCODED, 0.0f, &config, BF16_ONLY);
-        run_case("encoded, -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_ENCODED, 0.0f, &config, BF16_ONLY);
+        run_case("-1 slots, no shared expert", &s, 4, t4, LAYER_ROUTE_HOLES, 0.0f, &config, MATRIX_BF16_GRADS);
+        run_case("skewed", &s, 4, t4, LAYER_ROUTE_SKEWED, 0.0f, &config, MATRIX_BF16_GRADS);
+        run_case("encoded", &s, 4, t4, LAYER_ROUTE_UNIFORM | LAYER_ENCODED, 0.0f, &config, MATRIX_BOTH_MODES);
+        run_case("encoded, one expert", &s, 4, t4, LAYER_ROUTE_ONE_EXPERT | LAYER_ENCODED, 0.0f, &config, MATRIX_BF16_GRADS);
+        run_case("encoded, -1 slots", &s, 4, t4, LAYER_ROUTE_HOLES | LAYER_ENCODED, 0.0f, &config, MATRIX_BF16_GRADS);
     }
 }
 
@@ -276,15 +186,15 @@ MOK_TEST(cpu_edge_ring_and_replay) {
     const mok_shape s = make_shape(128, 128, 8, 6, 64); /* ~170-190 rows per expert: 512 padded rows */
     const int64_t T = quick ? 56 : 64;
     const int64_t t4[] = {T, T + 9, T - 13, T + 20};
-    mok_config small_ring = base_config();
+    mok_config small_ring = matrix_config();
     small_ring.minibatch_rows = 128;
     small_ring.ring_rows = 128;
-    mok_config replay = base_config();
+    mok_config replay = matrix_config();
     replay.context_rows = 128;
     replay.ring_rows = 16384;
     mok_config both = small_ring;
     both.context_rows = 128;
-    mok_config defaults = base_config();
+    mok_config defaults = matrix_config();
     defaults.minibatch_rows = 1024;
     defaults.ring_rows = 16384;
     const struct {
@@ -306,7 +216,7 @@ MOK_TEST(cpu_edge_ring_and_replay) {
             layer_free(&L);
             continue;
         }
-        check_layer(cases[i].name, &L, cases[i].config, BOTH_MODES);
+        check_layer(cases[i].name, &L, cases[i].config, MATRIX_BOTH_MODES);
         /* the case must really exercise what it is named for */
         layer_result r = {0};
         mok_status st = layer_run_backend(&L, cases[i].config, 0, &r);
@@ -329,7 +239,7 @@ MOK_TEST(cpu_edge_ring_and_replay) {
 
 MOK_TEST(cpu_ranks) {
     const int quick = mok_test_quick();
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int sizes[] = {1, 2, 3, 5, 8};
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
         const int P = sizes[i];
@@ -339,7 +249,7 @@ MOK_TEST(cpu_ranks) {
         mok_shape s = make_shape(128, 64, E, E < 4 ? E : 4, i % 2 ? 64 : 0);
         int64_t tokens[MOK_MAX_RANKS];
         random_tokens(name, P, quick ? 8 : 20, quick ? 16 : 40, tokens);
-        run_case(name, &s, P, tokens, LAYER_ROUTE_UNIFORM, 0.0f, &config, quick && P == 8 ? BF16_ONLY : BOTH_MODES);
+        run_case(name, &s, P, tokens, LAYER_ROUTE_UNIFORM, 0.0f, &config, quick && P == 8 ? MATRIX_BF16_GRADS : MATRIX_BOTH_MODES);
     }
 }
 
@@ -370,7 +280,7 @@ static double clamp_fraction(const layer *L, int64_t tokens) {
 }
 
 MOK_TEST(cpu_shared_and_clamp) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t t4[] = {37, 52, 29, 44};
     for (int shared = 0; shared < 2; ++shared)
         for (int clamp = 0; clamp < 2; ++clamp) {
@@ -391,13 +301,13 @@ MOK_TEST(cpu_shared_and_clamp) {
                 CHECK(f > 0.15, "%s: only %.1f%% of g, u values are clamped; the case does not test the clamp", name,
                       100.0 * f);
             }
-            check_layer(name, &L, &config, BOTH_MODES);
+            check_layer(name, &L, &config, MATRIX_BOTH_MODES);
             layer_free(&L);
         }
 }
 
 MOK_TEST(cpu_router_weights) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t t4[] = {45, 38, 51, 30};
     const mok_shape s = make_shape(128, 64, 8, 3, 64);
     const int routings[] = {LAYER_ROUTE_UNIFORM | LAYER_SIGNED_WEIGHTS, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS,
@@ -420,7 +330,7 @@ MOK_TEST(cpu_router_weights) {
                 }
         CHECK(zeros > 0 && negative > 0, "%s: %lld zero and %lld negative weights", names[c], (long long)zeros,
               (long long)negative);
-        check_layer(names[c], &L, &config, BOTH_MODES);
+        check_layer(names[c], &L, &config, MATRIX_BOTH_MODES);
         layer_free(&L);
     }
 }
@@ -436,7 +346,7 @@ static int row_equal(const uint16_t *a, const uint16_t *b, int64_t t, int64_t H)
  * shared gradients of the other ranks are bitwise those of the clean run; everything agrees with
  * the reference where the reference is finite. */
 static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int P = 4;
     const int64_t t4[] = {40, 33, 47, 25};
     const mok_shape s = make_shape(128, 64, 16, 2, 64);
@@ -448,8 +358,8 @@ static void nonfinite_case(const char *name, uint16_t bad_bits, int bad_rank) {
     }
     const int64_t H = s.hidden, k = s.topk, El = s.num_experts / P, per = s.intermediate * H;
     uint64_t state = L.seed;
-    const int64_t bad_token = (int64_t)(pick(&state) % (uint64_t)t4[bad_rank]);
-    const int64_t bad_col = (int64_t)(pick(&state) % (uint64_t)H);
+    const int64_t bad_token = (int64_t)(matrix_pick(&state) % (uint64_t)t4[bad_rank]);
+    const int64_t bad_col = (int64_t)(matrix_pick(&state) % (uint64_t)H);
 
     layer_result clean = {0}, dirty = {0}, ref = {0};
     mok_status st = layer_run_backend(&L, &config, 0, &clean);
@@ -521,7 +431,7 @@ MOK_TEST(cpu_nonfinite_input) {
 /* ---- gradient modes ----------------------------------------------------------------------- */
 
 MOK_TEST(cpu_accumulate_empty_experts) {
-    const mok_config config = base_config();
+    const mok_config config = matrix_config();
     const int64_t t4[] = {30, 41, 0, 26};
     const mok_shape s = make_shape(128, 64, 16, 2, 64);
     const char *name = "empty experts, both gradient modes";
@@ -538,7 +448,7 @@ MOK_TEST(cpu_accumulate_empty_experts) {
         mok_status st = layer_run_backend(&L, &config, accumulate, &r);
         CHECK(st == MOK_OK, "%s: %s", tag, r.message);
         if (st == MOK_OK) {
-            int empty = check_empty_experts(tag, &L, &r);
+            int empty = matrix_check_empty_experts(tag, &L, &r);
             CHECK(empty >= 8, "%s: only %d experts without rows", tag, empty);
         }
         layer_result_free(&r);
@@ -552,7 +462,7 @@ MOK_TEST(cpu_accumulate_empty_experts) {
             mok_status st = layer_run_backend(&L, &config, accumulate, &r);
             CHECK(st == MOK_OK, "no tokens, accumulate=%d: %s", accumulate, r.message);
             if (st == MOK_OK) {
-                CHECK(check_empty_experts("no tokens", &L, &r) == 16, "no tokens: not every expert counted empty");
+                CHECK(matrix_check_empty_experts("no tokens", &L, &r) == 16, "no tokens: not every expert counted empty");
                 /* the shared gradient of no tokens: zeros in bf16 mode, untouched when accumulating */
                 for (int p = 0; p < 4; ++p)
                     for (int m = 0; m < 3; ++m) {
@@ -594,8 +504,8 @@ MOK_TEST(cpu_determinism) {
     };
     const layer_variant few[] = {{128, 512, 2, 1, 0, 0}, {256, 512, 3, 2, 0, 0}, {128, 128, 2, 1, 128, 0},
                                  {512, 16384, 4, 1, 0, 0}};
-    if (quick) check_determinism(name, &L, base_config(), few, sizeof few / sizeof few[0]);
-    else check_determinism(name, &L, base_config(), all, sizeof all / sizeof all[0]);
+    if (quick) check_determinism(name, &L, matrix_config(), few, sizeof few / sizeof few[0]);
+    else check_determinism(name, &L, matrix_config(), all, sizeof all / sizeof all[0]);
     layer_free(&L);
 }
 
@@ -711,10 +621,10 @@ static void recompute_case(const char *name, const mok_config *config) {
 }
 
 MOK_TEST(cpu_recompute_context) {
-    mok_config whole = base_config();
+    mok_config whole = matrix_config();
     whole.ring_rows = 512;
     recompute_case("recompute, context keeps every row", &whole);
-    mok_config replay = base_config();
+    mok_config replay = matrix_config();
     replay.ring_rows = 128;
     replay.context_rows = 128;
     recompute_case("recompute, context_rows 128, ring 128", &replay);
@@ -738,7 +648,7 @@ MOK_TEST(cpu_gather_transfers) {
         int64_t tokens[MOK_MAX_RANKS];
         for (int p = 0; p < P; ++p) tokens[p] = p == 1 ? 0 : (quick ? 40 : 64) + 9 * p;
         for (int ring = 0; ring < 2; ++ring) {
-            mok_config push = base_config();
+            mok_config push = matrix_config();
             if (ring) {
                 push.minibatch_rows = 128;
                 push.ring_rows = 128;
@@ -769,7 +679,7 @@ MOK_TEST(cpu_gather_transfers) {
                 CHECK(layer_equal(&L, &a, &b, what, sizeof what), "%s: the turned transfers differ: %s", tag, what);
                 CHECK(layer_equal(&L, &a, &c, what, sizeof what), "%s: the pushes differ: %s", tag, what);
             }
-            if (P == 4 && ring) check_layer(tag, &L, &pull, BF16_ONLY);
+            if (P == 4 && ring) check_layer(tag, &L, &pull, MATRIX_BF16_GRADS);
             layer_result_free(&a);
             layer_result_free(&b);
             layer_result_free(&c);
