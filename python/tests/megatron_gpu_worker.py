@@ -27,6 +27,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+
+if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+    # Without Transformer Engine, MCore's router gating tests `te_general_gemm is not None`, a name its
+    # module defines only when the import of Transformer Engine succeeds; None is what it means there.
+    moe_utils.te_general_gemm = None
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
