@@ -115,6 +115,25 @@ def _workspace(group, hidden, intermediate, num_experts, topk, shared_intermedia
     return ws
 
 
+def _group_rank(who, group, num_experts, topk):
+    """(nranks, rank) of a layer over `group` (a mok.Group driving one local rank, a torch.distributed
+    group, or None: one rank), after the checks that the experts split over it and top-k fits."""
+    if isinstance(group, mok.Group):
+        if group.num_local_ranks != 1:
+            raise ValueError(f"{who}: a mok.Group must drive one local rank (Group.create)")
+        nranks, rank = group.nranks, group.first_rank
+    elif group is not None:
+        dist = _torch().distributed
+        nranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        nranks, rank = 1, 0
+    if num_experts % nranks != 0:
+        raise ValueError(f"{who}: num_experts={num_experts} is not divisible by the group size {nranks}")
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"{who}: topk={topk} is not in [1, num_experts={num_experts}]")
+    return nranks, rank
+
+
 def inside_checkpoint():
     """Whether the caller runs inside torch.utils.checkpoint (non-reentrant: HF's gradient
     checkpointing, Megatron's and most stacks'), in its forward or its recomputation: the
@@ -178,19 +197,7 @@ def _build():
                 raise ValueError(f"MoEExperts: backend={backend!r} is not 'auto', 'cpu' or 'cuda'")
             if recompute_context not in ("auto", True, False):
                 raise ValueError(f"MoEExperts: recompute_context={recompute_context!r} is not 'auto', True or False")
-            if isinstance(group, mok.Group):
-                if group.num_local_ranks != 1:
-                    raise ValueError("MoEExperts: a mok.Group must drive one local rank (Group.create)")
-                nranks, rank = group.nranks, group.first_rank
-            elif group is not None:
-                dist = torch.distributed
-                nranks, rank = dist.get_world_size(group), dist.get_rank(group)
-            else:
-                nranks, rank = 1, 0
-            if num_experts % nranks != 0:
-                raise ValueError(f"MoEExperts: num_experts={num_experts} is not divisible by the group size {nranks}")
-            if not 1 <= topk <= num_experts:
-                raise ValueError(f"MoEExperts: topk={topk} is not in [1, num_experts={num_experts}]")
+            nranks, rank = _group_rank("MoEExperts", group, num_experts, topk)
             for name, value in (("hidden", hidden), ("intermediate", intermediate),
                                 ("shared_intermediate", shared_intermediate)):
                 if value % mok.DIM_TILE or (value <= 0 and name != "shared_intermediate") or value < 0:
@@ -347,19 +354,7 @@ def _build():
                     if value % mok._lib.FP8_BLOCK:
                         raise ValueError(f"MoE: {name}={value} is not a multiple of {mok._lib.FP8_BLOCK}, which "
                                          "precision='fp8' needs (its scales cover blocks of that many)")
-            if isinstance(group, mok.Group):
-                if group.num_local_ranks != 1:
-                    raise ValueError("MoE: a mok.Group given to MoE must drive one local rank (Group.create)")
-                nranks, rank = group.nranks, group.first_rank
-            elif group is not None:
-                dist = torch.distributed
-                nranks, rank = dist.get_world_size(group), dist.get_rank(group)
-            else:
-                nranks, rank = 1, 0
-            if num_experts % nranks != 0:
-                raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the group size {nranks}")
-            if not 1 <= topk <= num_experts:
-                raise ValueError(f"MoE: topk={topk} is not in [1, num_experts={num_experts}]")
+            nranks, rank = _group_rank("MoE", group, num_experts, topk)
             self.hidden, self.intermediate = int(hidden), int(intermediate)
             self.num_experts, self.topk = int(num_experts), int(topk)
             self.shared_intermediate, self.max_tokens = int(shared_intermediate), int(max_tokens)

@@ -21,6 +21,9 @@ import mok
 from mok import _lib, functional
 from mok.bf16 import from_float32 as bf, to_float32 as f32
 
+import layers
+from layers import weights
+
 SEED = int(os.environ.get("MOK_PY_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 
 
@@ -42,50 +45,8 @@ CONFIG = mok.Config(cpu_threads=2, minibatch_rows=128, ring_rows=256)
 
 
 def make_layer(P, tokens, H=128, I=64, E=6, k=2, Is=64, seed=0, holes=False, signed=False, even_only=False):
-    """A random layer: per-rank x, topk_ids (softmax top-k of random logits), router_w, experts, and
-    one copy of the shared expert. holes: about a quarter of the slots -1 with a NaN router weight
-    (the library must not read it). signed: some router weights 0 or negative. even_only: only even
-    experts get rows."""
-    rng = np.random.default_rng([SEED, seed])
-    E_local = E // P
-    L = {"P": P, "H": H, "I": I, "E": E, "k": k, "Is": Is, "tokens": list(tokens)}
-    L["x"] = [bf(rng.uniform(-1, 1, (t, H))) for t in tokens]
-    L["dy"] = [bf(rng.uniform(-1, 1, (t, H))) for t in tokens]
-    ids, rws = [], []
-    for t in tokens:
-        logits = rng.normal(size=(t, E))
-        if even_only:
-            logits[:, 1::2] = -np.inf
-        top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
-        p = np.exp(np.take_along_axis(logits, top, 1))
-        w = (p / p.sum(1, keepdims=True)).astype(np.float32)
-        top = top.astype(np.int32)
-        if signed:
-            w[rng.random(w.shape) < 0.25] = 0.0
-            w[rng.random(w.shape) < 0.25] *= -1
-        if holes:
-            empty = rng.random(top.shape) < 0.25
-            top[empty] = -1
-            w[empty] = np.nan
-        ids.append(np.ascontiguousarray(top))
-        rws.append(np.ascontiguousarray(w))
-    L["topk_ids"], L["router_w"] = ids, rws
-
-    def weight(shape, fan_in):
-        return bf(rng.uniform(-1, 1, shape) * np.sqrt(3.0 / fan_in))
-
-    L["w_gate"] = [weight((E_local, I, H), H) for _ in range(P)]
-    L["w_up"] = [weight((E_local, I, H), H) for _ in range(P)]
-    L["w_down"] = [weight((E_local, H, I), I) for _ in range(P)]
-    if Is:
-        L["s_gate"], L["s_up"], L["s_down"] = weight((Is, H), H), weight((Is, H), H), weight((H, Is), Is)
-    else:
-        L["s_gate"] = L["s_up"] = L["s_down"] = None
-    return L
-
-
-def weights(L):
-    return (L["w_gate"], L["w_up"], L["w_down"], L["s_gate"], L["s_up"], L["s_down"])
+    """A random layer of layers.make_layer (the softmax router) from this run's seed."""
+    return layers.make_layer(SEED, P, tokens, H, I, E, k, Is, seed, holes=holes, signed=signed, even_only=even_only)
 
 
 def workspace(L, group=None, config=CONFIG, max_tokens=None):

@@ -16,6 +16,9 @@ import mok
 from mok import _lib, functional
 from mok.bf16 import from_float32 as bf, to_float32 as f32
 
+import layers
+from layers import weights
+
 SEED = int(os.environ.get("MOK_PY_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 
 
@@ -36,44 +39,8 @@ GRAD_KEYS = ("dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down")
 
 
 def make_layer(P, tokens, H=256, I=128, E=6, k=2, Is=128, seed=0, holes=False, signed=False):
-    """Per-rank x, dy, topk_ids (top-k of random logits), router_w and experts, one shared expert.
-    holes: a quarter of the slots -1 (router weight NaN, never read). signed: router weights 0 or
-    negative too."""
-    rng = np.random.default_rng([SEED, seed])
-    E_local = E // P
-    L = {"P": P, "H": H, "I": I, "E": E, "k": k, "Is": Is, "tokens": list(tokens)}
-    L["x"] = [bf(rng.uniform(-1, 1, (t, H))) for t in tokens]
-    L["dy"] = [bf(rng.uniform(-1, 1, (t, H))) for t in tokens]
-    ids, rws = [], []
-    for t in tokens:
-        top = np.argsort(-rng.normal(size=(t, E)), axis=1, kind="stable")[:, :k].astype(np.int32)
-        w = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
-        if signed:
-            w[rng.random(w.shape) < 0.25] = 0.0
-            w[rng.random(w.shape) < 0.25] *= -1
-        if holes:
-            empty = rng.random(top.shape) < 0.25
-            top[empty] = -1
-            w[empty] = np.nan
-        ids.append(np.ascontiguousarray(top))
-        rws.append(np.ascontiguousarray(w))
-    L["topk_ids"], L["router_w"] = ids, rws
-
-    def weight(shape, fan_in):
-        return bf(rng.uniform(-1, 1, shape) * np.sqrt(3.0 / fan_in))
-
-    L["w_gate"] = [weight((E_local, I, H), H) for _ in range(P)]
-    L["w_up"] = [weight((E_local, I, H), H) for _ in range(P)]
-    L["w_down"] = [weight((E_local, H, I), I) for _ in range(P)]
-    if Is:
-        L["s_gate"], L["s_up"], L["s_down"] = weight((Is, H), H), weight((Is, H), H), weight((H, Is), Is)
-    else:
-        L["s_gate"] = L["s_up"] = L["s_down"] = None
-    return L
-
-
-def weights(L):
-    return (L["w_gate"], L["w_up"], L["w_down"], L["s_gate"], L["s_up"], L["s_down"])
+    """A random layer of layers.make_layer (router weights uniform in [0.1, 1)) from this run's seed."""
+    return layers.make_layer(SEED, P, tokens, H, I, E, k, Is, seed, holes=holes, signed=signed, router="uniform")
 
 
 def workspace(L, precision="fp8", config=CONFIG):
