@@ -204,7 +204,7 @@ static size_t context_diff(const layer *L, const mok_sizes *sizes, int64_t padde
 
 /* ---- the cases ----------------------------------------------------------------------------- */
 
-enum { CASE_PLAIN = 0, CASE_EXACT = 1, CASE_SPREAD = 2 };
+enum { CASE_PLAIN = 0, CASE_EXACT = 1, CASE_SPREAD = 2, CASE_NONFINITE = 3 };
 
 static uint16_t scaled(uint16_t v, int e) { return mok_bf16_from_float((float)ldexp(mok_bf16_to_float(v), e)); }
 
@@ -260,6 +260,17 @@ static void reshape_values(layer *L, int mode, uint64_t seed) {
 #undef VALUE
 }
 
+/* Non-finite layers: in every seventh token one x value is +Inf, -Inf or NaN (in turn). mok.h: it
+ * becomes the E4M3 NaN and leaves its block's scale as it would be without it, so the token's y
+ * is NaN on every side (layer_compare: non-finite on both sides is fine, on one side an error)
+ * and every other token's y is untouched. */
+static void poison_tokens(layer *L) {
+    const uint16_t bad[3] = {0x7f80, 0xff80, 0x7fc0};
+    for (int p = 0; p < L->nranks; ++p)
+        for (int64_t t = 3; t < L->num_tokens[p]; t += 7)
+            L->x[p][t * L->shape.hidden + (t * 37) % L->shape.hidden] = bad[(t / 7) % 3];
+}
+
 /* One layer: the cpu's FP8 forward and the reference, then the GPU's: its FP8 weights against the
  * cpu's (bitwise), y against both (layer.c's FP8 table; spread layers per 128-column block at its
  * own scale), and for exact layers the contexts' g and u bitwise. */
@@ -276,7 +287,8 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
         return;
     }
     L.swiglu_limit = limit;
-    if (mode != CASE_PLAIN) reshape_values(&L, mode, L.seed ^ 0x5eedull);
+    if (mode == CASE_EXACT || mode == CASE_SPREAD) reshape_values(&L, mode, L.seed ^ 0x5eedull);
+    if (mode == CASE_NONFINITE) poison_tokens(&L);
     if (limit > 0.0f) layer_avoid_clamp_flips(&L);
     char tag[256];
     snprintf(tag, sizeof tag, "%s (MOK_TEST_SEED=%llu)", name, mok_test_seed());
@@ -392,6 +404,7 @@ MOK_TEST(cuda_fp8_forward_outliers) {
     const int64_t t1[1] = {200};
     const mok_shape a = fp8_shape(384, 256, 8, 2, 256);
     check_case("fp8 blocks spanning 2^-20 .. 2^4", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, CASE_SPREAD);
+    check_case("fp8 Inf and NaN in x", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, CASE_NONFINITE);
 }
 
 /* y and the context (past its tag, which names the workspace) bitwise equal across three runs on one

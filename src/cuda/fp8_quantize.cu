@@ -70,8 +70,9 @@ __global__ void __launch_bounds__(QUANT_THREADS) quantize_weight_kernel(const ui
     }
 }
 
-/* Every local rank's FP8 weights (mok_quantize_weights has checked the arguments): the header, then
- * each bf16 weight into its matrix and its transposed copy, on each rank's stream. */
+/* Every local rank's FP8 weights (mok_quantize_weights has checked the arguments): the buffer
+ * cleared, each bf16 weight into its matrix and its transposed copy, then the header, on each
+ * rank's stream (as the cpu backend writes them: the same bytes). */
 extern "C" mok_status mok__cuda_quantize_weights(mok_workspace *ws, const mok_quantize_args *args) {
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     mok_fp8_layout layout;
@@ -86,7 +87,8 @@ extern "C" mok_status mok__cuda_quantize_weights(mok_workspace *ws, const mok_qu
         cudaStream_t stream = (cudaStream_t)a->stream;
         CUDA_TRY(cudaSetDevice(cw->ranks[lr].device));
         char *out = (char *)a->fp8_weights;
-        CUDA_TRY(cudaMemcpyAsync(out, &header, sizeof header, cudaMemcpyHostToDevice, stream));
+        /* the padding between arrays too: the whole buffer is defined, the cpu's bytes */
+        CUDA_TRY(cudaMemsetAsync(out, 0, layout.bytes, stream));
         /* each source with the matrix it fills and that matrix's transposed copy */
         const struct {
             const void *w;
@@ -104,6 +106,8 @@ extern "C" mok_status mok__cuda_quantize_weights(mok_workspace *ws, const mok_qu
                 (uint8_t *)out + layout.codes[jobs[j].m_t], (float *)(out + layout.scales[jobs[j].m]),
                 (float *)(out + layout.scales[jobs[j].m_t])));
         }
+        /* the header last: a pass ordered after a quantization that failed finds no whole buffer */
+        CUDA_TRY(cudaMemcpyAsync(out, &header, sizeof header, cudaMemcpyHostToDevice, stream));
     }
     cudaSetDevice(previous);
     return MOK_OK;
