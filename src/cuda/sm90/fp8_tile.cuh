@@ -14,9 +14,9 @@
  * so one's promotion overlaps the other's wgmmas (dev/fp8_tile_probe.cu: this "free" arrangement
  * measured fastest for the 128 x 256 tile). A whole n256 partial would need 256 registers.
  *
- * Scales come from global memory (a few floats per stage and thread; weight scales are read-only
- * for the pass, activation scales were written by earlier tasks of the pass, so they are read
- * through L2), issued before the stage's wait so their latency hides behind it. Rows past a_rows
+ * Scales come from global memory (a few floats per stage and thread: the weights' read-only, the
+ * activations' written by earlier tasks of the pass), issued before the stage's wait so their
+ * latency hides behind it. Rows past a_rows
  * promote with scale 0 (their outputs are discarded), so a stale scale past them is never read. */
 #ifndef MOK_CUDA_SM90_FP8_TILE_CUH
 #define MOK_CUDA_SM90_FP8_TILE_CUH
@@ -71,8 +71,10 @@ static __device__ __forceinline__ void consume_gemm_fp8(stage_ring &r, const til
     const int hi_step = 8 * (int)op.sa_ld;
     float part[WGMMA_N128_ACC];
     for (int kb = 0; kb < kblocks; ++kb) {
-        /* activation scales were written by earlier tasks of the pass: through L2 (ld.cg) */
-        const float s_lo = lo_real ? __ldcg(sa + kb) : 0.0f, s_hi = hi_real ? __ldcg(sa + hi_step + kb) : 0.0f;
+        /* activation scales were written by earlier tasks of the pass, so plain loads (not .nc): the
+           producer's counter acquire that let this task start emptied the SM's L1, as for every
+           operand an epilogue reads that way; a row's scales then come from L1, 8 blocks a sector */
+        const float s_lo = lo_real ? sa[kb] : 0.0f, s_hi = hi_real ? sa[hi_step + kb] : 0.0f;
         const float w0 = __ldg(sb0 + kb);
         mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
         __syncwarp();
