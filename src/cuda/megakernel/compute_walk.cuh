@@ -6,6 +6,8 @@
  *
  * A Runner says what a compute task is, and both sides ask it the same questions:
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
+ *   static constexpr bool FP8;      optional: true when its GEMMs are block-scaled E4M3 (K-major
+ *                                    operands, fp8_tile.cuh's consumer loop and register split)
  *   prepare(p, v, span, rt, nt, &tp): producer thread 0, once per task before posting it: what
  *                                    the others need of the schedule (params.cuh's task_prep); they
  *                                    get it as `tp` (shared memory, beside the task's queue entry)
