@@ -76,6 +76,8 @@
  * the list of both. */
 #include "gemm_common.cuh"
 
+#include "cuda/sm90/fp8_wgmma.cuh" /* the E4M3 wgmma the megakernel's FP8 tile runs */
+
 #include <cuda_fp8.h>
 #ifdef WITH_CUBLAS
 #include <cublasLt.h>
@@ -137,23 +139,7 @@ struct Fp8Tile {
 #define FP8_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                     "+f"(d[i + 6]), "+f"(d[i + 7])
 
-static __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1;\n"
-        "}\n"
-        : FP8_ACC8(0), FP8_ACC8(8), FP8_ACC8(16), FP8_ACC8(24), FP8_ACC8(32), FP8_ACC8(40), FP8_ACC8(48),
-          FP8_ACC8(56)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-        : "memory");
-}
+/* wgmma_e4m3_n128: the library's own (src/cuda/sm90/fp8_wgmma.cuh, included above). */
 
 static __device__ __forceinline__ void wgmma_e4m3_n192(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(

@@ -119,7 +119,9 @@ typedef enum mok_backend {
 typedef enum mok_precision {
     MOK_PRECISION_BF16 = 0, /* bf16 storage, fp32 accumulation */
     MOK_PRECISION_FP8 = 1   /* block-scaled E4M3 operands, fp32 accumulation: the FP8 section
-                               below (cpu backend; the cuda backend refuses it for now) */
+                               below (cpu backend; the cuda backend runs mok_forward and
+                               mok_quantize_weights, and refuses mok_backward and
+                               mok_recompute_context with MOK_ERR_UNSUPPORTED for now) */
 } mok_precision;
 
 /* The direction of each transfer. PULL: the rank that needs the rows reads them from the peer.

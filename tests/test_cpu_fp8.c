@@ -704,27 +704,3 @@ MOK_TEST(cpu_fp8_argument_rules) {
     layer_backend_close(&B);
     layer_free(&L);
 }
-
-/* The cuda backend has no FP8 tiles yet: it refuses an FP8 workspace, by name, at creation. */
-MOK_TEST(cuda_fp8_refused) {
-    if (mok_backend_available(MOK_BACKEND_CUDA) < 1) {
-        mok_test_skip("no cuda backend or no GPU here");
-        return;
-    }
-    const int device = 0;
-    mok_config config = MOK_CONFIG_INIT;
-    mok_group *g = NULL;
-    mok_workspace *ws = (mok_workspace *)&config;
-    mok_shape s = fp8_shape(256, 256, 4, 2, 128);
-    s.max_tokens = 64;
-    mok_status st = mok_group_create_local(&g, MOK_BACKEND_CUDA, 1, &device, &config);
-    CHECK(st == MOK_OK, "cuda group: %s", mok_last_error());
-    if (st == MOK_OK) {
-        expect(mok_workspace_create(&ws, g, &s, &config), MOK_ERR_UNSUPPORTED, "FP8", "cuda FP8 workspace");
-        CHECK(ws == NULL, "the refused workspace handle is not NULL");
-        s.precision = MOK_PRECISION_BF16; /* and the group still serves bf16 */
-        CHECK(mok_workspace_create(&ws, g, &s, &config) == MOK_OK, "cuda bf16 workspace: %s", mok_last_error());
-        mok_workspace_destroy(ws);
-    }
-    mok_group_destroy(g);
-}

@@ -1,8 +1,8 @@
 """test_fp8_bench.py — bench.py --precision fp8 on the cpu backend (MOK_BENCH_SMOKE=1: tiny layers,
 no GPU): an FP8 row beside each case's bf16 row, with its times, its quantization timed apart, the
 ratios to the bf16 row and its error against PyTorch; and where the backend refuses FP8 workspaces
-(the cuda backend until its FP8 tiles exist, stood in for here by a Workspace that refuses as the
-library does), a row that says "skipped:" and the library's reason. Skipped without torch.
+(as the cuda backend did before its FP8 forward, stood in for here by a Workspace that refuses as
+the library did), a row that says "skipped:" and the library's reason. Skipped without torch.
 """
 import importlib
 import json
@@ -53,7 +53,7 @@ def test_bench_fp8_skipped_where_the_backend_refuses(monkeypatch, tmp_path, caps
     real = bench.F.Workspace
 
     def workspace(*args, precision="bf16", **kw):
-        if precision == "fp8":  # the cuda backend's refusal (src/cuda/workspace.cu), as the binding raises it
+        if precision == "fp8":  # a backend's refusal of FP8 workspaces, as the binding raises it
             raise mok.UnsupportedError(
                 mok.Status.ERR_UNSUPPORTED, "shape.precision: the cuda backend has no FP8 GEMM tiles yet; FP8 "
                 "workspaces run on the cpu backend", "mok_workspace_create", "not supported by this build or backend")

@@ -70,9 +70,9 @@ def test_fp8_needs_multiples_of_128(tmp_path):
 
 
 def test_a_backend_without_fp8_is_named(monkeypatch):
-    """--device cuda --precision fp8 where the cuda backend refuses FP8 workspaces: the run stops
-    before any model is made, saying so in the library's words. The machine here has no GPU, so the
-    GPU, the CUDA build and the library's refusal (src/cuda/workspace.cu's) are stood in for."""
+    """--device cuda --precision fp8 where the backend refuses FP8 workspaces (as the cuda backend did
+    before its FP8 forward): the run stops before any model is made, saying so in the library's
+    words. The machine here has no GPU, so the GPU, the CUDA build and the refusal are stood in for."""
     spec = importlib.util.spec_from_file_location("train_moe_fp8", EXAMPLE)
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)

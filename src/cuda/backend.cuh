@@ -183,6 +183,11 @@ mok_status mok__cuda_sym_alloc(const cuda_workspace *cw, cuda_rank *R);
 mok_status mok__cuda_sym_register(mok_workspace *ws);
 mok_status mok__cuda_sym_release(mok_workspace *ws);
 
+/* fp8_quantize.cu: x [rows, cols] bf16 into E4M3 codes q [rows, cols] and scales s [rows, cols / 128],
+ * per row per 128 columns (an FP8 pass's x^, before its dispatch), on `stream`. */
+mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s,
+                                       int num_sms, cudaStream_t stream);
+
 /* schedule.cu: sizes one rank's schedule scratch for the workspace's maxima and a device of num_sms SMs; with
  * base (device memory of the returned bytes) set, also points out's arrays into it. */
 size_t mok__cuda_sched_scratch(const mok_workspace *ws, int num_sms, char *base, cuda_sched_scratch *out);

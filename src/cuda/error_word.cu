@@ -70,7 +70,8 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
         const int tag =
             code > MOK_KERR_TAG_BASE && code <= MOK_KERR_CONTEXT_BUILD ? code - MOK_KERR_TAG_BASE : MOK_TAG_OK;
         if (code == MOK_KERR_EXPERT_ID || code == MOK_KERR_TOKENS || code == MOK_KERR_SCHEDULE ||
-            code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED || tag != MOK_TAG_OK) {
+            code == MOK_KERR_MISMATCH || code == MOK_KERR_PEER_FAILED || code == MOK_KERR_FP8_WEIGHTS ||
+            tag != MOK_TAG_OK) {
             char theirs[160] = "", mine[160] = "";
             const int peer = mirror[MIRROR_PEER];
             const long long found = (long long)((unsigned long long)(unsigned)mirror[MIRROR_THEIRS] |
@@ -104,6 +105,11 @@ mok_status mok__cuda_check_error_word(mok_workspace *ws) {
             if (code == MOK_KERR_TOKENS)
                 return mok__fail(MOK_ERR_INVALID_ARGUMENT, "num_tokens: a peer of rank %d published T outside [0, T_max]",
                                  rank);
+            if (code == MOK_KERR_FP8_WEIGHTS)
+                return mok__fail(MOK_ERR_INVALID_ARGUMENT,
+                                 "args[%d].fp8_weights: rank %d's pass did nothing: the buffer was not written by "
+                                 "mok_quantize_weights for this workspace's shape",
+                                 lr, rank);
             if (code == MOK_KERR_PEER_FAILED)
                 return mok__fail(MOK_ERR_INVALID_ARGUMENT,
                                  "call: rank %d's part of %s failed (it reports its own error), so rank %d's part "

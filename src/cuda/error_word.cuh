@@ -28,6 +28,8 @@
 #define MOK_KERR_CONTEXT_WORKSPACE (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_WORKSPACE)   /* 11: another workspace's */
 #define MOK_KERR_CONTEXT_RANK (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_RANK)             /* 12: another rank's */
 #define MOK_KERR_CONTEXT_BUILD (MOK_KERR_TAG_BASE + MOK_TAG_CONTEXT_BUILD)           /* 13: another build's */
+#define MOK_KERR_FP8_WEIGHTS 14  /* an FP8 pass's fp8_weights header is not mok_quantize_weights' for
+                                    the workspace's shape */
 
 /* The host mirror of a rank's error word: the code, then (MOK_KERR_MISMATCH, MOK_KERR_PEER_FAILED)
  * the peer and both call words, or (the tag codes) the value found and the one expected in

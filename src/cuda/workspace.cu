@@ -161,11 +161,8 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
 #ifdef MOK_CUDA_NO_TRACE
     if (ws->config.trace) return mok__fail(MOK_ERR_UNSUPPORTED, "config.trace: this build has the trace compiled out (NO_TRACE=1)");
 #endif
-    /* Every rank refuses alike, before any collective call, so none waits on another. */
-    if (ws->shape.precision == MOK_PRECISION_FP8)
-        return mok__fail(MOK_ERR_UNSUPPORTED,
-                         "shape.precision: the cuda backend has no FP8 GEMM tiles yet; FP8 workspaces run on the cpu "
-                         "backend");
+    /* FP8 workspaces hold the same buffers as bf16 ones: an E4M3 row and its scales (n + n / 32
+       bytes) fit where the bf16 row (2 n bytes) goes (forward.cu: pass_params_fp8). */
     cuda_workspace *cw = (cuda_workspace *)calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     {

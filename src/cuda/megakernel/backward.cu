@@ -433,6 +433,12 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
     if (st != MOK_OK) return st;
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
+    /* Every rank refuses alike (the precision is the group's), before any collective step. */
+    if (s->precision == MOK_PRECISION_FP8)
+        return mok__fail(MOK_ERR_UNSUPPORTED,
+                         "mok_backward: the cuda backend has the FP8 forward only; the FP8 backward (dy^, the dh and "
+                         "dx GEMMs on the transposed FP8 weights, the weight gradients) is not built yet. FP8 "
+                         "training runs on the cpu backend");
     int previous = 0;
     cudaGetDevice(&previous);
     const size_t smem = COMPUTE_SMEM_BYTES;

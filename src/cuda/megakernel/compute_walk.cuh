@@ -6,6 +6,8 @@
  *
  * A Runner says what a compute task is, and both sides ask it the same questions:
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
+ *   static constexpr bool FP8;      optional: true when its GEMMs are block-scaled E4M3 (K-major
+ *                                    operands, fp8_tile.cuh's consumer loop and register split)
  *   prepare(p, v, span, rt, nt, &tp): producer thread 0, once per task before posting it: what
  *                                    the others need of the schedule (params.cuh's task_prep); they
  *                                    get it as `tp` (shared memory, beside the task's queue entry)
@@ -44,6 +46,7 @@
 #define MOK_CUDA_WALK_WS_CUH
 
 #include "cuda/megakernel/task_list.cuh"
+#include "cuda/sm90/fp8_tile.cuh"
 #include "cuda/sm90/gemm_tile.cuh"
 
 struct queued_task {
@@ -172,6 +175,17 @@ static __device__ __forceinline__ void use_tma_mn(const pass_params &p, tile_ope
     op->b_row[0] = op->b_row[1] = (int)b_row;
 }
 
+/* Whether a Runner's GEMMs are FP8 (its `static constexpr bool FP8 = true`; bf16 without the member):
+ * their consumers run fp8_tile.cuh's block-scaled loop on the same stages. */
+template <typename Runner, typename = void>
+struct runner_fp8 {
+    static constexpr bool value = false;
+};
+template <typename Runner>
+struct runner_fp8<Runner, decltype((void)Runner::FP8)> {
+    static constexpr bool value = Runner::FP8;
+};
+
 template <typename Runner, bool A_MN, bool B_MN>
 static __device__ __forceinline__ bool variant_used(int variant) {
     return variant == (A_MN ? 2 : 0) + (B_MN ? 1 : 0) && ((Runner::VARIANTS >> variant) & 1);
@@ -195,7 +209,8 @@ static __device__ __forceinline__ void consume_phase(const pass_params &p, const
     float acc[TILE_ACC];
     Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, span, rt, nt, tp, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
-    consume_gemm<A_MN, B_MN>(r, op, acc);
+    if constexpr (runner_fp8<Runner>::value) consume_gemm_fp8(r, op, acc); /* K-major operands only */
+    else consume_gemm<A_MN, B_MN>(r, op, acc);
     if (TRACE_ON(p)) {
         clk.gemm_end = globaltimer_ns();
         clk.gemm_ns += clk.gemm_end - g0;
@@ -388,11 +403,14 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
        keeps the consumers' wgmmas asynchronous. */
     const int warp = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 32), 0);
     if (warp < PRODUCER_THREADS / 32) {
-        setmaxnreg_dec_producer(); /* the whole producer warpgroup, before its warps part */
+        /* the whole producer warpgroup, before its warps part */
+        if constexpr (runner_fp8<Runner>::value) setmaxnreg_dec<FP8_PRODUCER_REGS>();
+        else setmaxnreg_dec_producer();
         if (warp < LOADER_THREADS / 32) producer_loop<Runner>(p, vs, r, sh);
         else completer_loop(p, r, sh);
     } else {
-        setmaxnreg_inc_consumer();
+        if constexpr (runner_fp8<Runner>::value) setmaxnreg_inc<FP8_CONSUMER_REGS>();
+        else setmaxnreg_inc_consumer();
         consumer_loop<Runner>(p, r, sh, (uint16_t *)(aligned + SMEM_STAGING_OFF), red);
     }
 }

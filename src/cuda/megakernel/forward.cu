@@ -17,15 +17,32 @@
 #include "cuda/megakernel/swiglu.cuh"
 
 
-/* x rows of the tile's (peer, token) pairs into the ring, one warp per row. */
+/* One warp, FP8: row `token` of x^ (codes [., H] at codes, scales [., H / 128] at scales) into ring
+ * row `ring` (codes at ring_codes, scales at ring_scales): H codes, H / 128 scales. */
+static __device__ __forceinline__ void copy_fp8_row(uint16_t *ring_codes, float *ring_scales, long long ring,
+                                                    const uint16_t *codes, const float *scales, long long token,
+                                                    long long H) {
+    copy_row(ring_codes + ring * (H / 2), codes + token * (H / 2), H / 2); /* pairs of codes */
+    const long long nb = H / MOK_FP8_BLOCK;
+    for (long long b = threadIdx.x & 31; b < nb; b += 32) ring_scales[ring * nb + b] = scales[token * nb + b];
+}
+
+/* x rows (FP8: x^ rows and their scales) of the tile's (peer, token) pairs into the ring, one warp
+ * per row. */
 static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const int peer = ct->peer[r];
         if (peer < 0) break; /* padding: the rest of the tile */
-        const uint16_t *src = (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) +
-                              (long long)(ct->slot[r] / p.topk) * p.hidden;
+        const long long token = ct->slot[r] / p.topk;
+        if (p.fp8) { /* x^: the token's codes and scales, from its owner's window */
+            const char *window = p.peers[peer];
+            copy_fp8_row(p.ring_x, p.ring_xs, ring0 + r, (const uint16_t *)(window + p.off_x),
+                         (const float *)(window + p.off_xs), token, p.hidden);
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) + token * p.hidden;
         copy_row(p.ring_x + (ring0 + r) * p.hidden, src, p.hidden);
     }
 }
@@ -67,11 +84,15 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt, com
 static __device__ void run_scatter(const pass_params &p, int q, long long rt, comm_tile *ct) {
     comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     uint16_t *ring_x = (uint16_t *)(p.peers[q] + p.off_ring_x);
+    /* FP8: q's ring_x holds its codes, then their scales (pass_params) */
+    float *ring_xs = (float *)(p.peers[q] + p.off_ring_x + (size_t)(p.ring_rows * p.hidden));
     const uint16_t *x = p.x;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         if (ct->peer[r] != p.rank) continue;
-        copy_row(ring_x + (ring0 + r) * p.hidden, x + (long long)(ct->slot[r] / p.topk) * p.hidden, p.hidden);
+        const long long token = ct->slot[r] / p.topk;
+        if (p.fp8) copy_fp8_row(ring_x, ring_xs, ring0 + r, x, p.xs, token, p.hidden);
+        else copy_row(ring_x + (ring0 + r) * p.hidden, x + token * p.hidden, p.hidden);
     }
 }
 
@@ -137,9 +158,100 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_span &span, 
     }
 }
 
+/* FP8: B's block scales (tile_operands.sb) per 128-column chunk c of the tile: the weight rows
+ * behind the chunk's first 64-row block, rows lo_row + 64 j of the weight whose scales are lo for
+ * block j < b_split, else rows hi_row + 64 (j - b_split) of hi; a weight's scales are [rows / 128,
+ * kblocks] (fp8_weights' layout). Every chunk lies in one weight block: lo_row and hi_row are
+ * multiples of 128 (or the tile has 64 columns) and b_split is even. */
+static __device__ __forceinline__ void fp8_b_scales(tile_operands *op, const float *lo, long long lo_row,
+                                                    const float *hi, long long hi_row, long long kblocks) {
+#pragma unroll
+    for (int c = 0; c < TILE_BN / 128; ++c) {
+        const int j = 2 * c;
+        const bool first = j < op->b_split;
+        const long long row = first ? lo_row + 64 * j : hi_row + 64 * (j - op->b_split);
+        op->sb[c] = 128 * c < op->n_valid ? (first ? lo : hi) + row / MOK_FP8_BLOCK * kblocks : nullptr;
+    }
+}
+
+/* The FP8 GEMM of a compute task (fwd_gemm's, on x^, h^ and the weights' codes; tile_operands.cuh:
+ * E4M3 operands counted in pairs of codes, so K = H is H / 2 pairs). */
+static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
+                                   const task_prep &tp, int i, tile_operands *op) {
+    if (i > 0) return 0;
+    const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    *op = tile_operands{};
+    switch (span.kind) {
+    case MOK_TASK_GATEUP:
+    case MOK_TASK_SHARED_UP: {
+        const bool routed = span.kind == MOK_TASK_GATEUP;
+        const long long n0 = nt * p.n_tile;
+        long long a_row, w_row;
+        if (routed) {
+            const tile_info t = tp.tile;
+            a_row = t.ring0;
+            w_row = t.expert * I + n0;
+            op->a = p.ring_x + a_row * (H / 2);
+            op->sa = p.ring_xs + a_row * (H / MOK_FP8_BLOCK);
+            op->a_rows = t.nreal;
+        } else {
+            a_row = rt * MOK_ROW_TILE;
+            w_row = n0;
+            op->a = p.x + a_row * (H / 2);
+            op->sa = p.xs + a_row * (H / MOK_FP8_BLOCK);
+            op->a_rows = (int)(p.num_tokens - a_row < MOK_ROW_TILE ? p.num_tokens - a_row : MOK_ROW_TILE);
+        }
+        const int g = routed ? FP8_GATE : FP8_S_GATE, u = routed ? FP8_UP : FP8_S_UP;
+        op->lda = op->ldb = op->k = H / 2;
+        op->sa_ld = H / MOK_FP8_BLOCK;
+        op->b_lo = (const uint16_t *)(p.wq[g] + w_row * H);
+        op->b_hi = (const uint16_t *)(p.wq[u] + w_row * H);
+        op->n_valid = 2 * p.n_tile;
+        op->b_split = p.n_tile / 64;
+        fp8_b_scales(op, p.wqs[g], w_row, p.wqs[u], w_row, H / MOK_FP8_BLOCK);
+        if (routed) use_tma_k(p, op, MAP_RING_X, a_row, MAP_W_GATE, w_row, MAP_W_UP, w_row);
+        else use_tma_k(p, op, MAP_X, a_row, MAP_S_GATE, w_row, MAP_S_UP, w_row);
+        return 1;
+    }
+    case MOK_TASK_DOWN:
+    case MOK_TASK_SHARED_DOWN: {
+        const bool routed = span.kind == MOK_TASK_DOWN;
+        const long long inter = routed ? I : Is, h0 = nt * p.n_tile_h;
+        long long a_row, w_row;
+        if (routed) {
+            const tile_info t = tp.tile;
+            if (t.nreal == 0) return 0;
+            a_row = t.ring0;
+            w_row = t.expert * H + h0;
+            op->a = p.ring_h + a_row * (I / 2);
+            op->sa = p.ring_hs + a_row * (I / MOK_FP8_BLOCK);
+            op->a_rows = t.nreal;
+        } else {
+            a_row = rt * MOK_ROW_TILE;
+            w_row = h0;
+            op->a = p.sh_h + a_row * (Is / 2);
+            op->sa = p.sh_hs + a_row * (Is / MOK_FP8_BLOCK);
+            op->a_rows = (int)(p.num_tokens - a_row < MOK_ROW_TILE ? p.num_tokens - a_row : MOK_ROW_TILE);
+        }
+        const int d = routed ? FP8_DOWN : FP8_S_DOWN;
+        op->lda = op->ldb = op->k = inter / 2;
+        op->sa_ld = inter / MOK_FP8_BLOCK;
+        op->b_lo = (const uint16_t *)(p.wq[d] + w_row * inter);
+        op->n_valid = p.n_tile_h;
+        op->b_split = p.n_tile_h / 64;
+        fp8_b_scales(op, p.wqs[d], w_row, nullptr, 0, inter / MOK_FP8_BLOCK);
+        if (routed) use_tma_k(p, op, MAP_RING_H, a_row, MAP_W_DOWN, w_row, -1, 0);
+        else use_tma_k(p, op, MAP_SH_H, a_row, MAP_S_DOWN, w_row, -1, 0);
+        return 1;
+    }
+    default: return 0;
+    }
+}
+
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
  * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers). The
  * walk's closing barrier orders the stores before the release. */
+template <bool FP8>
 static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
                                     long long nt, const task_prep &tp, float (&acc)[TILE_ACC], uint16_t *staging) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
@@ -149,27 +261,38 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         const bool routed = span.kind == MOK_TASK_GATEUP;
         const long long inter = routed ? I : Is;
         int rows;
-        long long ctx_row0, ctx_rows;
+        long long ctx_row0, ctx_rows, h_row;
         uint16_t *ctx, *h;
+        float *hs;
         if (routed) {
             const tile_info t = tp.tile;
             rows = t.nreal;
             ctx_row0 = t.row0;
             ctx_rows = p.context_rows;
             ctx = p.context;
-            h = p.ring_h + t.ring0 * I;
+            h_row = t.ring0;
+            h = p.ring_h;
+            hs = p.ring_hs;
         } else {
             const long long t0 = rt * MOK_ROW_TILE;
             rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
             ctx_row0 = t0;
             ctx_rows = t0 + rows;
             ctx = p.context_shared;
-            h = p.sh_h + t0 * Is;
+            h_row = t0;
+            h = p.sh_h;
+            hs = p.sh_hs;
         }
-        if (p.n_tile == 128)
-            swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h, inter, p.limit, staging);
+        if constexpr (FP8) /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
+            swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
+                                     (uint8_t *)h + h_row * inter, inter, p.limit, staging,
+                                     hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
+        else if (p.n_tile == 128)
+            swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h + h_row * inter, inter,
+                               p.limit, staging);
         else
-            swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h, inter, p.limit, staging);
+            swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h + h_row * inter, inter,
+                              p.limit, staging);
         break;
     }
     case MOK_TASK_DOWN:
@@ -216,15 +339,18 @@ struct forward_comm {
     }
 };
 
+template <bool FP8_>
 struct forward_compute {
     static constexpr int VARIANTS = 1; /* K-major operands only */
+    static constexpr bool FP8 = FP8_;  /* the FP8 function's GEMMs and epilogues (include/mok.h) */
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long, task_prep *tp) {
         if (span.kind == MOK_TASK_GATEUP || span.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
     }
     static __device__ int gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                const task_prep &tp, int i, tile_operands *op) {
-        return fwd_gemm(p, span, rt, nt, tp, i, op);
+        if constexpr (FP8) return fwd_gemm_fp8(p, span, rt, nt, tp, i, op);
+        else return fwd_gemm(p, span, rt, nt, tp, i, op);
     }
     template <int VAR>
     static __device__ void preset(const pass_params &, const mok_task_span &, long long, long long,
@@ -236,12 +362,13 @@ struct forward_compute {
     static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                     const task_prep &tp, int, float (&acc)[TILE_ACC], uint16_t *staging, float *,
                                     const CUtensorMap *) {
-        fwd_epilogue(p, span, rt, nt, tp, acc, staging);
+        fwd_epilogue<FP8>(p, span, rt, nt, tp, acc, staging);
     }
     static __device__ void plain(const pass_params &, const mok_task_span &, long long, long long,
                                  const task_prep &) {}
 };
 
+template <bool FP8>
 __global__ void __launch_bounds__(COMPUTE_THREADS, 1) forward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
@@ -249,7 +376,7 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) forward_kernel(pass_params
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     if (blockIdx.x < comm) walk_tasks<forward_comm>(p, v, (uint16_t *)smem_raw); /* comm_tile */
-    else walk_compute<forward_compute>(p, v, smem_raw, nullptr, maps.m);
+    else walk_compute<forward_compute<FP8>>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry, comm);
@@ -270,20 +397,79 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
     return mask | weight_maps(p, maps);
 }
 
+/* The same for an FP8 pass: the E4M3 matrices seen as bf16-sized pairs of codes ([rows, cols / 2],
+ * boxes of 64 pairs: a 128-byte row of 128 codes, tile_operands.cuh), the weights' codes in place
+ * of the bf16 weights. */
+static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
+    const long long H = p->hidden, I = p->inter, Is = p->shared_inter, E = p->num_local_experts;
+    const long long ring = p->ring_rows, T = p->num_tokens;
+    unsigned mask = 0;
+    memset(maps, 0, sizeof *maps);
+    if (!R->tuning.tma) return 0;
+    const struct {
+        int map;
+        const void *ptr;
+        long long rows, cols;
+    } all[] = {{MAP_RING_X, R->ring_x, ring, H},
+               {MAP_RING_H, R->ring_h, ring, I},
+               {MAP_X, p->x, T, H},
+               {MAP_SH_H, Is ? R->sh_h : NULL, T, Is},
+               {MAP_W_GATE, p->wq[FP8_GATE], E * I, H},
+               {MAP_W_UP, p->wq[FP8_UP], E * I, H},
+               {MAP_W_DOWN, p->wq[FP8_DOWN], E * H, I},
+               {MAP_S_GATE, Is ? p->wq[FP8_S_GATE] : NULL, Is, H},
+               {MAP_S_UP, Is ? p->wq[FP8_S_UP] : NULL, Is, H},
+               {MAP_S_DOWN, Is ? p->wq[FP8_S_DOWN] : NULL, H, Is}};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
+        mask |= (unsigned)tma_encode(&maps->m[all[i].map], all[i].ptr, all[i].rows, all[i].cols / 2, 64) << all[i].map;
+    return mask;
+}
+
+/* An FP8 pass's buffers (pass_params): x^ in this rank's window (quantized there before the pass,
+ * where the peers' dispatch reads it), the scales beside the codes in the rings, the weights from
+ * the caller's fp8_weights (mok_fp8_layout). */
+static void pass_params_fp8(pass_params *p, const mok_workspace *ws, const cuda_rank *R, const void *fp8_weights) {
+    const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
+    const mok_shape *s = &ws->shape;
+    const size_t ring = (size_t)ws->config.ring_rows, T = (size_t)s->max_tokens;
+    p->fp8 = 1;
+    p->fp8_header = (const mok_fp8_header *)fp8_weights;
+    p->x = (const uint16_t *)(R->sym + cw->sym.x);
+    p->off_xs = cw->sym.x + T * (size_t)s->hidden;
+    p->xs = (const float *)(R->sym + p->off_xs);
+    p->ring_xs = (float *)((char *)R->ring_x + ring * (size_t)s->hidden);
+    p->ring_hs = (float *)((char *)R->ring_h + ring * (size_t)s->intermediate);
+    p->sh_hs = (float *)((char *)R->sh_h + T * (size_t)s->shared_intermediate);
+    mok_fp8_layout layout;
+    mok__fp8_layout(s, ws->num_local_experts, &layout);
+    const int matrices[6] = {MOK_FP8_W_GATE, MOK_FP8_W_UP, MOK_FP8_W_DOWN, MOK_FP8_S_GATE, MOK_FP8_S_UP, MOK_FP8_S_DOWN};
+    for (int m = 0; m < 6; ++m) {
+        p->wq[m] = (const uint8_t *)fp8_weights + layout.codes[matrices[m]];
+        p->wqs[m] = (const float *)((const char *)fp8_weights + layout.scales[matrices[m]]);
+    }
+}
+
 extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_args *args, int recompute) {
     mok_status st = mok__cuda_check_error_word(ws);
     if (st != MOK_OK) return st;
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
+    const int fp8 = s->precision == MOK_PRECISION_FP8;
+    /* Every rank refuses alike (the precision is the group's), before any collective step. */
+    if (fp8 && recompute)
+        return mok__fail(MOK_ERR_UNSUPPORTED,
+                         "mok_recompute_context: the cuda backend has the FP8 forward only (no FP8 backward, which "
+                         "would read the context); FP8 training runs on the cpu backend");
     int previous = 0;
     cudaGetDevice(&previous);
     const size_t smem = COMPUTE_SMEM_BYTES;
+    const void *kernel = fp8 ? (const void *)forward_kernel<true> : (const void *)forward_kernel<false>;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_forward_args *a = &args[lr];
         cudaStream_t stream = (cudaStream_t)a->stream;
         CUDA_TRY(cudaSetDevice(R->device));
-        CUDA_TRY(cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
         p.recompute = recompute;
@@ -296,13 +482,23 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params_comm(&p, R, ws->config.fwd_comm_sms, 0);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
 
-        if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */
-            CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
-                                     cudaMemcpyDeviceToDevice, stream));
         pass_maps maps;
-        p.tma_mask = forward_maps(R, &p, &maps);
-        st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)forward_kernel, COMPUTE_THREADS, smem, stream,
-                                   a->num_tokens, &maps);
+        if (fp8) {
+            if (p.n_tile != MOK_FP8_BLOCK) /* the gate|up epilogue quantizes whole 128-blocks of h */
+                return mok__fail(MOK_ERR_INTERNAL, "FP8 forward: gate|up tiles of %d columns, not 128", p.n_tile);
+            /* x^ = Q(x) once, into this rank's window: its own tiles and the peers' dispatch read it */
+            pass_params_fp8(&p, ws, R, a->fp8_weights);
+            st = mok__cuda_fp8_quantize_rows((const uint16_t *)a->x, a->num_tokens, s->hidden, (uint8_t *)p.x,
+                                             (float *)p.xs, R->num_sms, stream);
+            if (st != MOK_OK) return st;
+            p.tma_mask = forward_maps_fp8(R, &p, &maps);
+        } else {
+            if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */
+                CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
+                                         cudaMemcpyDeviceToDevice, stream));
+            p.tma_mask = forward_maps(R, &p, &maps);
+        }
+        st = mok__cuda_launch_pass(ws, lr, R, &p, kernel, COMPUTE_THREADS, smem, stream, a->num_tokens, &maps);
         if (st != MOK_OK) return st;
         if (!recompute && a->num_tokens > 0)
             st = mok__cuda_forward_slot_sums(p, R->num_sms, a->router_w, (uint16_t *)a->y, R->sym + cw->sym.comb,

@@ -7,6 +7,7 @@
 
 #include <string.h>
 
+#include "core/fp8_weights.h"
 #include "cuda/backend.cuh"
 #include "cuda/sm90/tile_operands.cuh"
 
@@ -37,6 +38,18 @@ struct pass_params {
     float *ring_w, *ring_rdot, *carry;
     void *dw[3], *ds[3];
     float limit;
+    /* FP8 passes (shape.precision, include/mok.h's FP8 section): x^'s codes at off_x of every
+       window (this rank's also at x) and its scales at off_xs (xs); the E4M3 rows of ring_x, ring_h
+       and sh_h with their scales after them, at ring_xs, ring_hs, sh_hs (a buffer's bf16 size holds
+       both: n codes and n / 32 bytes of scales); the weights' codes and scales in the forward's
+       orientation, from the caller's fp8_weights: FP8_GATE .. FP8_S_DOWN */
+    int fp8;
+    const mok_fp8_header *fp8_header; /* the start of fp8_weights, checked by pass_refusal */
+    size_t off_xs;
+    const float *xs;
+    float *ring_xs, *ring_hs, *sh_hs;
+    const uint8_t *wq[6];
+    const float *wqs[6];
     unsigned long long *counters;
     long long counters_cap;
     /* Transfers in other than their default direction (docs/design.md §2.4a): the plan's switches
@@ -56,6 +69,8 @@ struct pass_params {
     long long trace_cap;
     unsigned long long *trace_count;
 };
+
+enum { FP8_GATE, FP8_UP, FP8_DOWN, FP8_S_GATE, FP8_S_UP, FP8_S_DOWN }; /* pass_params.wq, wqs */
 
 struct tile_info {
     long long row0, ring0;
@@ -155,7 +170,14 @@ static __device__ int pass_refusal(const pass_params &p, const mok_sched_view &v
         tag = mok__context_tag_check(p.context_tag, p.workspace_tag, h->build, p.rank, &f, &e);
     *found = f;
     *expected = e;
-    return tag == MOK_TAG_OK ? 0 : MOK_KERR_TAG_BASE + tag;
+    if (tag != MOK_TAG_OK) return MOK_KERR_TAG_BASE + tag;
+    if (p.fp8) {
+        const mok_fp8_header *w = p.fp8_header;
+        if (w->magic != MOK_FP8_WEIGHTS_MAGIC || w->hidden != p.hidden || w->intermediate != p.inter ||
+            w->shared_intermediate != p.shared_inter || w->num_local_experts != p.num_local_experts)
+            return MOK_KERR_FP8_WEIGHTS;
+    }
+    return 0;
 }
 
 /* The fields every pass shares: layer, schedule, buffers, counters. */

@@ -6,6 +6,7 @@
 #ifndef MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
 #define MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
 
+#include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/compute_walk.cuh"
 
 /* The two shared-memory layouts bf16 tiles are written in: the staging tile c[128][TILE_C_LD]
@@ -55,6 +56,16 @@ static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, 
             *(int4 *)(out + orow * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
         }
     }
+}
+
+/* FP8: rows < rows of the staging tile's 128 bf16 columns, each row one 1 x 128 block, quantized
+ * (fp8_rows.cuh) into codes at out + r * ld and scales at scales[r * scales_ld], one warp per row. */
+static __device__ __forceinline__ void quantize_staged(const uint16_t *c, int rows, uint8_t *out, long long ld,
+                                                       float *scales, long long scales_ld) {
+    static_assert(TILE_C_COLS == MOK_FP8_BLOCK, "a staged row is one quantization block");
+    const int warp = (threadIdx.x - PRODUCER_THREADS) >> 5;
+    for (int r = warp; r < rows; r += CONSUMER_THREADS / 32)
+        fp8_quantize_block(c + r * TILE_C_LD, out + r * ld, scales + r * scales_ld);
 }
 
 /* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile

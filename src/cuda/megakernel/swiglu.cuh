@@ -14,11 +14,14 @@
  * and u into the one beside it (the backward's dh scratch, the same size and unused in the
  * forward), then h into c. The fragment's own pattern stored 16 bytes into each of 8 rows per
  * warp store. */
-template <int NT>
+/* FP8 (NT = 128, one quantization block per row): h_out is h^'s codes (h_ld of them per row) and
+ * h^ = Q(h) goes there, its scales to h_scales (hs_ld per row), instead of h. */
+template <int NT, bool FP8 = false>
 static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC], int nreal, long long ctx_row0,
                                                      long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
-                                                     long long n0, uint16_t *h_out, long long h_ld, float limit,
-                                                     uint16_t *c) {
+                                                     long long n0, void *h_out, long long h_ld, float limit,
+                                                     uint16_t *c, float *h_scales = nullptr, long long hs_ld = 0) {
+    static_assert(!FP8 || NT == MOK_FP8_BLOCK, "an FP8 gate|up tile covers whole blocks of h");
     static_assert(DH_SCRATCH_BYTES >= TILE_BM * TILE_C_LD * 2, "a second staging tile fits the dh scratch");
     const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
     uint16_t *c2 = c + TILE_BM * TILE_C_LD;
@@ -51,7 +54,8 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
 #pragma unroll
     for (int j = 0; j < NT / 8; j += 2) stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
     consumer_sync();
-    copy_staged(c, nreal, NT, h_out + n0, h_ld);
+    if constexpr (FP8) quantize_staged(c, nreal, (uint8_t *)h_out + n0, h_ld, h_scales + n0 / MOK_FP8_BLOCK, hs_ld);
+    else copy_staged(c, nreal, NT, (uint16_t *)h_out + n0, h_ld);
     consumer_sync();
 }
 

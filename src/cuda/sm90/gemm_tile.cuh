@@ -48,7 +48,7 @@
    The consumers hold 128 accumulators; the producer addresses, counters and the schedule's
    cursor. With fewer registers the producer spills more, right after its counter acquires,
    which invalidate L1, so a reload may go to L2; the consumers' share keeps their wgmma loop
-   free of spills. */
+   free of spills. (The FP8 kernels split them otherwise: fp8_tile.cuh.) */
 #define PRODUCER_REGS 80
 #define CONSUMER_REGS 208
 

@@ -45,6 +45,15 @@ typedef struct tile_operands {
        whole 64-row slices: rows past k_valid must read as zeros in the matrix itself. */
     int tma, a_map, a_row, a_mmajor, a_halves, a_col, b_nmajor, b_halves, b_col;
     int b_map[2], b_row[2];
+    /* FP8 GEMMs (fp8_tile.cuh): both operands K-major E4M3 codes, addressed as pairs of codes
+       (uint16_t) so that the loaders above move them unchanged: a, b_lo, b_hi, lda, ldb and k count
+       pairs, and one 64-step stage is 128 codes of K, one scale block. The block scales: A's row m
+       < a_rows, K block kb at sa[m * sa_ld + kb]; B's rows 128 c .. 128 c + 127 (the tile's columns
+       of chunk c) lie in one 128 x 128 weight block, whose scales along K are sb[c][kb] (NULL for a
+       chunk past n_valid). */
+    const float *sa;
+    long long sa_ld;
+    const float *sb[TILE_BN / 128];
 } tile_operands;
 
 /* A 128-row x 64-column bf16 box in the 128B swizzle: the unit of the TMA stores. */

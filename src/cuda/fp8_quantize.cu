@@ -1,0 +1,114 @@
+/* fp8_quantize.cu — the cuda backend's quantization kernels (include/mok.h, FP8 section): a pass's
+ * x^ = Q(x), per token per 128 of H, before its dispatch (mok__cuda_fp8_quantize_rows), and
+ * mok_quantize_weights on the device: each 128 x 128 block of every bf16 weight into its codes, in
+ * both orientations, and its scale (mok__cuda_quantize_weights). Both deterministic: a block's
+ * scale is a maximum, every code a function of its value and that scale. */
+#include <string.h>
+
+#include "core/fp8_weights.h"
+#include "cuda/backend.cuh"
+#include "cuda/fp8_rows.cuh"
+
+#define QUANT_THREADS 256
+
+/* One warp per (row, 128-column block) of x [rows, cols]: codes q [rows, cols], scales s [rows,
+ * cols / 128]. */
+__global__ void quantize_rows_kernel(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s) {
+    const long long blocks_per_row = cols / MOK_FP8_BLOCK, total = rows * blocks_per_row;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long b = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; b < total; b += warps) {
+        const long long row = b / blocks_per_row, col = (b % blocks_per_row) * MOK_FP8_BLOCK;
+        fp8_quantize_block(x + row * cols + col, q + row * cols + col, s + b);
+    }
+}
+
+mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s,
+                                       int num_sms, cudaStream_t stream) {
+    if (rows <= 0) return MOK_OK;
+    const long long warps = rows * (cols / MOK_FP8_BLOCK), per_cta = QUANT_THREADS / 32;
+    long long grid = (warps + per_cta - 1) / per_cta;
+    if (grid > 8ll * num_sms) grid = 8ll * num_sms;
+    LAUNCH_TRY(quantize_rows_kernel<<<(unsigned)grid, QUANT_THREADS, 0, stream>>>(x, rows, cols, q, s));
+    return MOK_OK;
+}
+
+/* One CTA per 128 x 128 block (blockIdx.x: the block's index over count matrices [rows, cols]):
+ * its amax, then its codes into q [rows, cols] and, through shared memory so that both stores are
+ * whole rows, into q_t [cols, rows]; its scale into both scale arrays. */
+__global__ void __launch_bounds__(QUANT_THREADS) quantize_weight_kernel(const uint16_t *w, long long rows, long long cols,
+                                                                        uint8_t *q, uint8_t *q_t, float *scales,
+                                                                        float *scales_t) {
+    __shared__ uint8_t tile[MOK_FP8_BLOCK][MOK_FP8_BLOCK + 4];
+    __shared__ float warp_max[QUANT_THREADS / 32];
+    const long long br = rows / MOK_FP8_BLOCK, bc = cols / MOK_FP8_BLOCK, per = br * bc;
+    const long long m = blockIdx.x / per, block_row = blockIdx.x % per / bc, block_col = blockIdx.x % bc;
+    const uint16_t *src = w + m * rows * cols + block_row * MOK_FP8_BLOCK * cols + block_col * MOK_FP8_BLOCK;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < MOK_FP8_BLOCK * MOK_FP8_BLOCK; i += QUANT_THREADS)
+        amax = mok__fp8_amax(amax, mok__bf16_to_f32(src[(i / MOK_FP8_BLOCK) * cols + i % MOK_FP8_BLOCK]));
+    for (int s = 16; s >= 1; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int i = 0; i < QUANT_THREADS / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+    const int e = mok__fp8_scale_exp(amax);
+    const float inverse = mok__fp8_pow2(-e);
+    uint8_t *dst = q + m * rows * cols + block_row * MOK_FP8_BLOCK * cols + block_col * MOK_FP8_BLOCK;
+    for (int i = threadIdx.x; i < MOK_FP8_BLOCK * MOK_FP8_BLOCK; i += QUANT_THREADS) {
+        const int r = i / MOK_FP8_BLOCK, c = i % MOK_FP8_BLOCK;
+        const uint8_t code = mok__fp8_quantize(mok__bf16_to_f32(src[r * cols + c]), inverse);
+        dst[r * cols + c] = code;
+        tile[c][r] = code;
+    }
+    __syncthreads();
+    uint8_t *dst_t = q_t + m * rows * cols + block_col * MOK_FP8_BLOCK * rows + block_row * MOK_FP8_BLOCK;
+    for (int i = threadIdx.x; i < MOK_FP8_BLOCK * MOK_FP8_BLOCK; i += QUANT_THREADS)
+        dst_t[(i / MOK_FP8_BLOCK) * rows + i % MOK_FP8_BLOCK] = tile[i / MOK_FP8_BLOCK][i % MOK_FP8_BLOCK];
+    if (threadIdx.x == 0) {
+        scales[m * per + block_row * bc + block_col] = mok__fp8_pow2(e);
+        scales_t[m * per + block_col * br + block_row] = mok__fp8_pow2(e);
+    }
+}
+
+/* Every local rank's FP8 weights (mok_quantize_weights has checked the arguments): the buffer
+ * cleared, each bf16 weight into its matrix and its transposed copy, then the header, on each
+ * rank's stream (as the cpu backend writes them: the same bytes). */
+extern "C" mok_status mok__cuda_quantize_weights(mok_workspace *ws, const mok_quantize_args *args) {
+    cuda_workspace *cw = (cuda_workspace *)ws->impl;
+    mok_fp8_layout layout;
+    mok__fp8_layout(&ws->shape, ws->num_local_experts, &layout);
+    mok_fp8_header header;
+    memset(&header, 0, sizeof header);
+    mok__fp8_header_make(&header, &ws->shape, ws->num_local_experts);
+    int previous = 0;
+    cudaGetDevice(&previous);
+    for (int lr = 0; lr < cw->num_local; ++lr) {
+        const mok_quantize_args *a = &args[lr];
+        cudaStream_t stream = (cudaStream_t)a->stream;
+        CUDA_TRY(cudaSetDevice(cw->ranks[lr].device));
+        char *out = (char *)a->fp8_weights;
+        /* the padding between arrays too: the whole buffer is defined, the cpu's bytes */
+        CUDA_TRY(cudaMemsetAsync(out, 0, layout.bytes, stream));
+        /* each source with the matrix it fills and that matrix's transposed copy */
+        const struct {
+            const void *w;
+            int m, m_t;
+        } jobs[] = {{a->w_gate, MOK_FP8_W_GATE, MOK_FP8_W_GATE_T}, {a->w_up, MOK_FP8_W_UP, MOK_FP8_W_UP_T},
+                    {a->w_down, MOK_FP8_W_DOWN, MOK_FP8_W_DOWN_T}, {a->s_gate, MOK_FP8_S_GATE, MOK_FP8_S_GATE_T},
+                    {a->s_up, MOK_FP8_S_UP, MOK_FP8_S_UP_T},       {a->s_down, MOK_FP8_S_DOWN, MOK_FP8_S_DOWN_T}};
+        for (size_t j = 0; j < sizeof jobs / sizeof jobs[0]; ++j) {
+            int64_t rows, cols, count;
+            mok__fp8_matrix_shape(&ws->shape, ws->num_local_experts, jobs[j].m, &rows, &cols, &count);
+            const long long blocks = count * (rows / MOK_FP8_BLOCK) * (cols / MOK_FP8_BLOCK);
+            if (blocks == 0 || !jobs[j].w) continue;
+            LAUNCH_TRY(quantize_weight_kernel<<<(unsigned)blocks, QUANT_THREADS, 0, stream>>>(
+                (const uint16_t *)jobs[j].w, rows, cols, (uint8_t *)out + layout.codes[jobs[j].m],
+                (uint8_t *)out + layout.codes[jobs[j].m_t], (float *)(out + layout.scales[jobs[j].m]),
+                (float *)(out + layout.scales[jobs[j].m_t])));
+        }
+        /* the header last: a pass ordered after a quantization that failed finds no whole buffer */
+        CUDA_TRY(cudaMemcpyAsync(out, &header, sizeof header, cudaMemcpyHostToDevice, stream));
+    }
+    cudaSetDevice(previous);
+    return MOK_OK;
+}
