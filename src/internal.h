@@ -9,11 +9,8 @@
 
 #include "core/schedule.h"
 #include "core/tasks.h"
+#include "errors.h"
 #include "mok.h"
-
-/* Records the thread-local message (printf format) and returns `status`. */
-mok_status mok__fail(mok_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void mok__clear_error(void);
 
 /* What a collective call is. Every rank of a group makes the same collective calls in the same
  * order; each barrier of a call carries its mok_call to the peers, and a rank that meets a peer in
