@@ -10,28 +10,6 @@
 
 #include "internal.h"
 
-
-mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile) {
-    const mok_shape *s = &ws->shape;
-    mok_plan worst;
-    memset(&worst, 0, sizeof worst);
-    worst.hidden = s->hidden;
-    worst.intermediate = s->intermediate;
-    worst.shared_intermediate = s->shared_intermediate;
-    worst.num_local_experts = (int)ws->num_local_experts;
-    worst.minibatch_rows = ws->config.minibatch_rows;
-    worst.ring_rows = ws->config.ring_rows;
-    worst.n_tile = n_tile;
-    worst.n_tile_h = n_tile_h;
-    worst.wgrad_tile = wgrad_tile;
-    worst.combine_pull = ws->config.fwd_combine == MOK_PULL;
-    worst.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
-    worst.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
-    worst.combine_push = ws->config.bwd_combine == MOK_PUSH;
-    worst.nranks = ws->group->nranks;
-    return worst;
-}
-
 mok_status mok__check_ptr(const void *ptr, const char *name, int required) {
     if (!ptr) return required ? mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: must not be NULL", name) : MOK_OK;
     if ((uintptr_t)ptr % MOK_ALIGN != 0)

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/plan.h"
 #include "core/schedule.h"
 #include "core/tasks.h"
 #include "errors.h"
@@ -123,9 +124,16 @@ mok_status mok__check_fp8_weights(const mok_workspace *ws, int r, const void *fp
 /* cpu/quantize.c: mok_quantize_weights on validated arguments. */
 mok_status mok__cpu_quantize_weights(mok_workspace *ws, const mok_quantize_args *args);
 
-/* The worst case of a pass's plan on a workspace, for the bounds of its task list and counters
- * (the backend's tile widths). */
-mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile);
+/* What a workspace fixes of every pass's plan (core/plan.h), with the backend's tiles. */
+static inline mok_plan_workspace mok__plan_workspace(const mok_workspace *ws, mok_plan_tiles tiles) {
+    mok_plan_workspace w;
+    w.shape = &ws->shape;
+    w.config = &ws->config;
+    w.nranks = ws->group->nranks;
+    w.context_rows = ws->context_rows;
+    w.tiles = tiles;
+    return w;
+}
 
 /* The cpu backend's cross-rank barrier: carries `call` to the peers and compares theirs (ok = 0:
  * this rank rejected its arguments). mok__cpu_poisoned: the rank (+ 1) whose failure made the

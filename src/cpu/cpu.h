@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 
 #include "core/fp8.h"
+#include "core/plan.h"
 #include "core/tasks.h"
 #include "internal.h"
 
@@ -131,6 +132,7 @@ typedef struct cpu_rank {
 } cpu_rank;
 
 typedef struct cpu_workspace {
+    mok_plan_workspace plan; /* what the workspace fixes of every pass's plan (core/plan.h) */
     cpu_sym_layout sym;
     int workers, comm_workers;
     int num_local;
@@ -150,7 +152,7 @@ typedef struct cpu_pass {
     cpu_workspace *cw;
     cpu_rank *R;
     int local_rank;
-    int kind; /* CPU_PASS_* */
+    int kind; /* enum mok_pass_kind (core/plan.h) */
     const mok_forward_args *fa;
     const mok_backward_args *ba;
     mok_sched_view sched;
@@ -159,10 +161,8 @@ typedef struct cpu_pass {
     int64_t peer_padded_rows[MOK_MAX_RANKS]; /* plan.peer_padded_rows with combine_pull */
 } cpu_pass;
 
-enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };
-
 /* The trace buffer a pass records into (internal.h: forward and recompute 0, backward 1). */
-static inline int cpu_trace_pass(int kind) { return kind == CPU_PASS_BACKWARD; }
+static inline int cpu_trace_pass(int kind) { return kind == MOK_PASS_BACKWARD; }
 
 /* Why a counter wait of a pass gave up (cpu_rank.wait_failed). */
 enum { CPU_WAIT_OK = 0, CPU_WAIT_TIMEOUT, CPU_WAIT_PEER_FAILED, CPU_WAIT_POISONED };

@@ -10,14 +10,10 @@
 
 static size_t align64(size_t v) { return (v + 63u) & ~(size_t)63u; }
 
-static mok_plan worst_plan(const mok_workspace *ws) {
-    return mok__plan_worst(ws, CPU_N_TILE, CPU_N_TILE, CPU_WGRAD_TILE);
-}
-
-static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
+static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws, const cpu_workspace *cw) {
     const mok_shape *s = &ws->shape;
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
-    const mok_plan worst = worst_plan(ws);
+    const mok_plan worst = mok__plan_worst(&cw->plan);
     const size_t counters = (size_t)mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     /* FP8: x travels as E4M3 codes (1 byte) plus a scale per 128 of H */
     const int fp8 = s->precision == MOK_PRECISION_FP8;
@@ -64,7 +60,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
     const int64_t max_rows = ws->sched_layout.max_rows;
 
-    const mok_plan worst = worst_plan(ws);
+    const mok_plan worst = mok__plan_worst(&cw->plan);
     R->tasks_cap = mok__tasks_max(&worst, max_rows, s->max_tokens);
     R->counters_cap = mok__counters_max(&worst, max_rows, s->max_tokens);
     int64_t max_macro = (max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
@@ -146,7 +142,9 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     cpu_domain *d = cg->domain;
     cpu_workspace *cw = calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
-    sym_layout(&cw->sym, ws);
+    const mok_plan_tiles tiles = {.n_tile = CPU_N_TILE, .n_tile_h = CPU_N_TILE, .wgrad_tile = CPU_WGRAD_TILE};
+    cw->plan = mok__plan_workspace(ws, tiles);
+    sym_layout(&cw->sym, ws, cw);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     /* Auto: every core computes; the movers come on top (they sleep in memcpy-sized bursts). */
     cw->workers = ws->config.cpu_threads ? ws->config.cpu_threads

@@ -13,13 +13,6 @@
 
 static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
 
-/* Whether a transfer runs in other than its default direction: then the rings, counters and the
- * schedule's copy go into the window (cuda_sym_layout). */
-static int turned(const mok_config *c) {
-    return c->fwd_dispatch != MOK_PULL || c->fwd_combine != MOK_PUSH || c->bwd_combine != MOK_PULL ||
-           c->bwd_dispatch != MOK_PUSH;
-}
-
 void mok__cuda_sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t counters_cap) {
     const mok_shape *s = &ws->shape;
     size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
@@ -35,7 +28,7 @@ void mok__cuda_sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t c
     L->dy = off; off = align256(off + T * H * 2);
     L->dxbuf = off; off = align256(off + T * k * H * 2);
     L->drw = off; off = align256(off + T * k * 4);
-    L->turned = turned(&ws->config);
+    L->turned = mok__config_turned(&ws->config);
     L->sched = L->counters = L->ring_x = L->ring_y = L->ring_dy = L->ring_dyw = L->ring_w = L->ring_rdot = 0;
     if (L->turned) {
         L->sched = off; off = align256(off + ws->sched_layout.bytes);
