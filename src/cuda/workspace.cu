@@ -76,7 +76,7 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     if (!cw->sym.turned) { /* otherwise in the window (window_buffers) */
         ALLOC(R->ring_x, ring * H * 2);
         ALLOC(R->ring_y, ring * H * 2);
-        ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
+        ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + MOK_COUNTER_EXTRA_SLOTS));
         ALLOC(R->ring_dy, ring * H * 2);
         ALLOC(R->ring_dyw, ring * H * 2);
         ALLOC(R->ring_w, ring * 4);
