@@ -14,6 +14,7 @@
 #include "core/layout.h"
 #include "core/plan.h"
 #include "core/tasks.h"
+#include "backend.h"
 #include "internal.h"
 
 #define CPU_N_TILE 64     /* output columns per GEMM task */
@@ -116,6 +117,18 @@ typedef struct cpu_workspace {
 
 /* domain.c */
 int64_t mok__cpu_now_ns(void);
+/* The cross-rank barrier: carries `call` to the peers and compares theirs (ok = 0:
+ * this rank rejected its arguments). mok__cpu_poisoned: the rank (+ 1) whose failure made the
+ * group unusable, or 0. */
+mok_status mok__cpu_barrier(mok_group *group, int local_rank, const mok_call *call, int ok);
+int mok__cpu_poisoned(const mok_group *group);
+/* The MOK_ERR_STATE a call gets in a poisoned group, naming who poisoned it and why. */
+mok_status mok__cpu_poisoned_error(const mok_group *group, int rank);
+/* The status of a call this rank refused or failed (own, own_message) after the barrier where it
+ * told its peers: the barrier's timeout or MOK_ERR_STATE, which leave the group unusable, win over
+ * an argument error (the message keeps both); else the rank's own error. */
+mok_status mok__cpu_settle(mok_status own, const char *own_message, mok_status barrier);
+
 /* Makes the group unusable for every rank (the NOTE above); `reason` is a CPU_POISON_*. */
 void mok__cpu_poison(mok_group *group, int rank, int reason);
 /* Keeps `region` allocated until the domain is freed (the NOTE above). */

@@ -15,6 +15,7 @@
 
 extern "C" {
 #include "core/layout.h"
+#include "backend.h"
 #include "cuda/tuning.h"
 #include "internal.h"
 }
