@@ -22,7 +22,9 @@ NVFLAGS  ?= -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -gencode=arch=compute_9
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
 
 # src/cuda/tuning.c is plain C, in every build: the cuda backend's tuning table and mok_workspace_tuning.
-LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c) src/cuda/tuning.c
+# src/cuda/ops.c, plain C too, is the cuda backend's table of entry points: only with CUDA.
+LIB_C    := $(wildcard src/*.c src/core/*.c src/cpu/*.c src/ref/*.c) src/cuda/tuning.c \
+            $(if $(filter 1,$(CUDA)),src/cuda/ops.c,)
 LIB_CU   := $(if $(filter 1,$(CUDA)),$(wildcard src/cuda/*.cu src/cuda/*/*.cu),)
 TOOL_C   := $(wildcard tools/*.c)
 # tests/mp_rank.c is a program of its own (one rank of a multi-process group), not part of the suite.

@@ -1,36 +1,13 @@
 /* api.c — the public entry points: validate every argument (the message names the argument and
- * the rule), then hand over to the backend the group was created with. */
+ * the rule), then hand over to the backend the group was created with, through its table of entry
+ * points (backend.h). */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "internal.h"
-
-
-mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile) {
-    const mok_shape *s = &ws->shape;
-    mok_plan worst;
-    memset(&worst, 0, sizeof worst);
-    worst.hidden = s->hidden;
-    worst.intermediate = s->intermediate;
-    worst.shared_intermediate = s->shared_intermediate;
-    worst.num_local_experts = (int)ws->num_local_experts;
-    worst.minibatch_rows = ws->config.minibatch_rows;
-    worst.ring_rows = ws->config.ring_rows;
-    worst.n_tile = n_tile;
-    worst.n_tile_h = n_tile_h;
-    worst.wgrad_tile = wgrad_tile;
-    worst.combine_pull = ws->config.fwd_combine == MOK_PULL;
-    worst.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
-    worst.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
-    worst.combine_push = ws->config.bwd_combine == MOK_PUSH;
-    worst.nranks = ws->group->nranks;
-    return worst;
-}
+#include "backend.h"
 
 mok_status mok__check_ptr(const void *ptr, const char *name, int required) {
     if (!ptr) return required ? mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: must not be NULL", name) : MOK_OK;
@@ -54,18 +31,21 @@ const char *mok_backend_name(mok_backend backend) {
     return "unknown";
 }
 
-int mok_backend_available(mok_backend backend) {
+/* The backend's entry points (backend.h); NULL for one this build has not. */
+static const mok_backend_ops *backend_ops(mok_backend backend) {
     switch (backend) {
-    case MOK_BACKEND_CPU: return 1;
-    case MOK_BACKEND_CUDA:
+    case MOK_BACKEND_CPU: return &mok__cpu_ops;
 #ifdef MOK_HAVE_CUDA
-        return mok__cuda_device_count();
-#else
-        return 0;
+    case MOK_BACKEND_CUDA: return &mok__cuda_ops;
 #endif
-    case MOK_BACKEND_AUTO: return 1;
+    default: return NULL;
     }
-    return 0;
+}
+
+int mok_backend_available(mok_backend backend) {
+    if (backend == MOK_BACKEND_AUTO) return 1;
+    const mok_backend_ops *ops = backend_ops(backend);
+    return ops ? ops->device_count() : 0;
 }
 
 static mok_status resolve_backend(mok_backend requested, mok_backend *out) {
@@ -93,18 +73,7 @@ mok_status mok_unique_id_create(mok_backend backend, mok_unique_id *id) {
     mok_backend resolved;
     TRY(resolve_backend(backend, &resolved));
     memset(id, 0, sizeof *id);
-#ifdef MOK_HAVE_CUDA
-    if (resolved == MOK_BACKEND_CUDA) return mok__cuda_unique_id(id);
-#endif
-    /* cpu: ranks are threads of this process; the id only has to be unique within it. */
-    static _Atomic unsigned long long counter;
-    struct timespec now;
-    clock_gettime(CLOCK_REALTIME, &now);
-    unsigned long long words[4] = {0x6d6f6b6370750000ull, (unsigned long long)getpid(),
-                                   (unsigned long long)now.tv_sec * 1000000000ull + (unsigned long long)now.tv_nsec,
-                                   ++counter};
-    memcpy(id->bytes, words, sizeof words);
-    return MOK_OK;
+    return backend_ops(resolved)->unique_id(id);
 }
 
 static mok_status group_new(mok_group **out, mok_backend backend, int nranks, const mok_config *config,
@@ -120,6 +89,7 @@ static mok_status group_new(mok_group **out, mok_backend backend, int nranks, co
     mok_group *g = calloc(1, sizeof *g);
     if (!g) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "group: out of host memory");
     g->backend = resolved;
+    g->ops = backend_ops(resolved);
     g->nranks = nranks;
     g->config = cfg;
     *group = g;
@@ -127,12 +97,7 @@ static mok_status group_new(mok_group **out, mok_backend backend, int nranks, co
 }
 
 static mok_status group_finish(mok_group **out, mok_group *g, int rank, const mok_unique_id *id, const int *devices) {
-    mok_status st;
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_group_create(g, rank, id, devices);
-    else
-#endif
-        st = mok__cpu_group_create(g, rank, id, devices);
+    mok_status st = g->ops->group_create(g, rank, id, devices);
     if (st != MOK_OK) {
         free(g);
         return st;
@@ -187,11 +152,7 @@ mok_status mok_group_destroy(mok_group *g) {
                          "group: %d workspace%s made on it %s still alive; destroy %s first (the group is kept)", live,
                          live == 1 ? "" : "s", live == 1 ? "is" : "are", live == 1 ? "it" : "them");
     }
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) mok__cuda_group_destroy(g);
-    else
-#endif
-        mok__cpu_group_destroy(g);
+    g->ops->group_destroy(g);
     free(g);
     return MOK_OK;
 }
@@ -209,16 +170,10 @@ mok_status mok_group_info(const mok_group *g, int *nranks, int *num_local_ranks,
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-/* Whether this handle drives one rank of several on the cpu backend: its collective calls then
- * meet the peers' at barriers, and a call it rejects must still arrive there. */
-static int cpu_per_rank(const mok_group *g) {
-    return g->backend == MOK_BACKEND_CPU && g->num_local_ranks == 1 && g->nranks > 1;
-}
-
-/* The group's state before a call: usable, or MOK_ERR_STATE after an earlier failure (ours or, on
- * cpu, a peer's). */
+/* The group's state before a call: usable, or MOK_ERR_STATE after an earlier failure (ours or,
+ * where the backend tells, a peer's). */
 static mok_status check_group_usable(mok_group *g) {
-    if (g->backend == MOK_BACKEND_CPU && mok__cpu_poisoned(g)) return mok__cpu_poisoned_error(g, g->first_rank);
+    if (g->ops->group_check) TRY(g->ops->group_check(g));
     if (g->failed) return mok__fail(MOK_ERR_STATE, "group: unusable after an earlier timeout; destroy it");
     return MOK_OK;
 }
@@ -270,15 +225,11 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
         if (!ws) st = mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     }
     if (st != MOK_OK) {
-        if (cpu_per_rank(g)) {
-            char message[1024];
-            snprintf(message, sizeof message, "%s", mok_last_error());
-            const mok_call call = {MOK_CALL_WORKSPACE_CREATE, 0, index, 0, 0, 0};
-            st = mok__cpu_settle(st, message, mok__cpu_barrier(g, 0, &call, 0));
-        }
-        return st;
+        const mok_call call = {MOK_CALL_WORKSPACE_CREATE, 0, index, 0, 0, 0};
+        return g->ops->refuse ? g->ops->refuse(g, &call, st) : st;
     }
     ws->group = g;
+    ws->ops = g->ops;
     ws->shape = *shape;
     ws->config = cfg;
     ws->index = index;
@@ -300,11 +251,7 @@ mok_status mok_workspace_create(mok_workspace **out, mok_group *g, const mok_sha
     ws->sizes.context_bytes = align_up(ws->context_shared_offset + shared, 256);
     ws->sizes.max_routed_rows = max_rows;
 
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_workspace_create(ws);
-    else
-#endif
-        st = mok__cpu_workspace_create(ws);
+    st = ws->ops->workspace_create(ws);
     if (st != MOK_OK) {
         free(ws);
         return st;
@@ -324,12 +271,7 @@ mok_status mok_workspace_destroy(mok_workspace *ws) {
             *link = ws->next;
             break;
         }
-    mok_status st;
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) st = mok__cuda_workspace_destroy(ws);
-    else
-#endif
-        st = mok__cpu_workspace_destroy(ws);
+    const mok_status st = ws->ops->workspace_destroy(ws);
     free(ws);
     return st;
 }
@@ -357,19 +299,13 @@ static void begin_call(mok_workspace *ws, mok_call_kind kind) {
     for (int r = 0; r < ws->group->num_local_ranks; ++r) ws->call_build[r] = 0;
 }
 
-/* A collective call this rank rejects. On cpu in one-rank-per-process mode its peers are (or
- * soon will be) waiting in the call's first barrier: arrive there with "rejected", so they fail
- * at once with a message naming this rank instead of timing out. */
+/* A collective call this rank rejects: the backend tells the peers that wait for it (backend.h:
+ * refuse), so that they fail at once with a message naming this rank instead of timing out. */
 static mok_status reject(mok_workspace *ws, mok_status status) {
-    mok_group *g = ws->group;
-    if (cpu_per_rank(g) && !g->failed) {
-        char message[1024];
-        snprintf(message, sizeof message, "%s", mok_last_error());
-        mok_call call = ws->call;
-        call.build = ws->call_build[0];
-        return mok__cpu_settle(status, message, mok__cpu_barrier(g, 0, &call, 0));
-    }
-    return status;
+    if (!ws->ops->refuse) return status;
+    mok_call call = ws->call;
+    call.build = ws->call_build[0];
+    return ws->ops->refuse(ws->group, &call, status);
 }
 
 #define TRY_COLLECTIVE(ws, expr)                              \
@@ -422,10 +358,7 @@ mok_status mok_schedule_build(mok_workspace *ws, const mok_schedule_args *args) 
     for (int r = 0; r < ws->group->num_local_ranks; ++r) ws->call_build[r] = build;
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_schedule_args(ws, args));
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_schedule_build(ws, args);
-#endif
-    return mok__cpu_schedule_build(ws, args);
+    return ws->ops->schedule_build(ws, args);
 }
 
 mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_rank, mok_schedule_info *info) {
@@ -437,13 +370,7 @@ mok_status mok_schedule_read(mok_workspace *ws, const void *schedule, int local_
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "local_rank: %d is not in [0, %d)", local_rank,
                          ws->group->num_local_ranks);
     mok_sched_header h;
-    mok_status st;
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) st = mok__cuda_schedule_read(ws, schedule, local_rank, &h);
-    else
-#endif
-        st = mok__cpu_schedule_read(ws, schedule, local_rank, &h);
-    if (st != MOK_OK) return st;
+    TRY(ws->ops->schedule_read(ws, schedule, local_rank, &h));
     if (h.magic != MOK_SCHED_MAGIC)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "schedule: not a schedule built by mok_schedule_build");
     const int rank = ws->group->first_rank + local_rank;
@@ -495,10 +422,7 @@ static mok_status forward_common(mok_workspace *ws, const mok_forward_args *args
     TRY_COLLECTIVE(ws, check_forward_args(ws, args, recompute));
     /* The schedule's and context's tags are checked by the backend: on the host (cpu) or on the
        device (cuda), which the host does not wait for. */
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_forward(ws, args, recompute);
-#endif
-    return mok__cpu_forward(ws, args, recompute);
+    return ws->ops->forward(ws, args, recompute);
 }
 
 mok_status mok_forward(mok_workspace *ws, const mok_forward_args *args) {
@@ -519,10 +443,7 @@ mok_status mok_backward(mok_workspace *ws, const mok_backward_args *args) {
     begin_call(ws, MOK_CALL_BACKWARD);
     if (!args) return reject(ws, mok__fail(MOK_ERR_INVALID_ARGUMENT, "args: must not be NULL"));
     TRY_COLLECTIVE(ws, check_backward_args(ws, args));
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_backward(ws, args);
-#endif
-    return mok__cpu_backward(ws, args);
+    return ws->ops->backward(ws, args);
 }
 
 static mok_status check_backward_args(mok_workspace *ws, const mok_backward_args *args) {
@@ -561,10 +482,7 @@ mok_status mok_trace_write(mok_workspace *ws, const char *path) {
     if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
     if (!path) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "path: must not be NULL");
     if (!ws->config.trace) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "config.trace: tracing was off for this workspace");
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_trace_write(ws, path);
-#endif
-    return mok__cpu_trace_write(ws, path);
+    return ws->ops->trace_write(ws, path);
 }
 
 static mok_status check_rank(const mok_group *g, int local_rank) {
@@ -583,20 +501,14 @@ mok_status mok_memory_alloc(mok_group *g, int local_rank, size_t bytes, void **p
     if (bytes > (size_t)PTRDIFF_MAX)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "bytes: %zu is more than any allocation can hold (PTRDIFF_MAX)",
                          bytes);
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_alloc(g, local_rank, bytes, ptr);
-#endif
-    return mok__cpu_memory_alloc(g, local_rank, bytes, ptr);
+    return g->ops->memory_alloc(g, local_rank, bytes, ptr);
 }
 
 mok_status mok_memory_free(mok_group *g, int local_rank, void *ptr) {
     mok__clear_error();
     TRY(check_rank(g, local_rank));
     if (!ptr) return MOK_OK;
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_free(g, local_rank, ptr);
-#endif
-    return mok__cpu_memory_free(g, local_rank, ptr);
+    return g->ops->memory_free(g, local_rank, ptr);
 }
 
 mok_status mok_memory_copy(mok_group *g, int local_rank, void *dst, const void *src, size_t bytes,
@@ -607,17 +519,11 @@ mok_status mok_memory_copy(mok_group *g, int local_rank, void *dst, const void *
     if (!dst || !src) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "dst, src: must not be NULL");
     if (kind != MOK_COPY_HOST_TO_RANK && kind != MOK_COPY_RANK_TO_HOST && kind != MOK_COPY_RANK_TO_RANK)
         return mok__fail(MOK_ERR_INVALID_ARGUMENT, "kind: %d is not a mok_copy_kind", (int)kind);
-#ifdef MOK_HAVE_CUDA
-    if (g->backend == MOK_BACKEND_CUDA) return mok__cuda_memory_copy(g, local_rank, dst, src, bytes, kind);
-#endif
-    return mok__cpu_memory_copy(g, local_rank, dst, src, bytes, kind);
+    return g->ops->memory_copy(g, local_rank, dst, src, bytes, kind);
 }
 
 mok_status mok_synchronize(mok_workspace *ws) {
     mok__clear_error();
     if (!ws) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "workspace: must not be NULL");
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_synchronize(ws);
-#endif
-    return mok__cpu_synchronize(ws);
+    return ws->ops->synchronize(ws);
 }

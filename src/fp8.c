@@ -5,12 +5,7 @@
 #include <string.h>
 
 #include "core/fp8_weights.h"
-#include "internal.h"
-
-#ifdef MOK_HAVE_CUDA
-/* src/cuda/fp8_quantize.cu: the device quantization of every local rank's weights. */
-mok_status mok__cuda_quantize_weights(mok_workspace *ws, const mok_quantize_args *args);
-#endif
+#include "backend.h"
 
 uint8_t mok_e4m3_from_float(float value) { return mok__e4m3_from_f32(value); }
 float mok_e4m3_to_float(uint8_t value) { return mok__e4m3_to_f32(value); }
@@ -84,8 +79,8 @@ mok_status mok_quantize_weights(mok_workspace *ws, const mok_quantize_args *args
         for (size_t f = 0; f < sizeof fields / sizeof fields[0]; ++f)
             if ((st = check_weight(fields[f].ptr, r, fields[f].name, fields[f].required)) != MOK_OK) return st;
     }
-#ifdef MOK_HAVE_CUDA
-    if (ws->group->backend == MOK_BACKEND_CUDA) return mok__cuda_quantize_weights(ws, args);
-#endif
-    return mok__cpu_quantize_weights(ws, args);
+    if (!ws->ops->quantize_weights)
+        return mok__fail(MOK_ERR_UNSUPPORTED, "mok_quantize_weights: the %s backend has no FP8 path yet",
+                         mok_backend_name(ws->group->backend));
+    return ws->ops->quantize_weights(ws, args);
 }

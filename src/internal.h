@@ -1,5 +1,6 @@
 /* internal.h — what the host side of the library shares: the error path, the group and
- * workspace handles, and the backend entry points that api.c dispatches to. */
+ * workspace handles with their calls, and what every backend uses of the config and the shape.
+ * The backends' entry points, which api.c dispatches to, are in backend.h. */
 #ifndef MOK_INTERNAL_H
 #define MOK_INTERNAL_H
 
@@ -7,13 +8,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/plan.h"
 #include "core/schedule.h"
 #include "core/tasks.h"
+#include "errors.h"
 #include "mok.h"
-
-/* Records the thread-local message (printf format) and returns `status`. */
-mok_status mok__fail(mok_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void mok__clear_error(void);
 
 /* What a collective call is. Every rank of a group makes the same collective calls in the same
  * order; each barrier of a call carries its mok_call to the peers, and a rank that meets a peer in
@@ -43,8 +42,11 @@ typedef struct mok_call {
 /* The call's name and number for messages: "mok_forward #3 (schedule build #2)". */
 void mok__call_describe(const mok_call *call, char *out, size_t size);
 
+struct mok_backend_ops;
+
 struct mok_group {
     mok_backend backend; /* resolved: MOK_BACKEND_CPU or MOK_BACKEND_CUDA */
+    const struct mok_backend_ops *ops; /* that backend's entry points (backend.h) */
     int nranks;
     int num_local_ranks; /* 1 (one rank per process) or nranks (one process drives all) */
     int first_rank;      /* global index of local rank 0 */
@@ -58,6 +60,7 @@ struct mok_group {
 
 struct mok_workspace {
     mok_group *group;
+    const struct mok_backend_ops *ops; /* its group's */
     mok_workspace *next;    /* the group's next live workspace */
     mok_shape shape;
     mok_config config;
@@ -123,49 +126,16 @@ mok_status mok__check_ptr(const void *ptr, const char *name, int required);
 /* fp8.c: args[r].fp8_weights of a pass: NULL for bf16; for FP8 set, aligned and (cpu) written by
  * mok_quantize_weights for the workspace's shape. */
 mok_status mok__check_fp8_weights(const mok_workspace *ws, int r, const void *fp8_weights);
-/* cpu/quantize.c: mok_quantize_weights on validated arguments. */
-mok_status mok__cpu_quantize_weights(mok_workspace *ws, const mok_quantize_args *args);
 
-/* The worst case of a pass's plan on a workspace, for the bounds of its task list and counters
- * (the backend's tile widths). */
-mok_plan mok__plan_worst(const mok_workspace *ws, int n_tile, int n_tile_h, int wgrad_tile);
-
-/* The cpu backend's cross-rank barrier: carries `call` to the peers and compares theirs (ok = 0:
- * this rank rejected its arguments). mok__cpu_poisoned: the rank (+ 1) whose failure made the
- * group unusable, or 0. */
-mok_status mok__cpu_barrier(mok_group *group, int local_rank, const mok_call *call, int ok);
-int mok__cpu_poisoned(const mok_group *group);
-/* The MOK_ERR_STATE a call gets in a poisoned group, naming who poisoned it and why. */
-mok_status mok__cpu_poisoned_error(const mok_group *group, int rank);
-/* The status of a call this rank refused or failed (own, own_message) after the barrier where it
- * told its peers: the barrier's timeout or MOK_ERR_STATE, which leave the group unusable, win over
- * an argument error (the message keeps both); else the rank's own error. */
-mok_status mok__cpu_settle(mok_status own, const char *own_message, mok_status barrier);
-
-/* Backend entry points. The cpu backend is always built; the cuda one when MOK_HAVE_CUDA. */
-#define MOK_BACKEND_FUNCS(prefix)                                                                  \
-    mok_status prefix##_group_create(mok_group *group, int rank, const mok_unique_id *id,          \
-                                     const int *devices);                                          \
-    void prefix##_group_destroy(mok_group *group);                                                 \
-    mok_status prefix##_workspace_create(mok_workspace *ws);                                       \
-    mok_status prefix##_workspace_destroy(mok_workspace *ws);                                            \
-    mok_status prefix##_schedule_build(mok_workspace *ws, const mok_schedule_args *args);          \
-    mok_status prefix##_schedule_read(mok_workspace *ws, const void *schedule, int local_rank,     \
-                                      mok_sched_header *header);                                   \
-    mok_status prefix##_forward(mok_workspace *ws, const mok_forward_args *args, int recompute);   \
-    mok_status prefix##_backward(mok_workspace *ws, const mok_backward_args *args);                \
-    mok_status prefix##_trace_write(mok_workspace *ws, const char *path);                         \
-    mok_status prefix##_memory_alloc(mok_group *group, int local_rank, size_t bytes, void **ptr);  \
-    mok_status prefix##_memory_free(mok_group *group, int local_rank, void *ptr);                  \
-    mok_status prefix##_memory_copy(mok_group *group, int local_rank, void *dst, const void *src,  \
-                                    size_t bytes, mok_copy_kind kind);                             \
-    mok_status prefix##_synchronize(mok_workspace *ws);
-
-MOK_BACKEND_FUNCS(mok__cpu)
-#ifdef MOK_HAVE_CUDA
-MOK_BACKEND_FUNCS(mok__cuda)
-int mok__cuda_device_count(void);
-mok_status mok__cuda_unique_id(mok_unique_id *id);
-#endif
+/* What a workspace fixes of every pass's plan (core/plan.h), with the backend's tiles. */
+static inline mok_plan_workspace mok__plan_workspace(const mok_workspace *ws, mok_plan_tiles tiles) {
+    mok_plan_workspace w;
+    w.shape = &ws->shape;
+    w.config = &ws->config;
+    w.nranks = ws->group->nranks;
+    w.context_rows = ws->context_rows;
+    w.tiles = tiles;
+    return w;
+}
 
 #endif

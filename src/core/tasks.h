@@ -1,7 +1,9 @@
 /* tasks.h — the task list of one pass on one rank: every unit of work in the one global order,
  * each with the counters it waits on and the counter it bumps when done. A worker runs tasks of
  * one role (comm: moves rows; compute: GEMM tiles): a CTA on the cuda backend, a thread on the
- * cpu backend.
+ * cpu backend. The comm workers go by their backend's unit where they are counted: the config's
+ * fwd_comm_sms and bwd_comm_sms (CTAs; the cuda tuning's fwd_comm_ctas, bwd_comm_ctas) and
+ * cpu_comm_threads (threads; cpu_workspace.comm_workers).
  *
  * Deadlock freedom (DESIGN 2.4): a task only waits on counters bumped by tasks that come earlier
  * in the order, and every worker of a role takes its role's tasks in that order. Then the first

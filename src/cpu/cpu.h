@@ -11,7 +11,10 @@
 #include <stdatomic.h>
 
 #include "core/fp8.h"
+#include "core/layout.h"
+#include "core/plan.h"
 #include "core/tasks.h"
+#include "backend.h"
 #include "internal.h"
 
 #define CPU_N_TILE 64     /* output columns per GEMM task */
@@ -62,32 +65,6 @@ typedef struct cpu_group {
     uint64_t epoch[MOK_MAX_RANKS];  /* barriers passed by each local rank */
 } cpu_group;
 
-/* Byte offsets inside a symmetric region (equal on every rank). */
-typedef struct cpu_sym_layout {
-    size_t x;        /* bf16 [T_max, H]: this rank's x; peers pull from it. FP8: its E4M3 codes
-                        [T_max, H], quantized once when the pass stages x */
-    size_t x_scale;  /* FP8: f32 [T_max, H / MOK_FP8_BLOCK], the scales of x's codes; bf16: empty */
-    size_t router_w; /* f32 [T_max * k] */
-    size_t ids;      /* i32 [T_max * k]: read by peers' schedule builds */
-    size_t comb;     /* bf16 [T_max * k, H]: expert outputs pushed in by their owners */
-    size_t dy;       /* bf16 [T_max, H] */
-    size_t dxbuf;    /* bf16 [T_max * k, H]: routed dx parts pushed in by the experts' owners */
-    size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
-    size_t tokens;   /* i64: this rank's T for the current pass */
-    /* Read by peers only when a transfer direction other than the default is on (core/tasks.h): */
-    size_t ring_x;   /* bf16 [ring, H]: the rank's ring of routed x rows (cpu_rank.ring_x); FP8:
-                        E4M3 [ring, H] (cpu_rank.ring_x8) */
-    size_t ring_x_scale; /* FP8: f32 [ring, H / MOK_FP8_BLOCK] (cpu_rank.ring_x_scale); bf16: empty */
-    size_t ring_dy;  /* bf16 [ring, H]: routed dy rows (cpu_rank.ring_dy) */
-    size_t ring_w;   /* f32 [ring]: their router weights (cpu_rank.ring_w) */
-    size_t ring_y;   /* bf16 [ring, H]: the rank's ring of expert outputs / dx parts (cpu_rank.ring_y) */
-    size_t ring_rdot; /* f32 [ring, I / CPU_N_TILE]: partial router-weight gradients (cpu_rank.ring_rdot) */
-    size_t counters; /* i64 [counters_cap]: the rank's counters (cpu_rank.counters) */
-    size_t sched;    /* the rank's schedule of the current pass, copied in before the start barrier */
-    size_t failed;   /* i32: set when this rank's pass stops early; peers waiting on it stop too */
-    size_t bytes;
-} cpu_sym_layout;
-
 /* One local rank's workspace state. */
 typedef struct cpu_rank {
     int rank;                     /* global rank */
@@ -131,7 +108,8 @@ typedef struct cpu_rank {
 } cpu_rank;
 
 typedef struct cpu_workspace {
-    cpu_sym_layout sym;
+    mok_plan_workspace plan; /* what the workspace fixes of every pass's plan (core/plan.h) */
+    mok_region_layout sym;   /* every rank's symmetric region (core/layout.h) */
     int workers, comm_workers;
     int num_local;
     cpu_rank *ranks; /* [num_local] */
@@ -139,6 +117,18 @@ typedef struct cpu_workspace {
 
 /* domain.c */
 int64_t mok__cpu_now_ns(void);
+/* The cross-rank barrier: carries `call` to the peers and compares theirs (ok = 0:
+ * this rank rejected its arguments). mok__cpu_poisoned: the rank (+ 1) whose failure made the
+ * group unusable, or 0. */
+mok_status mok__cpu_barrier(mok_group *group, int local_rank, const mok_call *call, int ok);
+int mok__cpu_poisoned(const mok_group *group);
+/* The MOK_ERR_STATE a call gets in a poisoned group, naming who poisoned it and why. */
+mok_status mok__cpu_poisoned_error(const mok_group *group, int rank);
+/* The status of a call this rank refused or failed (own, own_message) after the barrier where it
+ * told its peers: the barrier's timeout or MOK_ERR_STATE, which leave the group unusable, win over
+ * an argument error (the message keeps both); else the rank's own error. */
+mok_status mok__cpu_settle(mok_status own, const char *own_message, mok_status barrier);
+
 /* Makes the group unusable for every rank (the NOTE above); `reason` is a CPU_POISON_*. */
 void mok__cpu_poison(mok_group *group, int rank, int reason);
 /* Keeps `region` allocated until the domain is freed (the NOTE above). */
@@ -150,7 +140,7 @@ typedef struct cpu_pass {
     cpu_workspace *cw;
     cpu_rank *R;
     int local_rank;
-    int kind; /* CPU_PASS_* */
+    int kind; /* enum mok_pass_kind (core/plan.h) */
     const mok_forward_args *fa;
     const mok_backward_args *ba;
     mok_sched_view sched;
@@ -159,10 +149,8 @@ typedef struct cpu_pass {
     int64_t peer_padded_rows[MOK_MAX_RANKS]; /* plan.peer_padded_rows with combine_pull */
 } cpu_pass;
 
-enum { CPU_PASS_FORWARD = 0, CPU_PASS_RECOMPUTE = 1, CPU_PASS_BACKWARD = 2 };
-
 /* The trace buffer a pass records into (internal.h: forward and recompute 0, backward 1). */
-static inline int cpu_trace_pass(int kind) { return kind == CPU_PASS_BACKWARD; }
+static inline int cpu_trace_pass(int kind) { return kind == MOK_PASS_BACKWARD; }
 
 /* Why a counter wait of a pass gave up (cpu_rank.wait_failed). */
 enum { CPU_WAIT_OK = 0, CPU_WAIT_TIMEOUT, CPU_WAIT_PEER_FAILED, CPU_WAIT_POISONED };
@@ -233,7 +221,7 @@ void mok__cpu_gemm_fp8_weight(const cpu_pass *pass, float *scratch, float *acc, 
                               int64_t N, int64_t n0);
 void mok__cpu_gateup(const cpu_pass *pass, const cpu_tile *tile, int64_t n0, float *scratch, float *g, float *u);
 
-static inline uint16_t *sym_bf16(const cpu_rank *R, const cpu_sym_layout *L, int rank, size_t off) {
+static inline uint16_t *sym_bf16(const cpu_rank *R, const mok_region_layout *L, int rank, size_t off) {
     return (uint16_t *)(R->peers[rank] + off);
 }
 

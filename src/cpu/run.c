@@ -13,7 +13,7 @@
 typedef struct rank_job {
     mok_workspace *ws;
     int local_rank;
-    int kind; /* CPU_PASS_* or -1 for a schedule build */
+    int kind; /* enum mok_pass_kind (core/plan.h), or -1 for a schedule build */
     const void *args;
     mok_status status;
     char message[1024];
@@ -103,7 +103,7 @@ static void *worker_main(void *arg) {
             break;
         }
         int64_t start = R->trace ? mok__cpu_now_ns() : 0;
-        if (pass->kind == CPU_PASS_BACKWARD) mok__cpu_run_backward_task(pass, t, scratch);
+        if (pass->kind == MOK_PASS_BACKWARD) mok__cpu_run_backward_task(pass, t, scratch);
         else mok__cpu_run_forward_task(pass, t, scratch);
         if (R->trace) {
             const int slot = cpu_trace_pass(pass->kind);
@@ -249,33 +249,12 @@ static mok_status prepare(cpu_pass *pass, int64_t num_tokens, const void *schedu
     mok_workspace *ws = pass->ws;
     cpu_rank *R = pass->R;
     mok_status st = read_schedule(pass, schedule, num_tokens);
-    if (st == MOK_OK && pass->kind == CPU_PASS_BACKWARD) st = read_context_tag(pass);
+    if (st == MOK_OK && pass->kind == MOK_PASS_BACKWARD) st = read_context_tag(pass);
     if (st != MOK_OK) return st;
-    mok_plan *p = &pass->plan;
-    memset(p, 0, sizeof *p);
-    p->backward = pass->kind == CPU_PASS_BACKWARD;
-    p->recompute = pass->kind == CPU_PASS_RECOMPUTE;
-    p->accumulate = accumulate;
-    p->padded_rows = pass->sched.header->padded_rows;
-    p->context_rows = ws->context_rows;
-    p->num_tokens = num_tokens;
-    p->hidden = ws->shape.hidden;
-    p->intermediate = ws->shape.intermediate;
-    p->shared_intermediate = ws->shape.shared_intermediate;
-    p->num_local_experts = (int)ws->num_local_experts;
-    p->minibatch_rows = ws->config.minibatch_rows;
-    p->ring_rows = ws->config.ring_rows;
-    p->n_tile = CPU_N_TILE;
-    p->n_tile_h = CPU_N_TILE;
-    p->wgrad_tile = CPU_WGRAD_TILE;
-    p->expert_start = pass->sched.expert_start;
-    p->expert_rows = pass->sched.expert_rows;
-    p->combine_pull = pass->kind == CPU_PASS_FORWARD && ws->config.fwd_combine == MOK_PULL;
-    p->dispatch_pull = pass->kind == CPU_PASS_BACKWARD && ws->config.bwd_dispatch == MOK_PULL;
-    p->dispatch_push = pass->kind == CPU_PASS_FORWARD && ws->config.fwd_dispatch == MOK_PUSH;
-    p->combine_push = pass->kind == CPU_PASS_BACKWARD && ws->config.bwd_combine == MOK_PUSH;
-    p->nranks = ws->group->nranks;
-    p->rank = R->rank;
+    const mok_plan_pass this_pass = {
+        .kind = pass->kind, .accumulate = accumulate, .rank = R->rank, .num_tokens = num_tokens, .sched = &pass->sched};
+    pass->plan = mok__plan_pass(&pass->cw->plan, &this_pass);
+    const mok_plan *p = &pass->plan;
     /* every counter, before the start barrier: after it, peers may bump this rank's */
     for (int64_t c = 0; c < R->counters_cap; ++c) atomic_store_explicit(&R->counters[c], 0, memory_order_relaxed);
     atomic_store((_Atomic int32_t *)(R->region + pass->cw->sym.failed), 0);
@@ -380,7 +359,7 @@ static mok_status run_pass(rank_job *job) {
     const size_t H = (size_t)s->hidden, k = (size_t)s->topk;
     int64_t T;
     mok_status st;
-    if (job->kind == CPU_PASS_BACKWARD) {
+    if (job->kind == MOK_PASS_BACKWARD) {
         pass.ba = job->args;
         T = pass.ba->num_tokens;
         st = prepare(&pass, T, pass.ba->schedule, pass.ba->accumulate);
@@ -411,7 +390,7 @@ static mok_status run_pass(rank_job *job) {
     }
     /* A forward's context holds no tag while its workers write it, and this pass's once they all
        succeeded: a pass that stops early leaves no context a backward would take for whole. */
-    void *context = job->kind == CPU_PASS_BACKWARD ? NULL : pass.fa->context;
+    void *context = job->kind == MOK_PASS_BACKWARD ? NULL : pass.fa->context;
     if (st == MOK_OK) {
         if (context) ((mok_context_tag *)context)->magic = 0;
         st = run_workers(&pass);
@@ -423,8 +402,8 @@ static mok_status run_pass(rank_job *job) {
     bst = barrier(job, 1, st == MOK_OK);
     if (st != MOK_OK) return mok__cpu_settle(st, message, bst);
     if (bst != MOK_OK) return bst;
-    if (job->kind == CPU_PASS_FORWARD) mok__cpu_forward_epilogue(&pass, 0, T);
-    else if (job->kind == CPU_PASS_BACKWARD) mok__cpu_backward_epilogue(&pass, 0, T);
+    if (job->kind == MOK_PASS_FORWARD) mok__cpu_forward_epilogue(&pass, 0, T);
+    else if (job->kind == MOK_PASS_BACKWARD) mok__cpu_backward_epilogue(&pass, 0, T);
     if (context) mok__context_tag_write(context, ws->tag, pass.sched.header->build, R->rank);
     return MOK_OK;
 }
@@ -479,11 +458,11 @@ mok_status mok__cpu_schedule_read(mok_workspace *ws, const void *schedule, int l
 }
 
 mok_status mok__cpu_forward(mok_workspace *ws, const mok_forward_args *args, int recompute) {
-    return run_ranks(ws, recompute ? CPU_PASS_RECOMPUTE : CPU_PASS_FORWARD, args, sizeof *args);
+    return run_ranks(ws, recompute ? MOK_PASS_RECOMPUTE : MOK_PASS_FORWARD, args, sizeof *args);
 }
 
 mok_status mok__cpu_backward(mok_workspace *ws, const mok_backward_args *args) {
-    return run_ranks(ws, CPU_PASS_BACKWARD, args, sizeof *args);
+    return run_ranks(ws, MOK_PASS_BACKWARD, args, sizeof *args);
 }
 
 mok_status mok__cpu_trace_write(mok_workspace *ws, const char *path) {

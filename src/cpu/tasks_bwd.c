@@ -140,7 +140,7 @@ static void shared_dx(cpu_pass *pass, int64_t mt, int64_t nt, float *scratch) {
 static void pull(cpu_pass *pass, int64_t rt) {
     const int64_t H = pass->ws->shape.hidden, k = pass->ws->shape.topk;
     cpu_rank *R = pass->R;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     cpu_tile tile = mok__cpu_tile(pass, rt);
     for (int r = 0; r < tile.nreal; ++r) {
         int p = pass->sched.row_peer[tile.row0 + r];
@@ -236,7 +236,7 @@ static void dx_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
 static void push(cpu_pass *pass, int64_t rt) {
     const int64_t H = pass->ws->shape.hidden, nI = pass->ws->shape.intermediate / NT;
     cpu_rank *R = pass->R;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     cpu_tile tile = mok__cpu_tile(pass, rt);
     for (int r = 0; r < tile.nreal; ++r) {
         int p = pass->sched.row_peer[tile.row0 + r];
@@ -253,7 +253,7 @@ static void push(cpu_pass *pass, int64_t rt) {
 static void gather(cpu_pass *pass, int q, int64_t rt) {
     const int64_t H = pass->ws->shape.hidden, nI = pass->ws->shape.intermediate / NT, ring = pass->ws->config.ring_rows;
     cpu_rank *R = pass->R;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
     const uint16_t *ring_y = (const uint16_t *)(R->peers[q] + L->ring_y);
     const float *rdot = (const float *)(R->peers[q] + L->ring_rdot);
@@ -272,7 +272,7 @@ static void gather(cpu_pass *pass, int q, int64_t rt) {
 static void scatter(cpu_pass *pass, int q, int64_t rt) {
     const int64_t H = pass->ws->shape.hidden, k = pass->ws->shape.topk, ring = pass->ws->config.ring_rows;
     cpu_rank *R = pass->R;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
     uint16_t *ring_dy = (uint16_t *)(R->peers[q] + L->ring_dy);
     float *ring_w = (float *)(R->peers[q] + L->ring_w);

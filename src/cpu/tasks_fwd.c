@@ -68,7 +68,7 @@ void mok__cpu_gemm_fp8_weight(const cpu_pass *pass, float *scratch, float *acc, 
 void mok__cpu_stage_x(const cpu_pass *pass, const void *x, int64_t num_tokens) {
     const int64_t H = pass->ws->shape.hidden, blocks = H / MOK_FP8_BLOCK;
     char *region = pass->R->region;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     if (num_tokens == 0) return;
     if (!is_fp8(pass)) {
         memcpy(region + L->x, x, (size_t)(num_tokens * H) * 2);
@@ -91,7 +91,7 @@ void mok__cpu_stage_x(const cpu_pass *pass, const void *x, int64_t num_tokens) {
 
 void mok__cpu_copy_x_row(const cpu_pass *pass, int q, int64_t slot, int p, int64_t token) {
     const int64_t H = pass->ws->shape.hidden, blocks = H / MOK_FP8_BLOCK;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     const char *src = pass->R->peers[p];
     char *dst = pass->R->peers[q];
     if (!is_fp8(pass)) {
@@ -261,7 +261,7 @@ static void combine(cpu_pass *pass, int64_t rt) {
 static void gather(cpu_pass *pass, int q, int64_t rt) {
     const int64_t H = pass->ws->shape.hidden, ring = pass->ws->config.ring_rows;
     cpu_rank *R = pass->R;
-    const cpu_sym_layout *L = &pass->cw->sym;
+    const mok_region_layout *L = &pass->cw->sym;
     const mok_sched_view v = mok__sched_view(&pass->ws->sched_layout, R->peers[q] + L->sched);
     const uint16_t *ring_y = (const uint16_t *)(R->peers[q] + L->ring_y);
     uint16_t *comb = (uint16_t *)(R->region + L->comb);

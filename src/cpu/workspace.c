@@ -10,37 +10,19 @@
 
 static size_t align64(size_t v) { return (v + 63u) & ~(size_t)63u; }
 
-static mok_plan worst_plan(const mok_workspace *ws) {
-    return mok__plan_worst(ws, CPU_N_TILE, CPU_N_TILE, CPU_WGRAD_TILE);
-}
-
-static void sym_layout(cpu_sym_layout *L, const mok_workspace *ws) {
-    const mok_shape *s = &ws->shape;
-    size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
-    const mok_plan worst = worst_plan(ws);
-    const size_t counters = (size_t)mok__counters_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
-    /* FP8: x travels as E4M3 codes (1 byte) plus a scale per 128 of H */
-    const int fp8 = s->precision == MOK_PRECISION_FP8;
-    const size_t x_elem = fp8 ? 1 : 2, x_scales = fp8 ? H / MOK_FP8_BLOCK * 4 : 0;
-    L->tokens = off; off = align64(off + sizeof(int64_t));
-    L->x = off; off = align64(off + T * H * x_elem);
-    L->x_scale = off; off = align64(off + T * x_scales);
-    L->router_w = off; off = align64(off + T * k * 4);
-    L->ids = off; off = align64(off + T * k * 4);
-    L->comb = off; off = align64(off + T * k * H * 2);
-    L->dy = off; off = align64(off + T * H * 2);
-    L->dxbuf = off; off = align64(off + T * k * H * 2);
-    L->drw = off; off = align64(off + T * k * 4);
-    L->ring_x = off; off = align64(off + (size_t)ws->config.ring_rows * H * x_elem);
-    L->ring_x_scale = off; off = align64(off + (size_t)ws->config.ring_rows * x_scales);
-    L->ring_y = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
-    L->ring_dy = off; off = align64(off + (size_t)ws->config.ring_rows * H * 2);
-    L->ring_w = off; off = align64(off + (size_t)ws->config.ring_rows * 4);
-    L->ring_rdot = off; off = align64(off + (size_t)ws->config.ring_rows * (size_t)(s->intermediate / CPU_N_TILE) * 4);
-    L->counters = off; off = align64(off + counters * sizeof(int64_t));
-    L->sched = off; off = align64(off + ws->sched_layout.bytes);
-    L->failed = off; off = align64(off + sizeof(int32_t));
-    L->bytes = off;
+/* The symmetric region (core/layout.h): every part 64-byte aligned, the rings, counters and schedule
+ * always in it, FP8's x as E4M3 codes with their scales, and the `failed` word. */
+static void sym_layout(mok_region_layout *L, const mok_workspace *ws, const cpu_workspace *cw) {
+    const mok_plan worst = mok__plan_worst(&cw->plan);
+    const mok_region_spec spec = {
+        .align = 64,
+        .x_codes = ws->shape.precision == MOK_PRECISION_FP8,
+        .rings = 1,
+        .rdot_cols = ws->shape.intermediate / CPU_N_TILE,
+        .counters = mok__counters_max(&worst, ws->sched_layout.max_rows, ws->shape.max_tokens),
+        .failed = 1,
+    };
+    mok__region_layout(L, &ws->shape, &ws->config, ws->sched_layout.bytes, &spec);
 }
 
 static void *alloc_bytes(size_t bytes, size_t *total) {
@@ -64,7 +46,7 @@ static mok_status rank_alloc(mok_workspace *ws, cpu_workspace *cw, cpu_rank *R, 
     const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
     const int64_t max_rows = ws->sched_layout.max_rows;
 
-    const mok_plan worst = worst_plan(ws);
+    const mok_plan worst = mok__plan_worst(&cw->plan);
     R->tasks_cap = mok__tasks_max(&worst, max_rows, s->max_tokens);
     R->counters_cap = mok__counters_max(&worst, max_rows, s->max_tokens);
     int64_t max_macro = (max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
@@ -146,7 +128,9 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     cpu_domain *d = cg->domain;
     cpu_workspace *cw = calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
-    sym_layout(&cw->sym, ws);
+    const mok_plan_tiles tiles = {.n_tile = CPU_N_TILE, .n_tile_h = CPU_N_TILE, .wgrad_tile = CPU_WGRAD_TILE};
+    cw->plan = mok__plan_workspace(ws, tiles);
+    sym_layout(&cw->sym, ws, cw);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     /* Auto: every core computes; the movers come on top (they sleep in memcpy-sized bursts). */
     cw->workers = ws->config.cpu_threads ? ws->config.cpu_threads

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 
 extern "C" {
+#include "core/layout.h"
+#include "backend.h"
 #include "cuda/tuning.h"
 #include "internal.h"
 }
@@ -67,30 +69,6 @@ typedef struct cuda_group {
     int64_t l2_bytes[MOK_MAX_RANKS];
 } cuda_group;
 
-/* Byte offsets in a symmetric region (symmetric.cu); equal on every rank. */
-typedef struct cuda_sym_layout {
-    size_t flags;    /* u64 [MOK_MAX_RANKS]: barrier epoch written by each peer */
-    size_t calls;    /* u64 [CALL_SLOTS][MOK_MAX_RANKS]: the call word of each peer's latest barriers, by
-                        the epoch (barrier.cu) */
-    size_t blob;     /* the rank's shape and config, read by the peers once, at workspace creation */
-    size_t tokens;   /* i64: this rank's T for the current pass */
-    size_t x;        /* bf16 [T_max, H] */
-    size_t router_w; /* f32 [T_max * k] */
-    size_t ids;      /* i32 [T_max * k] */
-    size_t comb;     /* bf16 [T_max * k, H]: expert outputs pushed in by the experts' owners */
-    size_t dy;       /* bf16 [T_max, H] */
-    size_t dxbuf;    /* bf16 [T_max * k, H]: routed dx parts pushed in likewise */
-    size_t drw;      /* f32 [T_max * k]: router-weight gradients pushed in likewise */
-    /* With a transfer turned from its default direction (docs/design.md §2.4a), what peers reach
-       besides: the pass's copy of the schedule, the counters and the rings (0 otherwise: they are
-       then cudaMalloc'ed, cuda_rank) */
-    int turned;
-    size_t sched;      /* the rank's schedule as the pass runs it (sched_publish_kernel) */
-    size_t counters;   /* u64 [counters_cap + 8] */
-    size_t ring_x, ring_y, ring_dy, ring_dyw, ring_w, ring_rdot;
-    size_t bytes;
-} cuda_sym_layout;
-
 /* What every rank's workspace must agree on, as it publishes it in its region at creation
  * (workspace.cu: workspace_agree). */
 typedef struct cuda_blob {
@@ -130,7 +108,8 @@ typedef struct cuda_rank {
                                            forward (from 0) and the last backward (from trace_cap) */
     long long trace_cap;                /* events of one pass */
     unsigned long long *trace_count;    /* [MOK_TRACE_PASSES] */
-    unsigned long long *counters;       /* [counters_cap + 8]: pass counters, then tickets/abort */
+    unsigned long long *counters;       /* [counters_cap + MOK_COUNTER_EXTRA_SLOTS]: pass counters, then
+                                           the named slots (core/layout.h) */
     int64_t counters_cap;
     unsigned long long *epoch;          /* device: barriers passed by this rank */
     mok_task_span *spans;              /* device [spans_cap]: the pass's task spans */
@@ -142,13 +121,13 @@ typedef struct cuda_rank {
     int error_clear_pending;            /* host: an argument error was reported, and the device
                                            word is cleared by the next call on this rank */
     int in_window;                      /* counters and ring_{x,y,dy,dyw,w,rdot} point into sym
-                                           (cuda_sym_layout.turned), so they are not cudaFree'd */
+                                           (the region's `turned`), so they are not cudaFree'd */
     char *sched_mem;                    /* device: backs `sched` */
     cuda_sched_scratch sched;
 } cuda_rank;
 
 typedef struct cuda_workspace {
-    cuda_sym_layout sym;
+    mok_region_layout sym; /* every rank's symmetric region (core/layout.h, symmetric.cu) */
     int64_t counters_cap; /* every rank's: the worst plan's counters (mok__counters_max) */
     int num_local;
     cuda_rank ranks[MOK_MAX_RANKS];
@@ -178,7 +157,7 @@ mok_status mok__cuda_error_word_clear(mok_workspace *ws, int local_rank, cudaStr
  * with a turned transfer the rank's rings and counters pointed into it), the collective
  * registration of every local rank's region with the peer tables, and their release (which keeps
  * a region a peer may still touch: its NOTE). */
-void mok__cuda_sym_layout(cuda_sym_layout *layout, const mok_workspace *ws, int64_t counters_cap);
+void mok__cuda_sym_layout(mok_region_layout *layout, const mok_workspace *ws, int64_t counters_cap);
 mok_status mok__cuda_sym_alloc(const cuda_workspace *cw, cuda_rank *R);
 mok_status mok__cuda_sym_register(mok_workspace *ws);
 mok_status mok__cuda_sym_release(mok_workspace *ws);

@@ -6,7 +6,7 @@
  * loads, then bar.syncs before the CTA reads the rows (through L2: ld.global / cp.async.cg, never
  * the non-coherent path). Across GPUs the barrier kernel orders memory (system-scope release
  * stores of the epoch into every peer's flag, system-scope acquire loads of its own), and with a
- * turned transfer (cuda_sym_layout.turned) the pass's counters too: they live in the window,
+ * turned transfer (mok_region_layout.turned) the pass's counters too: they live in the window,
  * where peers wait on and bump them, and every release and acquire on them is system-scope
  * (megakernel/counters.cuh: counter_acquire, finish_task). */
 #ifndef MOK_CUDA_DEVICE_CUH

@@ -11,43 +11,21 @@
 
 #include "cuda/backend.cuh"
 
-static size_t align256(size_t v) { return (v + 255u) & ~(size_t)255u; }
-
-/* Whether a transfer runs in other than its default direction: then the rings, counters and the
- * schedule's copy go into the window (cuda_sym_layout). */
-static int turned(const mok_config *c) {
-    return c->fwd_dispatch != MOK_PULL || c->fwd_combine != MOK_PUSH || c->bwd_combine != MOK_PULL ||
-           c->bwd_dispatch != MOK_PUSH;
-}
-
-void mok__cuda_sym_layout(cuda_sym_layout *L, const mok_workspace *ws, int64_t counters_cap) {
-    const mok_shape *s = &ws->shape;
-    size_t T = (size_t)s->max_tokens, H = (size_t)s->hidden, k = (size_t)s->topk, off = 0;
-    const size_t ring = (size_t)ws->config.ring_rows, I = (size_t)s->intermediate;
-    L->flags = off; off = align256(off + 8 * MOK_MAX_RANKS);
-    L->calls = off; off = align256(off + 8 * CALL_SLOTS * MOK_MAX_RANKS);
-    L->blob = off; off = align256(off + sizeof(cuda_blob));
-    L->tokens = off; off = align256(off + 8);
-    L->x = off; off = align256(off + T * H * 2);
-    L->router_w = off; off = align256(off + T * k * 4);
-    L->ids = off; off = align256(off + T * k * 4);
-    L->comb = off; off = align256(off + T * k * H * 2);
-    L->dy = off; off = align256(off + T * H * 2);
-    L->dxbuf = off; off = align256(off + T * k * H * 2);
-    L->drw = off; off = align256(off + T * k * 4);
-    L->turned = turned(&ws->config);
-    L->sched = L->counters = L->ring_x = L->ring_y = L->ring_dy = L->ring_dyw = L->ring_w = L->ring_rdot = 0;
-    if (L->turned) {
-        L->sched = off; off = align256(off + ws->sched_layout.bytes);
-        L->counters = off; off = align256(off + sizeof(unsigned long long) * (size_t)(counters_cap + 8));
-        L->ring_x = off; off = align256(off + ring * H * 2);
-        L->ring_y = off; off = align256(off + ring * H * 2);
-        L->ring_dy = off; off = align256(off + ring * H * 2);
-        L->ring_dyw = off; off = align256(off + ring * H * 2);
-        L->ring_w = off; off = align256(off + ring * 4);
-        L->ring_rdot = off; off = align256(off + ring * (I / 64) * 4);
-    }
-    L->bytes = off;
+/* The region (core/layout.h): every part 256-byte aligned; the barrier's flags and call words and
+ * the creation blob first; with a turned transfer the schedule's copy, the counter block and the
+ * rings (their bf16(w * dy) rows too) after the per-token parts. */
+void mok__cuda_sym_layout(mok_region_layout *L, const mok_workspace *ws, int64_t counters_cap) {
+    mok_region_spec spec;
+    memset(&spec, 0, sizeof spec);
+    spec.align = 256;
+    spec.flags_bytes = 8 * MOK_MAX_RANKS;
+    spec.calls_bytes = 8 * CALL_SLOTS * MOK_MAX_RANKS;
+    spec.blob_bytes = sizeof(cuda_blob);
+    spec.rings = mok__config_turned(&ws->config);
+    spec.ring_dyw = 1;
+    spec.rdot_cols = ws->shape.intermediate / 64;
+    spec.counters = counters_cap + MOK_COUNTER_EXTRA_SLOTS;
+    mok__region_layout(L, &ws->shape, &ws->config, ws->sched_layout.bytes, &spec);
 }
 
 __global__ void peer_table_kernel(ncclWindow_t win, int nranks, char **peers) {

@@ -58,17 +58,25 @@ static void rank_release(cuda_rank *R) {
         *total += b_;                                                   \
     } while (0)
 
+/* The worst case of a pass's plan (core/plan.h), with weight-gradient tiles square 128 x 128: more
+ * tiles than the real 128 x 256. */
+static mok_plan worst_plan(const mok_workspace *ws) {
+    const mok_plan_tiles tiles = {CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M, 0, 0};
+    const mok_plan_workspace w = mok__plan_workspace(ws, tiles);
+    return mok__plan_worst(&w);
+}
+
 static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R, size_t *total) {
     const mok_shape *s = &ws->shape;
     const size_t ring = (size_t)ws->config.ring_rows, H = (size_t)s->hidden, I = (size_t)s->intermediate;
     const size_t Is = (size_t)s->shared_intermediate, T = (size_t)s->max_tokens;
-    const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
+    const mok_plan worst = worst_plan(ws);
     R->counters_cap = cw->counters_cap;
     ALLOC(R->peers, sizeof(char *) * MOK_MAX_RANKS);
     if (!cw->sym.turned) { /* otherwise in the window (window_buffers) */
         ALLOC(R->ring_x, ring * H * 2);
         ALLOC(R->ring_y, ring * H * 2);
-        ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8));
+        ALLOC(R->counters, sizeof(unsigned long long) * (size_t)(R->counters_cap + MOK_COUNTER_EXTRA_SLOTS));
         ALLOC(R->ring_dy, ring * H * 2);
         ALLOC(R->ring_dyw, ring * H * 2);
         ALLOC(R->ring_w, ring * 4);
@@ -166,8 +174,7 @@ extern "C" mok_status mok__cuda_workspace_create(mok_workspace *ws) {
     cuda_workspace *cw = (cuda_workspace *)calloc(1, sizeof *cw);
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     {
-        /* weight-gradient tiles square 128 x 128: more tiles than the real 128 x 256 */
-        const mok_plan worst = mok__plan_worst(ws, CUDA_N_TILE, CUDA_N_TILE, CUDA_WGRAD_M);
+        const mok_plan worst = worst_plan(ws);
         cw->counters_cap = mok__counters_max(&worst, ws->sched_layout.max_rows, ws->shape.max_tokens);
     }
     mok__cuda_sym_layout(&cw->sym, ws, cw->counters_cap);

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h" /* mok__fail only */
+#include "errors.h"
 #include "mok.h"
 #include "ref/ref.h"
 

@@ -18,7 +18,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
     __shared__ long long s_ticket;
     __shared__ int s_flag;
     const int role = MOK_ROLE_COMM; /* compute CTAs run walk_compute (compute_walk.cuh) */
-    unsigned long long *ticket = p.counters + p.counters_cap + role;
+    unsigned long long *ticket = p.counters + p.counters_cap + MOK_COUNTER_SLOT_TICKET + role;
     const long long num_spans = *p.num_spans;
     task_cursor cur = {-1, 0, 0};
     for (;;) {

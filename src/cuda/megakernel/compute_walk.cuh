@@ -237,7 +237,7 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
     const uint32_t qfull = sh.qfull, qempty = sh.qempty;
     volatile queued_task *queue = sh.queue;
     const int tid = threadIdx.x;
-    unsigned long long *ticket = p.counters + p.counters_cap + MOK_ROLE_COMPUTE;
+    unsigned long long *ticket = p.counters + p.counters_cap + MOK_COUNTER_SLOT_TICKET + MOK_ROLE_COMPUTE;
     const long long num_spans = *p.num_spans;
     task_cursor cur = {-1, 0, 0};
     /* The next ticket is claimed as soon as the current task is posted: the atomic's round trip
@@ -360,7 +360,7 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
     r.empty = r.full + 8 * RING_STAGES;
     r.stage = 0;
     r.phase = 0;
-    r.abort = p.counters + p.counters_cap + 2;
+    r.abort = p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT;
     r.error = p.error;
     r.timeout_ns = p.timeout_ns;
     r.maps = maps;

@@ -24,9 +24,9 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
                                            long long *seen = nullptr) {
     if (c < 0) return true;
     long long start = globaltimer_ns();
-    unsigned long long *abort = p.counters + p.counters_cap + 2;
+    unsigned long long *abort = p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT;
     const unsigned long long *base = counters_of(p, peer);
-    const volatile unsigned long long *peer_abort = base + p.counters_cap + 2;
+    const volatile unsigned long long *peer_abort = base + p.counters_cap + MOK_COUNTER_SLOT_ABORT;
     long long v;
     while ((v = (long long)counter_acquire(p, base + c)) < target) {
         if (*(volatile unsigned long long *)abort) return false;

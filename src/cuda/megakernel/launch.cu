@@ -17,7 +17,8 @@ __global__ void spans_kernel(pass_params p) {
     const int refusal = pass_refusal(p, v, &found, &expected);
     if (refusal) {
         set_error_values(p.error, refusal, found, expected);
-        atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank's counters stop */
+        /* peers waiting on this rank's counters stop */
+        atomicExch(p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, 1ull);
         return;
     }
     if (*(volatile int *)p.error) return;
@@ -32,7 +33,8 @@ __global__ void spans_kernel(pass_params p) {
             padded[q] = *(volatile const int64_t *)&h->padded_rows;
             if (padded[q] < 0 || padded[q] > p.layout.max_rows || padded[q] % MOK_ROW_TILE) {
                 set_error(p.error, MOK_KERR_SCHEDULE);
-                atomicExch(p.counters + p.counters_cap + 2, 1ull); /* peers waiting on this rank stop */
+                /* peers waiting on this rank stop */
+                atomicExch(p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, 1ull);
                 return;
             }
         }
@@ -91,7 +93,8 @@ mok_status mok__cuda_launch_pass(mok_workspace *ws, int lr, const cuda_rank *R, 
                                  int threads, size_t smem, cudaStream_t stream, int64_t num_tokens, const void *maps) {
     mok_status st = mok__cuda_error_word_clear(ws, lr, stream);
     if (st != MOK_OK) return st;
-    CUDA_TRY(cudaMemsetAsync(R->counters, 0, sizeof(unsigned long long) * (size_t)(R->counters_cap + 8), stream));
+    CUDA_TRY(cudaMemsetAsync(R->counters, 0,
+                             sizeof(unsigned long long) * (size_t)(R->counters_cap + MOK_COUNTER_EXTRA_SLOTS), stream));
     if (p->trace_count) CUDA_TRY(cudaMemsetAsync(p->trace_count, 0, sizeof(unsigned long long), stream));
     if (p->combine_pull || p->dispatch_pull || p->dispatch_push || p->combine_push)
         LAUNCH_TRY(sched_publish_kernel<<<R->num_sms, 256, 0, stream>>>(p->layout, (const char *)p->schedule,
