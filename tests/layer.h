@@ -50,6 +50,9 @@ typedef struct layer {
     float swiglu_limit; /* 0 after layer_make; both layer_run_* use this value (it overrides the
                            config's) */
     int hot_expert;     /* LAYER_ROUTE_ONE_EXPERT: the expert every slot goes to; else -1 */
+    int tensor_core_sums; /* FP8 layers: layer_compare uses the rows for a backend whose 128-K block
+                             sums keep fewer bits than fp32 (the cuda tiles; layer.c says why); 0
+                             after layer_make */
     int64_t num_tokens[MOK_MAX_RANKS];
     /* Per rank; NULL when the rank has no tokens. */
     uint16_t *x[MOK_MAX_RANKS];        /* [T_p, H] bf16 in [-1, 1], never 0 */
