@@ -21,8 +21,8 @@ import mok
 from mok import _lib, functional
 from mok.bf16 import from_float32 as bf, to_float32 as f32
 
-import layers
-from layers import weights
+import random_layer
+from random_layer import weights
 
 SEED = int(os.environ.get("MOK_PY_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 
@@ -45,8 +45,9 @@ CONFIG = mok.Config(cpu_threads=2, minibatch_rows=128, ring_rows=256)
 
 
 def make_layer(P, tokens, H=128, I=64, E=6, k=2, Is=64, seed=0, holes=False, signed=False, even_only=False):
-    """A random layer of layers.make_layer (the softmax router) from this run's seed."""
-    return layers.make_layer(SEED, P, tokens, H, I, E, k, Is, seed, holes=holes, signed=signed, even_only=even_only)
+    """A random layer of random_layer.make_layer (the softmax router) from this run's seed."""
+    return random_layer.make_layer(SEED, P, tokens, H, I, E, k, Is, seed, holes=holes, signed=signed,
+                                   even_only=even_only)
 
 
 def workspace(L, group=None, config=CONFIG, max_tokens=None):

@@ -16,8 +16,8 @@ import mok
 from mok import _lib, functional
 from mok.bf16 import from_float32 as bf, to_float32 as f32
 
-import layers
-from layers import weights
+import random_layer
+from random_layer import weights
 
 SEED = int(os.environ.get("MOK_PY_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 
@@ -39,8 +39,8 @@ GRAD_KEYS = ("dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down")
 
 
 def make_layer(P, tokens, H=256, I=128, E=6, k=2, Is=128, seed=0, holes=False, signed=False):
-    """A random layer of layers.make_layer (router weights uniform in [0.1, 1)) from this run's seed."""
-    return layers.make_layer(SEED, P, tokens, H, I, E, k, Is, seed, holes=holes, signed=signed, router="uniform")
+    """A random layer of random_layer.make_layer (router weights uniform in [0.1, 1)) from this run's seed."""
+    return random_layer.make_layer(SEED, P, tokens, H, I, E, k, Is, seed, holes=holes, signed=signed, router="uniform")
 
 
 def workspace(L, precision="fp8", config=CONFIG):

@@ -1,4 +1,4 @@
-"""layers.py — random layers for the binding's tests (test_binding.py, test_fp8_functional.py): per-rank
+"""random_layer.py — random layers for the binding's tests (test_binding.py, test_fp8_functional.py): per-rank
 x, dy, topk_ids, router_w and experts, and one copy of the shared expert, as numpy arrays (bf16 as
 uint16)."""
 import numpy as np
