@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "layer.h"
+#include "matrix.h"
 #include "test.h"
 
 static int skip(const char *name) {
@@ -32,33 +33,11 @@ static int skip(const char *name) {
     return 1;
 }
 
-static uint64_t case_seed(const char *name) {
-    uint64_t h = 1469598103934665603ull ^ 0xc0da8f8ull;
-    for (const char *c = name; *c; ++c) h = (h ^ (unsigned char)*c) * 1099511628211ull;
-    return h ^ (mok_test_seed() * 0x9e3779b97f4a7c15ull);
-}
-
-static uint64_t pick(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+static uint64_t case_seed(const char *name) { return matrix_case_seed(name, 0xc0da8f8ull); }
 
 static mok_shape fp8_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is) {
     mok_shape s = {H, I, E, k, Is, 1, MOK_PRECISION_FP8};
     return s;
-}
-
-/* The cpu side: the config of test_cpu_fp8.c (small rings, two threads). */
-static mok_config cpu_config(void) {
-    mok_config c = MOK_CONFIG_INIT;
-    c.minibatch_rows = 128;
-    c.ring_rows = 256;
-    c.cpu_threads = 2;
-    c.cpu_comm_threads = 1;
-    c.peer_timeout_ms = 120000.0;
-    return c;
 }
 
 /* ---- one layer on the GPUs -------------------------------------------------------------------- */
@@ -219,13 +198,13 @@ static void reshape_values(layer *L, int mode, uint64_t seed) {
     uint64_t rng = seed;
     const int xlo = mode == CASE_EXACT ? -6 : -20, xspan = mode == CASE_EXACT ? 13 : 25;
     const int wlo = mode == CASE_EXACT ? -6 : -12, wspan = mode == CASE_EXACT ? 13 : 17;
-#define VALUE(v, e) (mode == CASE_EXACT ? mok_bf16_from_float((float)ldexp((pick(&rng) & 1 ? -1.0 : 1.0) * \
-                                                                           (pick(&rng) & 1 ? 1.0 : 0.5), (e))) \
+#define VALUE(v, e) (mode == CASE_EXACT ? mok_bf16_from_float((float)ldexp((matrix_pick(&rng) & 1 ? -1.0 : 1.0) * \
+                                                                           (matrix_pick(&rng) & 1 ? 1.0 : 0.5), (e))) \
                                         : scaled((v), (e)))
     for (int p = 0; p < L->nranks; ++p)
         for (int64_t t = 0; t < L->num_tokens[p]; ++t)
             for (int64_t b = 0; b < H / B; ++b) {
-                const int e = xlo + (int)(pick(&rng) % (uint64_t)xspan);
+                const int e = xlo + (int)(matrix_pick(&rng) % (uint64_t)xspan);
                 for (int64_t c = b * B; c < b * B + B; ++c) L->x[p][t * H + c] = VALUE(L->x[p][t * H + c], e);
             }
     /* every weight matrix [rows, cols] (count of them), block by block */
@@ -249,7 +228,7 @@ static void reshape_values(layer *L, int mode, uint64_t seed) {
         for (int64_t e = 0; e < count[i]; ++e)
             for (int64_t br = 0; br < rows[i] / B; ++br)
                 for (int64_t bc = 0; bc < cols[i] / B; ++bc) {
-                    const int x = wlo + (int)(pick(&rng) % (uint64_t)wspan);
+                    const int x = wlo + (int)(matrix_pick(&rng) % (uint64_t)wspan);
                     for (int64_t r = br * B; r < br * B + B; ++r)
                         for (int64_t c = bc * B; c < bc * B + B; ++c) {
                             uint16_t *v = mats[i] + (e * rows[i] + r) * cols[i] + c;
@@ -295,7 +274,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
 
     layer_backend B;
     layer_result cpu = {0}, ref = {0}, got = {0};
-    const mok_config cc = cpu_config();
+    const mok_config cc = matrix_config();
     mok_status st = layer_backend_open(&B, &L, &cc);
     CHECK(st == MOK_OK, "%s: cpu open: %s", tag, B.message);
     if (st == MOK_OK) {
