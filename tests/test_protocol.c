@@ -653,6 +653,24 @@ static void *fresh_context(size_t bytes) {
     return c;
 }
 
+/* A two-rank layer's schedule, context and y buffers of ws's sizes in r, and the schedule args
+ * over them. poisoned: the schedule filled with 0xa5 and the context fresh (fresh_context). */
+static void two_rank_buffers(mok_workspace *ws, const layer *L, const int64_t *T, int poisoned, layer_result *r,
+                             mok_schedule_args sa[2]) {
+    mok_sizes sz;
+    mok_workspace_sizes(ws, &sz);
+    r->nranks = 2;
+    r->schedule_bytes = sz.schedule_bytes;
+    r->context_bytes = sz.context_bytes;
+    for (int p = 0; p < 2; ++p) {
+        r->schedule[p] = alloc_aligned(sz.schedule_bytes);
+        if (poisoned) memset(r->schedule[p], 0xa5, sz.schedule_bytes);
+        r->context[p] = poisoned ? fresh_context(sz.context_bytes) : alloc_aligned(sz.context_bytes);
+        r->y[p] = alloc_aligned((size_t)(T[p] * L->shape.hidden) * 2);
+        sa[p] = (mok_schedule_args){T[p], L->topk_ids[p], r->schedule[p], NULL};
+    }
+}
+
 MOK_TEST(protocol_backward_needs_its_forward) {
     /* The context's tag (which workspace, schedule build and rank wrote it) against the backward's
        schedule: a context no forward wrote, another rank's, and one written before the schedule
@@ -747,18 +765,8 @@ MOK_TEST(protocol_context_of_another_workspace) {
     layer_result r[2] = {{0}, {0}};
     if (ws[0] && ws[1]) {
         for (int w = 0; w < 2; ++w) {
-            mok_sizes sz;
-            mok_workspace_sizes(ws[w], &sz);
-            r[w].nranks = 2;
-            r[w].schedule_bytes = sz.schedule_bytes;
-            r[w].context_bytes = sz.context_bytes;
             mok_schedule_args sa[2];
-            for (int p = 0; p < 2; ++p) {
-                r[w].schedule[p] = alloc_aligned(sz.schedule_bytes);
-                r[w].context[p] = alloc_aligned(sz.context_bytes);
-                r[w].y[p] = alloc_aligned((size_t)(T[p] * L.shape.hidden) * 2);
-                sa[p] = (mok_schedule_args){T[p], L.topk_ids[p], r[w].schedule[p], NULL};
-            }
+            two_rank_buffers(ws[w], &L, T, 0, &r[w], sa);
             CHECK(mok_schedule_build(ws[w], sa) == MOK_OK, "build %d: %s", w, mok_last_error());
             mok_forward_args fa[2];
             layer_forward_args(&L, &r[w], fa);
@@ -876,19 +884,8 @@ MOK_TEST(protocol_buffer_of_one_workspace_reused_by_another) {
     if (ws[0] && ws[1]) {
         mok_status st = MOK_OK;
         for (int w = 0; w < 2; ++w) {
-            mok_sizes sz;
-            mok_workspace_sizes(ws[w], &sz);
-            r[w].nranks = 2;
-            r[w].schedule_bytes = sz.schedule_bytes;
-            r[w].context_bytes = sz.context_bytes;
             mok_schedule_args sa[2];
-            for (int p = 0; p < 2; ++p) {
-                r[w].schedule[p] = alloc_aligned(sz.schedule_bytes);
-                memset(r[w].schedule[p], 0xa5, sz.schedule_bytes);
-                r[w].context[p] = fresh_context(sz.context_bytes);
-                r[w].y[p] = alloc_aligned((size_t)(T[p] * L.shape.hidden) * 2);
-                sa[p] = (mok_schedule_args){T[p], L.topk_ids[p], r[w].schedule[p], NULL};
-            }
+            two_rank_buffers(ws[w], &L, T, 1, &r[w], sa);
             backward_buffers(&L, &r[w]);
             mok_forward_args fa[2];
             mok_backward_args ba[2];
