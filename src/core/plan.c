@@ -53,6 +53,15 @@ mok_plan mok__plan_pass(const mok_plan_workspace *w, const mok_plan_pass *pass) 
     return p;
 }
 
+mok_plan mok__plan_switches(const mok_config *config, int kind) {
+    mok_plan p;
+    memset(&p, 0, sizeof p);
+    p.backward = kind == MOK_PASS_BACKWARD;
+    p.recompute = kind == MOK_PASS_RECOMPUTE;
+    plan_directions(&p, config, kind == MOK_PASS_FORWARD, kind == MOK_PASS_BACKWARD);
+    return p;
+}
+
 int mok__config_turned(const mok_config *c) {
     return c->fwd_dispatch != MOK_PULL || c->fwd_combine != MOK_PUSH || c->bwd_combine != MOK_PULL ||
            c->bwd_dispatch != MOK_PUSH;

@@ -47,6 +47,11 @@ mok_plan mok__plan_worst(const mok_plan_workspace *ws);
  * rank's padded rows, which the backend reads from the peers' schedules. */
 mok_plan mok__plan_pass(const mok_plan_workspace *ws, const mok_plan_pass *pass);
 
+/* A pass's kind and transfer switches alone (mok_plan's backward, recompute, combine_pull,
+ * dispatch_push, dispatch_pull, combine_push; the rest zero): for a backend whose kernels build the
+ * rest of the plan themselves. */
+mok_plan mok__plan_switches(const mok_config *config, int kind);
+
 /* Whether the config turns any transfer from its default direction (pull dispatch, push combine,
  * pull reverse-combine, push reverse-dispatch): then some pass's list names peers, and peers reach
  * the rings, counters and schedule (core/layout.h). */

@@ -184,28 +184,19 @@ static __device__ long long block_max(long long x, long long *scratch) {
 
 static __device__ long long tile_rows(long long n) { return (n + MOK_ROW_TILE - 1) / MOK_ROW_TILE * MOK_ROW_TILE; }
 
-/* One block, after the count kernel. (1) Turns chunk_counts, column by column (a column is one
- * (peer, expert) over the chunks), into the rows of that column in the chunks before (exclusive
- * scan, in place), and writes the column's total to counts[l * P + peer]. (2) Segments and the
- * header, as core/schedule.inc's phase 2; header.error is the error of the highest peer that has
- * one (the code core/schedule.inc keeps), else a capacity error; on any error the segments and row
- * totals are zero. Everything it writes is read by the place kernel, and the header by the pass. */
-__global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p) {
-    __shared__ int partial[SCAN_THREADS];
-    __shared__ long long warp_scratch[SCAN_THREADS / 32];
-    __shared__ int worst;
-    mok_sched_view v = mok__sched_view(&p.layout, p.schedule);
+/* Phase (1) of the scan kernel: turns chunk_counts, column by column (a column is one (peer,
+ * expert) over the chunks), into the rows of that column in the chunks before (exclusive scan, in
+ * place), and writes the column's total to counts[l * P + peer]. A tile of `cols` columns at a
+ * time; `segments` threads split each column's chunks. Ends with a __syncthreads. */
+static __device__ void scan_chunk_columns(const sched_params &p, const mok_sched_view &v, int *partial) {
     const int L = p.num_local_experts, P = p.nranks, J = P * L;
     const long long C = p.scratch.num_chunks;
-
-    /* (1) A tile of `cols` columns at a time; `segments` threads split each column's chunks. */
     const int cols = J < SCAN_THREADS ? J : SCAN_THREADS;
     int segments = SCAN_THREADS / cols;
     if (segments > SCAN_MAX_SEGMENTS) segments = SCAN_MAX_SEGMENTS;
     if (segments > C) segments = (int)C;
     const long long per_segment = (C + segments - 1) / segments;
     const int col = threadIdx.x % cols, segment = threadIdx.x / cols;
-    if (threadIdx.x == 0) worst = 0;
     for (int j0 = 0; j0 < J; j0 += cols) {
         const int j = j0 + col;
         const bool active = segment < segments && j < J;
@@ -240,18 +231,26 @@ __global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p
         }
         __syncthreads();
     }
+}
 
-    /* Errors: key (peer + 1) * 4 + code keeps the highest peer's (a peer has one kind only). */
+/* The count kernel's chunk errors into *worst as key (peer + 1) * 4 + code, the highest peer's kept
+ * (a peer has one kind only). *worst is read after a barrier. */
+static __device__ void gather_chunk_errors(const sched_params &p, int *worst) {
+    const long long C = p.scratch.num_chunks;
     int key = 0;
-    for (long long i = threadIdx.x; i < C * P; i += blockDim.x) {
+    for (long long i = threadIdx.x; i < C * p.nranks; i += blockDim.x) {
         const int code = p.scratch.chunk_error[i];
-        if (code) key = max(key, (int)(i % P + 1) * 4 + code);
+        if (code) key = max(key, (int)(i % p.nranks + 1) * 4 + code);
     }
     key = __reduce_max_sync(0xffffffffu, key);
-    if (threadIdx.x % 32 == 0 && key) atomicMax(&worst, key);
+    if (threadIdx.x % 32 == 0 && key) atomicMax(worst, key);
+}
 
-    /* (2) Each thread sums the experts [l0, l1) (counts above are this block's own writes,
-       ordered by the __syncthreads that closed the tile loop). */
+/* Phase (2): segments and the header, as core/schedule.inc's phase 2. Each thread sums the experts
+ * [l0, l1) (the counts are this block's own writes, ordered by phase (1)'s last __syncthreads). */
+static __device__ void write_segments(const sched_params &p, const mok_sched_view &v, const int *worst,
+                                      long long *warp_scratch) {
+    const int L = p.num_local_experts, P = p.nranks;
     const int per_thread = (L + SCAN_THREADS - 1) / SCAN_THREADS;
     const int l0 = min(L, (int)threadIdx.x * per_thread), l1 = min(L, l0 + per_thread);
     long long padded = 0, routed = 0, busiest = 0;
@@ -263,10 +262,10 @@ __global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p
         busiest = max(busiest, n);
     }
     long long rows = 0, routed_all = 0;
-    long long start = block_exclusive_sum(padded, &rows, warp_scratch); /* its barriers order `worst` */
+    long long start = block_exclusive_sum(padded, &rows, warp_scratch); /* its barriers order *worst */
     block_exclusive_sum(routed, &routed_all, warp_scratch);
     busiest = block_max(busiest, warp_scratch);
-    const int error = worst ? worst % 4 : (rows > p.max_rows ? MOK_SCHED_ERR_CAPACITY : 0);
+    const int error = *worst ? *worst % 4 : (rows > p.max_rows ? MOK_SCHED_ERR_CAPACITY : 0);
     for (int l = l0; l < l1; ++l) {
         long long n = 0;
         for (int q = 0; q < P; ++q) n += v.counts[(long long)l * P + q];
@@ -293,6 +292,21 @@ __global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p
         h->padded_rows = error ? 0 : rows;
         h->max_expert_rows = error ? 0 : busiest;
     }
+}
+
+/* One block, after the count kernel: the column scan (1), then the segments and the header (2).
+ * header.error is the error of the highest peer that has one (the code core/schedule.inc keeps),
+ * else a capacity error; on any error the segments and row totals are zero. Everything it writes is
+ * read by the place kernel, and the header by the pass. */
+__global__ void __launch_bounds__(SCAN_THREADS) sched_scan_kernel(sched_params p) {
+    __shared__ int partial[SCAN_THREADS];
+    __shared__ long long warp_scratch[SCAN_THREADS / 32];
+    __shared__ int worst;
+    mok_sched_view v = mok__sched_view(&p.layout, p.schedule);
+    if (threadIdx.x == 0) worst = 0; /* ordered before the atomics by phase (1)'s barriers */
+    scan_chunk_columns(p, v, partial);
+    gather_chunk_errors(p, &worst);
+    write_segments(p, v, &worst, warp_scratch);
 }
 
 /* Block (chunk, peer), after the scan; nothing when the header has an error. The i-th row of

@@ -165,7 +165,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_span &span, 
         op->b_lo = p.w_down + (long long)t.expert * H * I + nt * p.n_tile;
         op->ldb = I;
         dh_common(op, H, p.n_tile);
-        use_tma_n(p, op, MAP_RING_DY, t.ring0, MAP_W_DOWN, (long long)t.expert * H, -1, 0, nt * p.n_tile, p.n_tile / 64);
+        use_tma_n(p, op, MAP_RING_DY, t.ring0, MAP_W_DOWN, (long long)t.expert * H, nt * p.n_tile, p.n_tile / 64);
         return 2;
     }
     case MOK_TASK_SHARED_DH: {
@@ -176,7 +176,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_span &span, 
         op->b_lo = p.s_down + nt * p.n_tile;
         op->ldb = Is;
         dh_common(op, H, p.n_tile);
-        use_tma_n(p, op, MAP_DY, t0, MAP_S_DOWN, 0, -1, 0, nt * p.n_tile, p.n_tile / 64);
+        use_tma_n(p, op, MAP_DY, t0, MAP_S_DOWN, 0, nt * p.n_tile, p.n_tile / 64);
         return 2;
     }
     case MOK_TASK_DX:
@@ -229,112 +229,134 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_span &span, 
 #define BWD_VAR_DGRAD 1
 #define BWD_VAR_WGRAD 3
 
+/* A dh task's GEMM i < replays: g|u of 64 columns into the replay rows. */
+static __device__ __forceinline__ void replay_epilogue(const pass_params &p, long long nt, const task_prep &tp, int i,
+                                                       float (&acc)[TILE_ACC], uint16_t *c, int tid) {
+    const long long I = p.inter;
+    const tile_info t = tp.tile;
+    uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
+    const long long n0 = nt * p.n_tile + 64 * i;
+    stage_bf16(c, acc);
+    for (int idx = tid; idx < t.nreal * 16; idx += CONSUMER_THREADS) {
+        int r = idx >> 4, c8 = (idx & 15) * 8;
+        uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
+        *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
+    }
+}
+
+/* The SwiGLU backward of a routed or shared dh tile (one call site for both: this epilogue is the
+ * kernel's largest code). */
+static __device__ __forceinline__ void dh_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
+                                                   long long nt, const task_prep &tp, float (&acc)[TILE_ACC],
+                                                   uint16_t *c) {
+    const long long I = p.inter, Is = p.shared_inter;
+    const bool routed = span.kind == MOK_TASK_DH;
+    const long long inter = routed ? I : Is;
+    int rows;
+    const uint16_t *gu;
+    const float *w = nullptr;
+    uint16_t *h, *dgu;
+    float *rdot = nullptr;
+    if (routed) {
+        const tile_info t = tp.tile;
+        rows = t.nreal;
+        /* rows past the context had their g|u replayed into the ring by GEMMs i < this one */
+        gu = t.row0 >= p.context_rows ? p.ring_gu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
+        w = p.ring_w + t.ring0;
+        h = p.ring_h + t.ring0 * I;
+        dgu = p.ring_dgu + t.ring0 * 2 * I;
+        rdot = p.ring_rdot + t.ring0 * (I / 64) + nt;
+    } else {
+        const long long t0 = rt * MOK_ROW_TILE;
+        rows = token_rows(p, t0);
+        gu = p.context_shared + t0 * 2 * Is;
+        h = p.sh_h + t0 * Is;
+        dgu = p.sh_dgu + t0 * 2 * Is;
+    }
+    swiglu_backward_epilogue(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
+                             2 * inter, rdot, I / 64, c, routed);
+}
+
+/* A routed dx tile, through the staging tile (store_staged syncs the consumers). */
+static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long long nt, const task_prep &tp,
+                                                   float (&acc)[TILE_ACC], uint16_t *c, int tid) {
+    const long long H = p.hidden, I = p.inter;
+    const tile_info t = tp.tile;
+    if (p.nranks == 1 && !p.dispatch_pull) {
+        /* one rank: what run_push would do, here. Each row straight into its (token, slot)
+           row of the dx buffer; the first column tile's threads also sum their rows'
+           d_router_w partials, which every dh tile of the row tile wrote before this task
+           could start (its wait), in column order, as dx_row_out does */
+        const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+        const int32_t *slots = v.row_slot + t.row0;
+        store_staged<true>(acc, t.nreal, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_dxbuf), H,
+                           nt * p.n_tile_h, c, slots);
+        if (nt == 0 && tid < t.nreal) {
+            const float *rdot = p.ring_rdot + (t.ring0 + tid) * (I / 64);
+            float sum = 0.0f;
+            for (long long j = 0; j < I / p.n_tile; ++j) sum += rdot[j];
+            ((float *)(p.peers[p.rank] + p.off_drw))[slots[tid]] = sum;
+        }
+        return;
+    }
+    store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
+}
+
+/* A routed or shared weight-gradient tile: bf16 by TMA when whole, else through the staging region. */
+static __device__ __forceinline__ void wgrad_epilogue(const pass_params &p, const mok_task_span &span,
+                                                      const task_prep &tp, float (&acc)[TILE_ACC], uint16_t *c,
+                                                      const CUtensorMap *maps, int tid) {
+    wgrad_job w;
+    wgrad_job_of(p, span, tp, &w);
+    if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
+        /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
+           the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
+           the consumers go on to the next task */
+        uint8_t *box = (uint8_t *)c;
+        const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
+#pragma unroll
+        for (int j = 0; j < TILE_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
+        fence_proxy_async();
+        consumer_sync();
+        if (tid == 0) {
+#pragma unroll
+            for (int b = 0; b < CUDA_WGRAD_N / 64; ++b)
+                tma_store_2d(&maps[w.store_map], w.store_col + 64 * b, w.store_row,
+                             (uint32_t)__cvta_generic_to_shared(box + b * STORE_BOX_BYTES));
+            bulk_commit();
+        }
+    } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
+        store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
+    } else { /* fp32 (a carry, or accumulate mode) through the staging region */
+        store_staged_f32(acc, w.m_valid, w.n_valid, w.carry_out ? w.carry_out : (float *)w.dest, w.ld, (float *)c);
+    }
+}
+
 template <int VAR>
 static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
                                     long long nt, const task_prep &tp, int i, float (&acc)[TILE_ACC], uint16_t *c,
                                     const CUtensorMap *maps) {
     const int tid = threadIdx.x - PRODUCER_THREADS;
-    const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     /* every path below writes the staging region: the last weight-gradient tile's TMA stores,
        issued by thread 0, must have read it first */
     if (tid == 0) bulk_wait_read();
     consumer_sync();
-    if (VAR == BWD_VAR_REPLAY) { /* a dh task's GEMM i < replays: g|u of 64 columns into the replay rows */
-        const tile_info t = tp.tile;
-        uint16_t *ring_gu = p.ring_gu + t.ring0 * 2 * I;
-        const long long n0 = nt * p.n_tile + 64 * i;
-        stage_bf16(c, acc);
-        for (int idx = tid; idx < t.nreal * 16; idx += CONSUMER_THREADS) {
-            int r = idx >> 4, c8 = (idx & 15) * 8;
-            uint16_t *dst = ring_gu + r * 2 * I + (c8 < 64 ? n0 + c8 : I + n0 + c8 - 64);
-            *(int4 *)dst = *(const int4 *)(c + r * TILE_C_LD + c8);
-        }
+    if (VAR == BWD_VAR_REPLAY) {
+        replay_epilogue(p, nt, tp, i, acc, c, tid);
     } else if (VAR == BWD_VAR_DGRAD) {
         switch (span.kind) {
         case MOK_TASK_DH:
-        case MOK_TASK_SHARED_DH: { /* one call site for both: this epilogue is the kernel's largest code */
-            const bool routed = span.kind == MOK_TASK_DH;
-            const long long inter = routed ? I : Is;
-            int rows;
-            const uint16_t *gu;
-            const float *w = nullptr;
-            uint16_t *h, *dgu;
-            float *rdot = nullptr;
-            if (routed) {
-                const tile_info t = tp.tile;
-                rows = t.nreal;
-                /* rows past the context had their g|u replayed into the ring by GEMMs i < this one */
-                gu = t.row0 >= p.context_rows ? p.ring_gu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
-                w = p.ring_w + t.ring0;
-                h = p.ring_h + t.ring0 * I;
-                dgu = p.ring_dgu + t.ring0 * 2 * I;
-                rdot = p.ring_rdot + t.ring0 * (I / 64) + nt;
-            } else {
-                const long long t0 = rt * MOK_ROW_TILE;
-                rows = token_rows(p, t0);
-                gu = p.context_shared + t0 * 2 * Is;
-                h = p.sh_h + t0 * Is;
-                dgu = p.sh_dgu + t0 * 2 * Is;
-            }
-            swiglu_backward_epilogue(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
-                                     2 * inter, rdot, I / 64, c, routed);
-            break;
-        }
-        case MOK_TASK_DX: { /* through the staging tile (store_staged syncs the consumers) */
-            const tile_info t = tp.tile;
-            if (p.nranks == 1 && !p.dispatch_pull) {
-                /* one rank: what run_push would do, here. Each row straight into its (token, slot)
-                   row of the dx buffer; the first column tile's threads also sum their rows'
-                   d_router_w partials, which every dh tile of the row tile wrote before this task
-                   could start (its wait), in column order, as dx_row_out does */
-                const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-                const int32_t *slots = v.row_slot + t.row0;
-                store_staged<true>(acc, t.nreal, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_dxbuf), H,
-                                   nt * p.n_tile_h, c, slots);
-                if (nt == 0 && tid < t.nreal) {
-                    const float *rdot = p.ring_rdot + (t.ring0 + tid) * (I / 64);
-                    float sum = 0.0f;
-                    for (long long j = 0; j < I / p.n_tile; ++j) sum += rdot[j];
-                    ((float *)(p.peers[p.rank] + p.off_drw))[slots[tid]] = sum;
-                }
-                return;
-            }
-            store_staged(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h, c);
-            return;
-        }
+        case MOK_TASK_SHARED_DH: dh_epilogue(p, span, rt, nt, tp, acc, c); break;
+        case MOK_TASK_DX: dx_epilogue(p, nt, tp, acc, c, tid); return; /* store_staged synced */
         case MOK_TASK_SHARED_DX: {
             const long long t0 = rt * MOK_ROW_TILE;
-            store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h, c);
+            store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * p.hidden, p.hidden, nt * p.n_tile_h, c);
             return;
         }
         default: break;
         }
-    } else if (VAR == BWD_VAR_WGRAD) { /* routed and shared weight-gradient tiles */
-        wgrad_job w;
-        wgrad_job_of(p, span, tp, &w);
-        if (w.store_map >= 0 && w.m_valid == CUDA_WGRAD_M && w.n_valid == CUDA_WGRAD_N) {
-            /* bf16 by TMA: the tile as four 128-row x 64-column boxes in the 128B-swizzled layout
-               the loads use (swizzle(), tile_operands.cuh) over the staging region, stored while
-               the consumers go on to the next task */
-            uint8_t *box = (uint8_t *)c;
-            const uint32_t base = (uint32_t)__cvta_generic_to_shared(box);
-#pragma unroll
-            for (int j = 0; j < TILE_ACC / 4; j += 2) stsm_blocks<STSM_BOXES>(acc, j, base, (tid >> 5) * 16, 0);
-            fence_proxy_async();
-            consumer_sync();
-            if (tid == 0) {
-#pragma unroll
-                for (int b = 0; b < CUDA_WGRAD_N / 64; ++b)
-                    tma_store_2d(&maps[w.store_map], w.store_col + 64 * b, w.store_row,
-                                 (uint32_t)__cvta_generic_to_shared(box + b * STORE_BOX_BYTES));
-                bulk_commit();
-            }
-        } else if (!w.carry_out && !w.dest_f32) { /* bf16 through the staging tile */
-            store_staged(acc, w.m_valid, w.n_valid, (uint16_t *)w.dest, w.ld, 0, c);
-        } else { /* fp32 (a carry, or accumulate mode) through the staging region */
-            store_staged_f32(acc, w.m_valid, w.n_valid, w.carry_out ? w.carry_out : (float *)w.dest, w.ld,
-                             (float *)c);
-        }
+    } else if (VAR == BWD_VAR_WGRAD) {
+        wgrad_epilogue(p, span, tp, acc, c, maps, tid);
     }
     consumer_sync();
 }
@@ -449,10 +471,8 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         CUDA_TRY(cudaSetDevice(R->device));
         CUDA_TRY(cudaFuncSetAttribute(backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         pass_params p;
-        pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 1);
+        pass_params_init(&p, ws, R, a->num_tokens, a->schedule, MOK_PASS_BACKWARD);
         p.accumulate = a->accumulate;
-        p.dispatch_pull = ws->config.bwd_dispatch == MOK_PULL;
-        p.combine_push = ws->config.bwd_combine == MOK_PUSH;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
         p.n_tile = R->tuning.cols_dh;
         pass_params_comm(&p, R, ws->config.bwd_comm_sms, 1);

@@ -116,10 +116,10 @@ static unsigned weight_maps(const pass_params *p, pass_maps *maps) {
 
 /* TMA for a GEMM with K-major B when its maps are usable (else the cp.async path runs):
  * A rows a_row.. of a_map; B's op->n_valid rows in 64-row blocks, the first op->b_split from
- * rows row_lo.. of b_lo, the rest from rows row_hi.. of b_hi (b_hi < 0: none). */
+ * rows row_lo.. of b_lo, the rest from rows row_hi.. of b_hi (a gate|up tile's two weights). */
 static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_operands *op, int a_map, long long a_row,
                                                  int b_lo, long long row_lo, int b_hi, long long row_hi) {
-    const unsigned need = (1u << a_map) | (1u << b_lo) | (b_hi >= 0 ? 1u << b_hi : 0u);
+    const unsigned need = (1u << a_map) | (1u << b_lo) | (1u << b_hi);
     if ((p.tma_mask & need) != need) return;
     op->tma = 1;
     op->a_map = a_map;
@@ -130,16 +130,22 @@ static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_oper
     op->b_halves = (op->n_valid + 63) / 64;
     op->b_map[0] = b_lo;
     op->b_row[0] = (int)row_lo;
-    op->b_map[1] = b_hi >= 0 ? b_hi : b_lo;
+    op->b_map[1] = b_hi;
     op->b_row[1] = (int)row_hi;
 }
 
+/* The same with all of B from rows b_row.. of one map. */
+static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_operands *op, int a_map, long long a_row,
+                                                 int b_map, long long b_row) {
+    use_tma_k(p, op, a_map, a_row, b_map, b_row, b_map, 0);
+}
+
 /* TMA for a GEMM with N-major B (columns col.., `halves` 64-column halves): k rows from row0 of
- * b0 while k < op->k_split, from row1 of b1 after (b1 < 0: no split). */
+ * b0 while k < op->k_split, from row1 of b1 after (a dx tile's gate and up weights). */
 static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_operands *op, int a_map, long long a_row,
                                                  int b0, long long row0, int b1, long long row1, long long col,
                                                  int halves) {
-    const unsigned need = (1u << a_map) | (1u << b0) | (b1 >= 0 ? 1u << b1 : 0u);
+    const unsigned need = (1u << a_map) | (1u << b0) | (1u << b1);
     if ((p.tma_mask & need) != need) return;
     op->tma = 1;
     op->a_map = a_map;
@@ -151,8 +157,14 @@ static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_oper
     op->b_col = (int)col;
     op->b_map[0] = b0;
     op->b_row[0] = (int)row0;
-    op->b_map[1] = b1 >= 0 ? b1 : b0;
+    op->b_map[1] = b1;
     op->b_row[1] = (int)row1;
+}
+
+/* The same with every k row of B from row b_row.. of one map. */
+static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_operands *op, int a_map, long long a_row,
+                                                 int b_map, long long b_row, long long col, int halves) {
+    use_tma_n(p, op, a_map, a_row, b_map, b_row, b_map, 0, col, halves);
 }
 
 /* TMA for a weight-gradient GEMM: A M-major (k rows from a_row, columns a_col.., `a_halves`

@@ -140,7 +140,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_span &span, 
         op->lda = op->ldb = op->k = I;
         op->n_valid = p.n_tile_h;
         op->b_split = p.n_tile_h / 64;
-        use_tma_k(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row, -1, 0);
+        use_tma_k(p, op, MAP_RING_H, t.ring0, MAP_W_DOWN, row);
         return 1;
     }
     case MOK_TASK_SHARED_DOWN: {
@@ -151,7 +151,7 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_span &span, 
         op->lda = op->ldb = op->k = Is;
         op->n_valid = p.n_tile_h;
         op->b_split = p.n_tile_h / 64;
-        use_tma_k(p, op, MAP_SH_H, t0, MAP_S_DOWN, nt * p.n_tile_h, -1, 0);
+        use_tma_k(p, op, MAP_SH_H, t0, MAP_S_DOWN, nt * p.n_tile_h);
         return 1;
     }
     default: return 0;
@@ -240,8 +240,8 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
         op->n_valid = p.n_tile_h;
         op->b_split = p.n_tile_h / 64;
         fp8_b_scales(op, p.wqs[d], w_row, nullptr, 0, inter / MOK_FP8_BLOCK);
-        if (routed) use_tma_k(p, op, MAP_RING_H, a_row, MAP_W_DOWN, w_row, -1, 0);
-        else use_tma_k(p, op, MAP_SH_H, a_row, MAP_S_DOWN, w_row, -1, 0);
+        if (routed) use_tma_k(p, op, MAP_RING_H, a_row, MAP_W_DOWN, w_row);
+        else use_tma_k(p, op, MAP_SH_H, a_row, MAP_S_DOWN, w_row);
         return 1;
     }
     default: return 0;
@@ -471,12 +471,8 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         CUDA_TRY(cudaSetDevice(R->device));
         CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         pass_params p;
-        pass_params_init(&p, ws, R, a->num_tokens, a->schedule, 0);
-        p.recompute = recompute;
-        if (!recompute) { /* a recompute pass refills the ring by its own pulls (core/tasks.inc) */
-            p.combine_pull = ws->config.fwd_combine == MOK_PULL;
-            p.dispatch_push = ws->config.fwd_dispatch == MOK_PUSH;
-        }
+        /* a recompute pass turns no transfer: it refills the ring by its own pulls (core/tasks.inc) */
+        pass_params_init(&p, ws, R, a->num_tokens, a->schedule, recompute ? MOK_PASS_RECOMPUTE : MOK_PASS_FORWARD);
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
         p.n_tile = R->tuning.cols_gateup;
         pass_params_comm(&p, R, ws->config.fwd_comm_sms, 0);

@@ -180,9 +180,10 @@ static __device__ int pass_refusal(const pass_params &p, const mok_sched_view &v
     return 0;
 }
 
-/* The fields every pass shares: layer, schedule, buffers, counters. */
+/* The fields every pass shares: kind and transfer switches (core/plan.h, enum mok_pass_kind),
+ * layer, schedule, buffers, counters. */
 static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda_rank *R, int64_t num_tokens,
-                             const void *schedule, int backward) {
+                             const void *schedule, int kind) {
     const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
     memset(p, 0, sizeof *p);
@@ -192,7 +193,13 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->num_local_experts = (int)ws->num_local_experts;
     p->topk = (int)s->topk;
     p->rank = R->rank;
-    p->backward = backward;
+    const mok_plan switches = mok__plan_switches(&ws->config, kind);
+    p->backward = switches.backward;
+    p->recompute = switches.recompute;
+    p->combine_pull = switches.combine_pull;
+    p->dispatch_push = switches.dispatch_push;
+    p->dispatch_pull = switches.dispatch_pull;
+    p->combine_push = switches.combine_push;
     p->n_tile_h = R->tuning.cols_h;
     p->hidden = s->hidden;
     p->inter = s->intermediate;
@@ -240,9 +247,9 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->spans_cap = R->spans_cap;
     p->num_spans = R->num_spans;
     /* the pass's own trace buffer: the forward's (or recompute's) or the backward's (internal.h) */
-    p->trace = R->trace ? R->trace + (backward ? R->trace_cap : 0) : nullptr;
+    p->trace = R->trace ? R->trace + (p->backward ? R->trace_cap : 0) : nullptr;
     p->trace_cap = R->trace_cap;
-    p->trace_count = R->trace_count ? R->trace_count + (backward ? 1 : 0) : nullptr;
+    p->trace_count = R->trace_count ? R->trace_count + (p->backward ? 1 : 0) : nullptr;
     p->raster = R->tuning.raster;
 }
 
