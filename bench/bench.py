@@ -411,19 +411,29 @@ def print_idle(ev, rank, window, windows=10):
     print(f"  rank {rank} compute idle % per tenth of the pass: {idle}", flush=True)
 
 
-def trace_case(group, ranks, name, experts, tokens, skew, config, out):
-    """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each."""
+def trace_case(group, ranks, name, experts, tokens, skew, config, out, precision="bf16"):
+    """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each.
+    precision "fp8": the forward only when the backend has no FP8 backward."""
     import timeline
 
     layer = LAYERS[name]
     inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
-    run = MokRun(group, layer, experts, tokens, inputs, config)
+    try:
+        run = MokRun(group, layer, experts, tokens, inputs, config, precision)
+    except mok.UnsupportedError as e:
+        print(f"trace {name} {precision}: skipped: {unsupported_reason(e)}", flush=True)
+        return
     flops = kind_flops(layer, experts, tokens, ranks)
+    tag = "" if precision == "bf16" else f"_{precision}"
     try:
         for phase, fn in (("fwd", run.forward), ("bwd", run.backward)):
-            fn()
+            try:
+                fn()
+            except mok.UnsupportedError as e:
+                print(f"trace {name} {precision} {phase}: skipped: {unsupported_reason(e)}", flush=True)
+                break
             sync_all(ranks)
-            path = os.path.join(out, f"trace_{name}_ep{ranks}_skew{skew}_{phase}.json")
+            path = os.path.join(out, f"trace_{name}{tag}_ep{ranks}_skew{skew}_{phase}.json")
             run.ws.trace_write(path)
             pass_name = "forward" if phase == "fwd" else "backward"  # the file holds both after the backward
             ev = timeline.load(path, pass_name=pass_name)
@@ -591,6 +601,8 @@ def main():
         for name, experts, tokens, skew in cases:
             os.makedirs(a.trace_dir, exist_ok=True)
             trace_case(group, a.ranks, name, experts, tokens, skew, base.replace(trace=True), a.trace_dir)
+            if a.precision == "fp8":
+                trace_case(group, a.ranks, name, experts, tokens, skew, base.replace(trace=True), a.trace_dir, "fp8")
     sweeps = []
     if not a.no_sweep:
         comms = [int(c) for c in a.sweep_comm.split(",")]
