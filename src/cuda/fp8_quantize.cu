@@ -11,14 +11,26 @@
 
 #define QUANT_THREADS 256
 
-/* One warp per (row, 128-column block) of x [rows, cols]: codes q [rows, cols], scales s [rows,
- * cols / 128]. */
+/* One warp per FP8_ROWS_ILP (row, 128-column block)s of x [rows, cols] at a time: codes q [rows,
+ * cols], scales s [rows, cols / 128]. */
 __global__ void quantize_rows_kernel(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s) {
     const long long blocks_per_row = cols / MOK_FP8_BLOCK, total = rows * blocks_per_row;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-    for (long long b = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; b < total; b += warps) {
-        const long long row = b / blocks_per_row, col = (b % blocks_per_row) * MOK_FP8_BLOCK;
-        fp8_quantize_block(x + row * cols + col, q + row * cols + col, s + b);
+    for (long long b0 = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; b0 < total;
+         b0 += FP8_ROWS_ILP * warps) {
+        const uint16_t *src[FP8_ROWS_ILP];
+        uint8_t *dst[FP8_ROWS_ILP];
+        float *scale[FP8_ROWS_ILP];
+        bool valid[FP8_ROWS_ILP];
+#pragma unroll
+        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
+            const long long b = b0 + i * warps, row = b / blocks_per_row, col = (b % blocks_per_row) * MOK_FP8_BLOCK;
+            valid[i] = b < total;
+            src[i] = x + row * cols + col;
+            dst[i] = q + row * cols + col;
+            scale[i] = s + b;
+        }
+        fp8_quantize_blocks(src, dst, scale, valid);
     }
 }
 

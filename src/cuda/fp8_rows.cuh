@@ -1,7 +1,7 @@
 /* fp8_rows.cuh — quantization Q of bf16 values into E4M3 codes and power-of-two scales on the
  * device (include/mok.h, FP8 section; the scalar rules are core/fp8.h's, shared with the cpu):
- * one warp quantizes one block of 128 values, four per lane. The block's amax is a warp maximum
- * (exact and order-free, so every run and every backend picks the same scale). */
+ * one warp quantizes a block of 128 values, four per lane, several blocks at once. A block's amax
+ * is a warp maximum (exact and order-free, so every run and every backend picks the same scale). */
 #ifndef MOK_CUDA_FP8_ROWS_CUH
 #define MOK_CUDA_FP8_ROWS_CUH
 
@@ -19,25 +19,61 @@ static __device__ __forceinline__ int fp8_warp_scale_exp(const float (&v)[4]) {
     return mok__fp8_scale_exp(amax);
 }
 
-/* Four values' codes (value · 2^-e each), packed little-endian in value order. */
-static __device__ __forceinline__ uint32_t fp8_codes4(const float (&v)[4], int e) {
-    const float inverse = mok__fp8_pow2(-e);
-    uint32_t out = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) out |= (uint32_t)mok__fp8_quantize(v[i], inverse) << (8 * i);
+/* The codes mok__e4m3_from_f32 gives two fp32 values, lo in the low byte: one
+ * cvt.rn.satfinite.e4m3x2.f32 (round to nearest, ties to even, as there), then what the
+ * instruction does otherwise: it saturates ±Inf and magnitudes past 464 to ±448, where the
+ * portable rule gives the NaN code with the input's sign. dev/e4m3_probe.cu checks every fp32
+ * pattern against mok__e4m3_from_f32. */
+static __device__ __forceinline__ uint32_t e4m3x2_from_f32(float lo, float hi) {
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    uint32_t out = pair;
+    const uint32_t l = __float_as_uint(lo), h = __float_as_uint(hi);
+    if ((l & 0x7fffffffu) > 0x43e80000u) out = (out & 0xff00u) | ((l >> 24) & 0x80u) | MOK_E4M3_NAN;
+    if ((h & 0x7fffffffu) > 0x43e80000u) out = (out & 0x00ffu) | ((((h >> 24) & 0x80u) | MOK_E4M3_NAN) << 8);
     return out;
 }
 
-/* One warp: the 128 bf16 values at src (8-byte aligned) into 128 codes at dst (4-byte aligned)
- * and their scale into *scale. */
-static __device__ __forceinline__ void fp8_quantize_block(const uint16_t *src, uint8_t *dst, float *scale) {
+/* Four values' codes (value · 2^-e each, mok__fp8_quantize), packed little-endian in value order. */
+static __device__ __forceinline__ uint32_t fp8_codes4(const float (&v)[4], int e) {
+    const float inverse = mok__fp8_pow2(-e);
+    return e4m3x2_from_f32(v[0] * inverse, v[1] * inverse) | e4m3x2_from_f32(v[2] * inverse, v[3] * inverse) << 16;
+}
+
+/* A lane's four bf16 values of a 128-value block (8-byte aligned) as fp32. */
+static __device__ __forceinline__ void fp8_load4(const uint16_t *block, float (&v)[4]) {
+    const uint2 raw = *(const uint2 *)(block + 4 * (threadIdx.x & 31));
+    v[0] = mok__bf16_to_f32((uint16_t)(raw.x & 0xffffu));
+    v[1] = mok__bf16_to_f32((uint16_t)(raw.x >> 16));
+    v[2] = mok__bf16_to_f32((uint16_t)(raw.y & 0xffffu));
+    v[3] = mok__bf16_to_f32((uint16_t)(raw.y >> 16));
+}
+
+/* One warp, FP8_ROWS_ILP blocks at once (each block's own src, dst and scale; a block with
+ * valid[i] false is read nowhere and written nowhere): the blocks' loads, then their maxima, then
+ * their stores, so that the blocks' latencies overlap instead of adding up (the loads may alias
+ * the stores of another block as far as the compiler knows, so it would not reorder them). */
+#define FP8_ROWS_ILP 4
+static __device__ __forceinline__ void fp8_quantize_blocks(const uint16_t *const (&src)[FP8_ROWS_ILP],
+                                                           uint8_t *const (&dst)[FP8_ROWS_ILP],
+                                                           float *const (&scale)[FP8_ROWS_ILP],
+                                                           const bool (&valid)[FP8_ROWS_ILP]) {
     const int lane = threadIdx.x & 31;
-    const uint2 raw = *(const uint2 *)(src + 4 * lane);
-    const float v[4] = {mok__bf16_to_f32((uint16_t)(raw.x & 0xffffu)), mok__bf16_to_f32((uint16_t)(raw.x >> 16)),
-                        mok__bf16_to_f32((uint16_t)(raw.y & 0xffffu)), mok__bf16_to_f32((uint16_t)(raw.y >> 16))};
-    const int e = fp8_warp_scale_exp(v);
-    *(uint32_t *)(dst + 4 * lane) = fp8_codes4(v, e);
-    if (lane == 0) *scale = mok__fp8_pow2(e);
+    float v[FP8_ROWS_ILP][4];
+#pragma unroll
+    for (int i = 0; i < FP8_ROWS_ILP; ++i) {
+        if (valid[i]) fp8_load4(src[i], v[i]);
+        else v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
+    }
+    int e[FP8_ROWS_ILP];
+#pragma unroll
+    for (int i = 0; i < FP8_ROWS_ILP; ++i) e[i] = fp8_warp_scale_exp(v[i]);
+#pragma unroll
+    for (int i = 0; i < FP8_ROWS_ILP; ++i)
+        if (valid[i]) {
+            *(uint32_t *)(dst[i] + 4 * lane) = fp8_codes4(v[i], e[i]);
+            if (lane == 0) *scale[i] = mok__fp8_pow2(e[i]);
+        }
 }
 
 #endif

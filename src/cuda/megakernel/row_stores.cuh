@@ -63,9 +63,23 @@ static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, 
 static __device__ __forceinline__ void quantize_staged(const uint16_t *c, int rows, uint8_t *out, long long ld,
                                                        float *scales, long long scales_ld) {
     static_assert(TILE_C_COLS == MOK_FP8_BLOCK, "a staged row is one quantization block");
+    constexpr int WARPS = CONSUMER_THREADS / 32;
     const int warp = (threadIdx.x - PRODUCER_THREADS) >> 5;
-    for (int r = warp; r < rows; r += CONSUMER_THREADS / 32)
-        fp8_quantize_block(c + r * TILE_C_LD, out + r * ld, scales + r * scales_ld);
+    for (int r0 = warp; r0 < rows; r0 += FP8_ROWS_ILP * WARPS) {
+        const uint16_t *src[FP8_ROWS_ILP];
+        uint8_t *dst[FP8_ROWS_ILP];
+        float *scale[FP8_ROWS_ILP];
+        bool valid[FP8_ROWS_ILP];
+#pragma unroll
+        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
+            const int r = r0 + i * WARPS;
+            valid[i] = r < rows;
+            src[i] = c + r * TILE_C_LD;
+            dst[i] = out + r * ld;
+            scale[i] = scales + r * scales_ld;
+        }
+        fp8_quantize_blocks(src, dst, scale, valid);
+    }
 }
 
 /* Rounds the accumulators of columns 0 .. TILE_C_COLS - 1 to bf16 into the staging tile
