@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "core/schedule.h"
+#include "gpu_layer.h"
 #include "layer.h"
 #include "test.h"
 
@@ -32,115 +33,39 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* Device copies of one layer, a group and a workspace. */
-typedef struct gpu_run {
-    mok_group *group;
-    mok_workspace *ws;
-    mok_sizes sizes;
-    int nranks;
-    void *x[MOK_MAX_RANKS], *ids[MOK_MAX_RANKS], *rw[MOK_MAX_RANKS], *w[3][MOK_MAX_RANKS], *s[3][MOK_MAX_RANKS];
-    void *y[MOK_MAX_RANKS], *schedule[MOK_MAX_RANKS], *context[MOK_MAX_RANKS];
-    char message[1024];
-} gpu_run;
-
-static void *upload(gpu_run *G, int p, const void *host, size_t bytes, mok_status *st) {
-    void *d = NULL;
-    if (*st != MOK_OK) return NULL;
-    *st = mok_memory_alloc(G->group, p, bytes, &d);
-    if (*st == MOK_OK && host && bytes) *st = mok_memory_copy(G->group, p, d, host, bytes, MOK_COPY_HOST_TO_RANK);
-    return d;
-}
-
-static mok_status gpu_open(gpu_run *G, const layer *L, const mok_config *config) {
-    memset(G, 0, sizeof *G);
-    G->nranks = L->nranks;
-    mok_config cfg = config ? *config : mok_config_default();
-    cfg.swiglu_limit = L->swiglu_limit;
-    /* Under compute-sanitizer a pass runs far slower than the default peer timeout allows. */
-    const char *timeout = getenv("MOK_TEST_PEER_TIMEOUT_MS");
-    if (timeout) cfg.peer_timeout_ms = atoi(timeout);
-    int devices[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks; ++p) devices[p] = p;
-    mok_status st = mok_group_create_local(&G->group, MOK_BACKEND_CUDA, L->nranks, devices, &cfg);
-    if (st == MOK_OK) st = mok_workspace_create(&G->ws, G->group, &L->shape, &cfg);
-    if (st == MOK_OK) st = mok_workspace_sizes(G->ws, &G->sizes);
-    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
-    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
-    const size_t T = (size_t)L->shape.max_tokens;
-    for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
-        size_t t = (size_t)L->num_tokens[p];
-        G->x[p] = upload(G, p, L->x[p], t * H * 2 + 16, &st);
-        G->ids[p] = upload(G, p, L->topk_ids[p], t * k * 4 + 16, &st);
-        G->rw[p] = upload(G, p, L->router_w[p], t * k * 4 + 16, &st);
-        for (int m = 0; m < 3; ++m) G->w[m][p] = upload(G, p, L->w[m][p], El * I * H * 2, &st);
-        if (Is)
-            for (int m = 0; m < 3; ++m) G->s[m][p] = upload(G, p, L->s[m], Is * H * 2, &st);
-        G->y[p] = upload(G, p, NULL, T * H * 2, &st);
-        G->schedule[p] = upload(G, p, NULL, G->sizes.schedule_bytes, &st);
-        G->context[p] = upload(G, p, NULL, G->sizes.context_bytes, &st);
-    }
+/* Group, workspace and the layer's tensors on the devices; x, topk_ids and router_w with 16 bytes
+ * more. On failure G->message is the library's error alone, as the passes below write it. */
+static mok_status gpu_open(gpu_layer *G, const layer *L, const mok_config *config) {
+    mok_status st = gpu_layer_create(G, L, config);
+    for (int p = 0; p < L->nranks && st == MOK_OK; ++p) gpu_layer_upload_rank(G, L, p, 16, &st);
     if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
     return st;
 }
 
-static void gpu_close(gpu_run *G) {
-    for (int p = 0; p < G->nranks && G->group; ++p) {
-        void **all[] = {&G->x[p], &G->ids[p], &G->rw[p], &G->w[0][p], &G->w[1][p], &G->w[2][p], &G->s[0][p],
-                        &G->s[1][p], &G->s[2][p], &G->y[p], &G->schedule[p], &G->context[p]};
-        for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) mok_memory_free(G->group, p, *all[i]);
-    }
-    mok_workspace_destroy(G->ws);
-    mok_group_destroy(G->group);
-    memset(G, 0, sizeof *G);
-}
-
-/* Issues the schedule build into G's schedules on `stream` (NULL: the default stream). */
-static mok_status gpu_build(gpu_run *G, const layer *L, void *stream) {
-    mok_schedule_args sa[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks; ++p)
-        sa[p] = (mok_schedule_args){L->num_tokens[p], G->ids[p], G->schedule[p], stream};
-    return mok_schedule_build(G->ws, sa);
-}
-
 /* Issues the forward (or recompute) with G's schedules and contexts. */
-static mok_status gpu_pass(gpu_run *G, const layer *L, int recompute, void *stream) {
+static mok_status gpu_pass(gpu_layer *G, const layer *L, int recompute, void *stream) {
     mok_forward_args fa[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks; ++p)
-        fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p], G->rw[p], G->w[0][p], G->w[1][p],
-                                   G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream,
-                                   NULL};
+    gpu_layer_forward_args(G, L, stream, NULL, fa);
     return recompute ? mok_recompute_context(G->ws, fa) : mok_forward(G->ws, fa);
 }
 
 /* Issues schedule + forward on `stream` (NULL: the default stream) without waiting. */
-static mok_status gpu_issue(gpu_run *G, const layer *L, int recompute, void *stream) {
-    mok_status st = gpu_build(G, L, stream);
+static mok_status gpu_issue(gpu_layer *G, const layer *L, int recompute, void *stream) {
+    mok_status st = gpu_layer_build(G, L, stream);
     if (st == MOK_OK) st = gpu_pass(G, L, recompute, stream);
     return st;
 }
 
-static mok_status gpu_forward(gpu_run *G, const layer *L, int recompute) {
+static mok_status gpu_forward(gpu_layer *G, const layer *L, int recompute) {
     mok_status st = gpu_issue(G, L, recompute, NULL);
     if (st == MOK_OK) st = mok_synchronize(G->ws);
     if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
     return st;
 }
 
-static void poison_y(gpu_run *G, const layer *L) {
+static void poison_y(gpu_layer *G, const layer *L) {
     size_t bytes = (size_t)L->shape.max_tokens * (size_t)L->shape.hidden * 2;
-    void *host = malloc(bytes);
-    memset(host, 0xff, bytes);
-    for (int p = 0; p < L->nranks; ++p) mok_memory_copy(G->group, p, G->y[p], host, bytes, MOK_COPY_HOST_TO_RANK);
-    free(host);
-}
-
-static void download_y(gpu_run *G, const layer *L, layer_result *out) {
-    out->nranks = L->nranks;
-    for (int p = 0; p < L->nranks; ++p) {
-        size_t bytes = (size_t)L->num_tokens[p] * (size_t)L->shape.hidden * 2;
-        out->y[p] = malloc(bytes + 16);
-        mok_memory_copy(G->group, p, out->y[p], G->y[p], bytes, MOK_COPY_RANK_TO_HOST);
-    }
+    for (int p = 0; p < L->nranks; ++p) gpu_layer_fill(G, p, G->y[p], bytes, 0xff);
 }
 
 /* The reference on the first `keep` tokens of every rank (outputs of a token depend only on it). */
@@ -169,7 +94,7 @@ static void check_forward(const char *tag, const mok_shape *shape, int P, const 
         return;
     }
     L.swiglu_limit = limit;
-    gpu_run G;
+    gpu_layer G;
     mok_status st = gpu_open(&G, &L, config);
     CHECK(st == MOK_OK, "%s: open: %s", tag, G.message);
     if (st == MOK_OK) {
@@ -179,7 +104,7 @@ static void check_forward(const char *tag, const mok_shape *shape, int P, const 
     }
     if (st == MOK_OK) {
         layer_result got = {0}, ref = {0};
-        download_y(&G, &L, &got);
+        gpu_layer_download_y(&G, &L, &got);
         reference_prefix(&L, keep, &ref);
         double err = compare_prefix(&L, &got, &ref, keep, tag);
         CHECK(err <= 1.0, "%s: cuda vs reference error %.3f", tag, err);
@@ -200,7 +125,7 @@ static void check_forward(const char *tag, const mok_shape *shape, int P, const 
         layer_result_free(&got);
         layer_result_free(&ref);
     }
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }
 
@@ -311,7 +236,7 @@ MOK_TEST(cuda_forward_deterministic) {
         cfg.minibatch_rows = cfgs[c].mb;
         cfg.ring_rows = cfgs[c].ring;
         set_raster(cfgs[c].raster);
-        gpu_run G;
+        gpu_layer G;
         if (gpu_open(&G, &L, &cfg) != MOK_OK) {
             CHECK(0, "open: %s", G.message);
             break;
@@ -332,7 +257,7 @@ MOK_TEST(cuda_forward_deterministic) {
             }
             ++runs;
         }
-        gpu_close(&G);
+        gpu_layer_close(&G);
     }
     set_raster(0);
     for (int p = 0; p < P; ++p) free(first[p]);
@@ -357,7 +282,7 @@ MOK_TEST(cuda_recompute_context) {
     mok_shape s = small_shape(256, 128, 8, 4, 128);
     layer L;
     layer_make(&L, &s, 1, tokens, mok_test_seed() + 7, LAYER_ROUTE_UNIFORM);
-    gpu_run G;
+    gpu_layer G;
     if (gpu_open(&G, &L, NULL) != MOK_OK) {
         CHECK(0, "open: %s", G.message);
         layer_free(&L);
@@ -376,7 +301,7 @@ MOK_TEST(cuda_recompute_context) {
     free(a);
     free(b);
     free(ff);
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }
 
@@ -388,7 +313,7 @@ MOK_TEST(cuda_bad_expert_id) {
     layer L;
     layer_make(&L, &s, 1, tokens, 5, LAYER_ROUTE_UNIFORM);
     L.topk_ids[0][17] = 9;
-    gpu_run G;
+    gpu_layer G;
     if (gpu_open(&G, &L, NULL) == MOK_OK) {
         mok_status st = gpu_forward(&G, &L, 0);
         CHECK(st == MOK_ERR_INVALID_ARGUMENT, "bad id: got %s (%s)", mok_status_string(st), G.message);
@@ -399,7 +324,7 @@ MOK_TEST(cuda_bad_expert_id) {
         st = gpu_forward(&G, &L, 0);
         CHECK(st == MOK_OK, "after fixing the id: %s", G.message);
     }
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }
 
@@ -685,7 +610,7 @@ MOK_TEST(cuda_graph_capture_replay) {
     memcpy(B.s[0], A.s[0], 256 * 512 * 2);
     memcpy(B.s[1], A.s[1], 256 * 512 * 2);
     memcpy(B.s[2], A.s[2], 256 * 512 * 2);
-    gpu_run G;
+    gpu_layer G;
     if (gpu_open(&G, &A, NULL) != MOK_OK) {
         CHECK(0, "open: %s", G.message);
         return;
@@ -734,7 +659,7 @@ MOK_TEST(cuda_graph_capture_replay) {
     cudaStreamDestroy(stream);
     free(direct);
     free(replayed);
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&A);
     layer_free(&B);
 #endif
@@ -745,7 +670,7 @@ MOK_TEST(cuda_graph_capture_replay) {
 /* Runs the backward on the device after gpu_forward (schedule and context in G) and downloads
  * dx, d_router_w and every gradient into out. accumulate = 1: fp32 gradients starting from
  * random values (kept in out->dw_init / ds_init for the comparison). */
-static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer_result *out) {
+static mok_status gpu_backward(gpu_layer *G, const layer *L, int accumulate, layer_result *out) {
     const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
     const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
     const size_t ge = accumulate ? 4 : 2;
@@ -759,9 +684,9 @@ static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer
     for (int p = 0; p < L->nranks; ++p) {
         const size_t T = (size_t)L->num_tokens[p];
         memset(dev[p], 0, sizeof dev[p]);
-        dev[p][0] = upload(G, p, L->dy[p], T * H * 2 + 16, &st);          /* dy */
-        dev[p][1] = upload(G, p, NULL, T * H * 2 + 16, &st);              /* dx */
-        dev[p][2] = upload(G, p, NULL, T * k * 4 + 16, &st);              /* d_router_w */
+        dev[p][0] = gpu_layer_upload(G, p, L->dy[p], T * H * 2 + 16, &st); /* dy */
+        dev[p][1] = gpu_layer_upload(G, p, NULL, T * H * 2 + 16, &st);     /* dx */
+        dev[p][2] = gpu_layer_upload(G, p, NULL, T * k * 4 + 16, &st);     /* d_router_w */
         for (int m = 0; m < 3; ++m) {
             void *init = NULL;
             if (accumulate) {
@@ -773,7 +698,7 @@ static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer
                 out->dw_init[m][p] = f;
                 init = f;
             }
-            dev[p][3 + m] = upload(G, p, init, wn[m] * ge, &st);
+            dev[p][3 + m] = gpu_layer_upload(G, p, init, wn[m] * ge, &st);
             if (Is) {
                 void *sinit = NULL;
                 if (accumulate) {
@@ -782,7 +707,7 @@ static mok_status gpu_backward(gpu_run *G, const layer *L, int accumulate, layer
                     out->ds_init[m][p] = f;
                     sinit = f;
                 }
-                dev[p][6 + m] = upload(G, p, sinit, sn * ge, &st);
+                dev[p][6 + m] = gpu_layer_upload(G, p, sinit, sn * ge, &st);
             }
         }
         ba[p] = (mok_backward_args){(int64_t)T, G->schedule[p], G->context[p], dev[p][0], G->x[p], G->rw[p],
@@ -823,7 +748,7 @@ static void check_backward(const char *tag, const mok_shape *shape, int P, const
         return;
     }
     L.swiglu_limit = limit;
-    gpu_run G;
+    gpu_layer G;
     mok_status st = gpu_open(&G, &L, config);
     CHECK(st == MOK_OK, "%s: open: %s", tag, G.message);
     layer_result got = {0}, ref = {0};
@@ -832,7 +757,7 @@ static void check_backward(const char *tag, const mok_shape *shape, int P, const
         CHECK(st == MOK_OK, "%s: forward: %s", tag, G.message);
     }
     if (st == MOK_OK) {
-        download_y(&G, &L, &got);
+        gpu_layer_download_y(&G, &L, &got);
         st = gpu_backward(&G, &L, accumulate, &got);
         CHECK(st == MOK_OK, "%s: backward: %s", tag, G.message);
     }
@@ -843,7 +768,7 @@ static void check_backward(const char *tag, const mok_shape *shape, int P, const
     }
     layer_result_free(&got);
     layer_result_free(&ref);
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }
 
@@ -956,7 +881,7 @@ MOK_TEST(cuda_backward_deterministic) {
         cfg.minibatch_rows = cfgs[c].mb;
         cfg.ring_rows = cfgs[c].ring;
         set_raster(cfgs[c].raster);
-        gpu_run G;
+        gpu_layer G;
         if (gpu_open(&G, &L, &cfg) != MOK_OK) {
             CHECK(0, "open: %s", G.message);
             break;
@@ -969,7 +894,7 @@ MOK_TEST(cuda_backward_deterministic) {
                 layer_result_free(&got);
                 break;
             }
-            download_y(&G, &L, &got);
+            gpu_layer_download_y(&G, &L, &got);
             if (!have_first) {
                 first = got;
                 have_first = 1;
@@ -979,7 +904,7 @@ MOK_TEST(cuda_backward_deterministic) {
             CHECK(layer_equal(&L, &first, &got, what, sizeof what), "config %zu run %d: %s", c, r, what);
             layer_result_free(&got);
         }
-        gpu_close(&G);
+        gpu_layer_close(&G);
     }
     set_raster(0);
     if (have_first) layer_result_free(&first);
@@ -1029,7 +954,7 @@ MOK_TEST(cuda_tma_matches_cp_async) {
         int ok = 1;
         for (int path = 0; path < 2 && ok; ++path) {
             setenv("MOK_CUDA_TMA", path == 0 ? "1" : "0", 1);
-            gpu_run G;
+            gpu_layer G;
             if (gpu_open(&G, &L, &cfg) != MOK_OK) {
                 CHECK(0, "shape %d open: %s", si, G.message);
                 ok = 0;
@@ -1039,9 +964,9 @@ MOK_TEST(cuda_tma_matches_cp_async) {
                 CHECK(0, "shape %d %s: %s", si, path == 0 ? "tma" : "cp.async", G.message);
                 ok = 0;
             } else {
-                download_y(&G, &L, &res[path]);
+                gpu_layer_download_y(&G, &L, &res[path]);
             }
-            gpu_close(&G);
+            gpu_layer_close(&G);
         }
         if (ok) {
             char what[256] = "";
@@ -1105,7 +1030,7 @@ MOK_TEST(cuda_trace) {
     layer_make(&L, &s, 1, tokens, mok_test_seed() + 21, LAYER_ROUTE_UNIFORM);
     mok_config cfg = mok_config_default();
     cfg.trace = 1;
-    gpu_run G;
+    gpu_layer G;
     if (gpu_open(&G, &L, &cfg) != MOK_OK) {
         CHECK(0, "open: %s", G.message);
         layer_free(&L);
@@ -1149,7 +1074,7 @@ MOK_TEST(cuda_trace) {
         CHECK(resident == sms, "%d residency events for a kernel on %d SMs", resident, sms);
 #endif
     }
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }
 
@@ -1161,13 +1086,13 @@ MOK_TEST(cuda_trace) {
  * pass gives back the context of the forward bit for bit. */
 static mok_status turned_run(const layer *L, const mok_config *cfg, int reps, layer_result *out, int *ctx_equal,
                              char *message, size_t size) {
-    gpu_run G;
+    gpu_layer G;
     mok_status st = gpu_open(&G, L, cfg);
     for (int r = 0; r < reps && st == MOK_OK; ++r) {
         layer_result got = {0};
         st = gpu_forward(&G, L, 0);
         if (st == MOK_OK) {
-            download_y(&G, L, &got);
+            gpu_layer_download_y(&G, L, &got);
             st = gpu_backward(&G, L, 0, &got);
         }
         if (st == MOK_OK && r == 0) {
@@ -1196,7 +1121,7 @@ static mok_status turned_run(const layer *L, const mok_config *cfg, int reps, la
         free(ff);
     }
     if (st != MOK_OK && !message[0]) snprintf(message, size, "%s", G.message);
-    gpu_close(&G);
+    gpu_layer_close(&G);
     return st;
 }
 
@@ -1267,7 +1192,7 @@ MOK_TEST(cuda_bad_inputs) {
     mok_shape s = small_shape(128, 64, 4, 2, 64);
     layer L;
     layer_make(&L, &s, 1, tokens, 9, LAYER_ROUTE_UNIFORM);
-    gpu_run G;
+    gpu_layer G;
     if (gpu_open(&G, &L, NULL) != MOK_OK) {
         CHECK(0, "open: %s", G.message);
         layer_free(&L);
@@ -1296,7 +1221,7 @@ MOK_TEST(cuda_bad_inputs) {
           mok_status_string(st), mok_last_error());
     CHECK(mok_trace_write(G.ws, "build/x.json") == MOK_ERR_INVALID_ARGUMENT, "trace off: %s", mok_last_error());
     CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "good run after the refusals: %s", G.message);
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }
 
@@ -1542,25 +1467,23 @@ MOK_TEST(cuda_protocol_timeout_keeps_window_ep2) {
 
 /* A second workspace on G's group, of G's shape and config, with schedule and context buffers of
  * its own (the inputs, weights and y stay G's). gpu_second_close releases what it adds, before
- * gpu_close(G). */
-static mok_status gpu_second_workspace(const gpu_run *G, const layer *L, const mok_config *config, gpu_run *G2) {
+ * gpu_layer_close(G). */
+static mok_status gpu_second_workspace(const gpu_layer *G, const layer *L, const mok_config *config,
+                                       gpu_layer *G2) {
     *G2 = *G;
     G2->ws = NULL;
-    mok_config cfg = config ? *config : mok_config_default();
-    cfg.swiglu_limit = L->swiglu_limit;
-    const char *timeout = getenv("MOK_TEST_PEER_TIMEOUT_MS");
-    if (timeout) cfg.peer_timeout_ms = atoi(timeout);
+    const mok_config cfg = gpu_layer_config(L, config);
     mok_status st = mok_workspace_create(&G2->ws, G->group, &L->shape, &cfg);
     for (int p = 0; p < L->nranks; ++p) G2->schedule[p] = G2->context[p] = NULL;
     for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
-        G2->schedule[p] = upload(G2, p, NULL, G->sizes.schedule_bytes, &st);
-        G2->context[p] = upload(G2, p, NULL, G->sizes.context_bytes, &st);
+        G2->schedule[p] = gpu_layer_upload(G2, p, NULL, G->sizes.schedule_bytes, &st);
+        G2->context[p] = gpu_layer_upload(G2, p, NULL, G->sizes.context_bytes, &st);
     }
     if (st != MOK_OK) snprintf(G2->message, sizeof G2->message, "%s", mok_last_error());
     return st;
 }
 
-static void gpu_second_close(gpu_run *G2) {
+static void gpu_second_close(gpu_layer *G2) {
     for (int p = 0; p < G2->nranks && G2->group; ++p) {
         mok_memory_free(G2->group, p, G2->schedule[p]);
         mok_memory_free(G2->group, p, G2->context[p]);
@@ -1570,18 +1493,15 @@ static void gpu_second_close(gpu_run *G2) {
 }
 
 /* Every rank's `bytes` of `value` into bufs[p]. */
-static void gpu_fill(gpu_run *G, void *const *bufs, size_t bytes, int value) {
-    void *host = malloc(bytes);
-    memset(host, value, bytes);
-    for (int p = 0; p < G->nranks; ++p) mok_memory_copy(G->group, p, bufs[p], host, bytes, MOK_COPY_HOST_TO_RANK);
-    free(host);
+static void gpu_fill(gpu_layer *G, void *const *bufs, size_t bytes, int value) {
+    for (int p = 0; p < G->nranks; ++p) gpu_layer_fill(G, p, bufs[p], bytes, value);
 }
 
 /* Fresh device buffers holding copies of src's (every rank's `bytes`). */
-static void gpu_copies(gpu_run *G, void *const *src, size_t bytes, void **out) {
+static void gpu_copies(gpu_layer *G, void *const *src, size_t bytes, void **out) {
     for (int p = 0; p < G->nranks; ++p) {
         mok_status st = MOK_OK;
-        out[p] = upload(G, p, NULL, bytes, &st);
+        out[p] = gpu_layer_upload(G, p, NULL, bytes, &st);
         if (st == MOK_OK) st = mok_memory_copy(G->group, p, out[p], src[p], bytes, MOK_COPY_RANK_TO_RANK);
         CHECK(st == MOK_OK, "copy of rank %d's buffer: %s", p, mok_last_error());
     }
@@ -1596,7 +1516,7 @@ static void expect_refused_on_device(mok_status st, const char *message, const c
           needle1, needle2 ? " and " : "", needle2 ? needle2 : "");
 }
 
-static mok_status gpu_forward_only(gpu_run *G, const layer *L) {
+static mok_status gpu_forward_only(gpu_layer *G, const layer *L) {
     mok_status st = gpu_pass(G, L, 0, NULL);
     if (st == MOK_OK) st = mok_synchronize(G->ws);
     if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
@@ -1617,7 +1537,7 @@ MOK_TEST(cuda_protocol_tags) {
     s.max_tokens = 128;
     layer L;
     layer_make(&L, &s, P, tokens, mok_test_seed() ^ 0x1ed9, LAYER_ROUTE_HOLES);
-    gpu_run G, G2;
+    gpu_layer G, G2;
     memset(&G2, 0, sizeof G2);
     mok_status st = gpu_open(&G, &L, NULL);
     if (st == MOK_OK) st = gpu_second_workspace(&G, &L, NULL, &G2);
@@ -1629,7 +1549,7 @@ MOK_TEST(cuda_protocol_tags) {
 
         /* a context no forward wrote */
         gpu_fill(&G, G.context, cbytes, 0xff);
-        CHECK(gpu_build(&G, &L, NULL) == MOK_OK, "build: %s", mok_last_error());
+        CHECK(gpu_layer_build(&G, &L, NULL) == MOK_OK, "build: %s", mok_last_error());
         st = gpu_backward(&G, &L, 0, &got);
         expect_refused_on_device(st, G.message, "backward with a context no forward wrote", "args[0].context",
                                  "holds no context tag");
@@ -1710,7 +1630,7 @@ MOK_TEST(cuda_protocol_tags) {
         for (int p = 0; p < P; ++p) G.schedule[p] = mine[p];
 
         /* the schedule built again after the forward: its context is of an older build */
-        CHECK(gpu_build(&G, &L, NULL) == MOK_OK, "rebuild: %s", mok_last_error());
+        CHECK(gpu_layer_build(&G, &L, NULL) == MOK_OK, "rebuild: %s", mok_last_error());
         st = gpu_backward(&G, &L, 0, &got);
         expect_refused_on_device(st, G.message, "backward after the schedule was built again", "args[0].context",
                                  ", but args[0].schedule holds build #");
@@ -1737,6 +1657,6 @@ MOK_TEST(cuda_protocol_tags) {
         layer_result_free(&want2);
     }
     gpu_second_close(&G2);
-    gpu_close(&G);
+    gpu_layer_close(&G);
     layer_free(&L);
 }

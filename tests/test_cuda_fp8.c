@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu_layer.h"
 #include "layer.h"
 #include "matrix.h"
 #include "test.h"
@@ -42,125 +43,54 @@ static mok_shape fp8_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t I
 
 /* ---- one layer on the GPUs -------------------------------------------------------------------- */
 
+/* The layer on the GPUs (gpu_layer.h), the workspace's FP8 layout, and every rank's FP8 weights
+ * buffer, written there by mok_quantize_weights. */
 typedef struct fp8_gpu {
-    mok_group *group;
-    mok_workspace *ws;
-    mok_sizes sizes;
+    gpu_layer gpu;
     mok_fp8_layout layout;
-    int nranks;
-    void *x[MOK_MAX_RANKS], *ids[MOK_MAX_RANKS], *rw[MOK_MAX_RANKS], *w[3][MOK_MAX_RANKS], *s[3][MOK_MAX_RANKS];
-    void *y[MOK_MAX_RANKS], *schedule[MOK_MAX_RANKS], *context[MOK_MAX_RANKS], *fp8[MOK_MAX_RANKS];
-    char message[1024];
+    void *fp8[MOK_MAX_RANKS];
 } fp8_gpu;
-
-static void *upload(fp8_gpu *G, int p, const void *host, size_t bytes, mok_status *st) {
-    void *d = NULL;
-    if (*st != MOK_OK) return NULL;
-    *st = mok_memory_alloc(G->group, p, bytes ? bytes : 16, &d);
-    if (*st == MOK_OK && host && bytes) *st = mok_memory_copy(G->group, p, d, host, bytes, MOK_COPY_HOST_TO_RANK);
-    return d;
-}
-
-static mok_status fill(fp8_gpu *G, int p, void *dev, size_t bytes, int value) {
-    void *host = malloc(bytes ? bytes : 1);
-    if (!host) return MOK_ERR_OUT_OF_MEMORY;
-    memset(host, value, bytes);
-    mok_status st = mok_memory_copy(G->group, p, dev, host, bytes, MOK_COPY_HOST_TO_RANK);
-    free(host);
-    return st;
-}
-
-static mok_status note(fp8_gpu *G, mok_status st, const char *what) {
-    if (st != MOK_OK && !G->message[0]) snprintf(G->message, sizeof G->message, "%s: %s", what, mok_last_error());
-    return st;
-}
 
 /* Group, workspace, the layer's tensors on the devices, and the FP8 weights quantized there (into
  * buffers filled with 0xa5, as layer.c fills the cpu's, so that their padding compares too). */
 static mok_status gpu_open(fp8_gpu *G, const layer *L, const mok_config *config) {
     memset(G, 0, sizeof *G);
-    G->nranks = L->nranks;
-    mok_config cfg = config ? *config : mok_config_default();
-    cfg.swiglu_limit = L->swiglu_limit;
-    const char *timeout = getenv("MOK_TEST_PEER_TIMEOUT_MS");
-    if (timeout) cfg.peer_timeout_ms = atoi(timeout);
-    int devices[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks; ++p) devices[p] = p;
-    mok_status st = note(G, mok_group_create_local(&G->group, MOK_BACKEND_CUDA, L->nranks, devices, &cfg), "group");
-    if (st == MOK_OK) st = note(G, mok_workspace_create(&G->ws, G->group, &L->shape, &cfg), "workspace");
-    if (st == MOK_OK) st = note(G, mok_workspace_sizes(G->ws, &G->sizes), "sizes");
-    if (st == MOK_OK) st = note(G, mok_workspace_fp8_layout(G->ws, &G->layout), "fp8 layout");
-    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
-    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
-    const size_t T = (size_t)L->shape.max_tokens;
+    gpu_layer *g = &G->gpu;
+    mok_status st = gpu_layer_create(g, L, config);
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_workspace_fp8_layout(g->ws, &G->layout), "fp8 layout");
     mok_quantize_args q[MOK_MAX_RANKS];
     for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
-        const size_t t = (size_t)L->num_tokens[p];
-        G->x[p] = upload(G, p, L->x[p], t * H * 2, &st);
-        G->ids[p] = upload(G, p, L->topk_ids[p], t * k * 4, &st);
-        G->rw[p] = upload(G, p, L->router_w[p], t * k * 4, &st);
-        for (int m = 0; m < 3; ++m) G->w[m][p] = upload(G, p, L->w[m][p], El * I * H * 2, &st);
-        for (int m = 0; m < 3 && Is; ++m) G->s[m][p] = upload(G, p, L->s[m], Is * H * 2, &st);
-        G->y[p] = upload(G, p, NULL, T * H * 2, &st);
-        G->schedule[p] = upload(G, p, NULL, G->sizes.schedule_bytes, &st);
-        G->context[p] = upload(G, p, NULL, G->sizes.context_bytes, &st);
-        G->fp8[p] = upload(G, p, NULL, G->layout.bytes, &st);
-        if (st == MOK_OK) st = fill(G, p, G->fp8[p], G->layout.bytes, 0xa5);
-        if (st == MOK_OK) st = fill(G, p, G->context[p], G->sizes.context_bytes, 0xff);
-        q[p] = (mok_quantize_args){G->w[0][p], G->w[1][p], G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->fp8[p], NULL};
+        gpu_layer_upload_rank(g, L, p, 0, &st);
+        G->fp8[p] = gpu_layer_upload(g, p, NULL, G->layout.bytes, &st);
+        if (st == MOK_OK) st = gpu_layer_fill(g, p, G->fp8[p], G->layout.bytes, 0xa5);
+        if (st == MOK_OK) st = gpu_layer_fill(g, p, g->context[p], g->sizes.context_bytes, 0xff);
+        q[p] = (mok_quantize_args){g->w[0][p], g->w[1][p], g->w[2][p], g->s[0][p],
+                                   g->s[1][p], g->s[2][p], G->fp8[p], NULL};
     }
-    note(G, st, "device buffers");
-    if (st == MOK_OK) st = note(G, mok_quantize_weights(G->ws, q), "mok_quantize_weights");
-    if (st == MOK_OK) st = note(G, mok_synchronize(G->ws), "mok_synchronize after mok_quantize_weights");
+    gpu_layer_note(g, st, "device buffers");
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_quantize_weights(g->ws, q), "mok_quantize_weights");
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_synchronize(g->ws), "mok_synchronize after mok_quantize_weights");
     return st;
 }
 
 static void gpu_close(fp8_gpu *G) {
-    for (int p = 0; p < G->nranks && G->group; ++p) {
-        void *all[] = {G->x[p],    G->ids[p],  G->rw[p], G->w[0][p],     G->w[1][p],      G->w[2][p], G->s[0][p],
-                       G->s[1][p], G->s[2][p], G->y[p],  G->schedule[p], G->context[p], G->fp8[p]};
-        for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
-            if (all[i]) mok_memory_free(G->group, p, all[i]);
-    }
-    if (G->ws) mok_workspace_destroy(G->ws);
-    if (G->group) mok_group_destroy(G->group);
+    for (int p = 0; p < G->gpu.nranks && G->gpu.group; ++p) mok_memory_free(G->gpu.group, p, G->fp8[p]);
+    gpu_layer_close(&G->gpu);
     memset(G, 0, sizeof *G);
-}
-
-static void forward_args(fp8_gpu *G, const layer *L, void *const *fp8, mok_forward_args *fa) {
-    for (int p = 0; p < L->nranks; ++p)
-        fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p],    G->rw[p],
-                                   G->w[0][p],       G->w[1][p],     G->w[2][p], G->s[0][p],
-                                   G->s[1][p],       G->s[2][p],     G->y[p],    G->context[p],
-                                   NULL,             fp8[p]};
 }
 
 /* Schedule and forward (y poisoned first), then synchronize. */
 static mok_status gpu_forward(fp8_gpu *G, const layer *L) {
+    gpu_layer *g = &G->gpu;
     mok_status st = MOK_OK;
     for (int p = 0; p < L->nranks && st == MOK_OK; ++p)
-        st = fill(G, p, G->y[p], (size_t)L->shape.max_tokens * (size_t)L->shape.hidden * 2, 0xff);
-    mok_schedule_args sa[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks; ++p) sa[p] = (mok_schedule_args){L->num_tokens[p], G->ids[p], G->schedule[p], NULL};
-    if (st == MOK_OK) st = note(G, mok_schedule_build(G->ws, sa), "mok_schedule_build");
+        st = gpu_layer_fill(g, p, g->y[p], (size_t)L->shape.max_tokens * (size_t)L->shape.hidden * 2, 0xff);
+    if (st == MOK_OK) st = gpu_layer_note(g, gpu_layer_build(g, L, NULL), "mok_schedule_build");
     mok_forward_args fa[MOK_MAX_RANKS];
-    forward_args(G, L, G->fp8, fa);
-    if (st == MOK_OK) st = note(G, mok_forward(G->ws, fa), "mok_forward");
-    if (st == MOK_OK) st = note(G, mok_synchronize(G->ws), "mok_synchronize");
+    gpu_layer_forward_args(g, L, NULL, G->fp8, fa);
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_forward(g->ws, fa), "mok_forward");
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_synchronize(g->ws), "mok_synchronize");
     return st;
-}
-
-static void *download(fp8_gpu *G, int p, const void *dev, size_t bytes) {
-    void *host = malloc(bytes ? bytes : 16);
-    if (host && bytes) mok_memory_copy(G->group, p, host, dev, bytes, MOK_COPY_RANK_TO_HOST);
-    return host;
-}
-
-/* y of every rank into out (a result with y only, for layer_compare). */
-static void download_y(fp8_gpu *G, const layer *L, layer_result *out) {
-    out->nranks = L->nranks;
-    for (int p = 0; p < L->nranks; ++p)
-        out->y[p] = download(G, p, G->y[p], (size_t)L->num_tokens[p] * (size_t)L->shape.hidden * 2);
 }
 
 /* The parts of a context that a forward writes past its tag: the routed rows up to the schedule's
@@ -287,15 +217,16 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     }
     fp8_gpu G;
     memset(&G, 0, sizeof G);
+    gpu_layer *g = &G.gpu;
     if (st == MOK_OK) {
         st = gpu_open(&G, &L, gpu_cfg);
-        CHECK(st == MOK_OK, "%s: gpu open: %s", tag, G.message);
+        CHECK(st == MOK_OK, "%s: gpu open: %s", tag, g->message);
     }
     if (st == MOK_OK) {
         CHECK(G.layout.bytes == cpu.fp8_bytes, "%s: FP8 layouts differ: %zu vs %zu bytes", tag, G.layout.bytes,
               cpu.fp8_bytes);
         for (int p = 0; p < P && G.layout.bytes == cpu.fp8_bytes; ++p) {
-            uint8_t *w = download(&G, p, G.fp8[p], G.layout.bytes);
+            uint8_t *w = gpu_layer_download(g, p, G.fp8[p], G.layout.bytes);
             size_t first = 0;
             while (first < G.layout.bytes && w[first] == ((const uint8_t *)cpu.fp8_weights[p])[first]) ++first;
             CHECK(first == G.layout.bytes, "%s: rank %d: mok_quantize_weights on the GPU differs from the cpu's at byte %zu",
@@ -303,10 +234,10 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
             free(w);
         }
         st = gpu_forward(&G, &L);
-        CHECK(st == MOK_OK, "%s: gpu forward: %s", tag, G.message);
+        CHECK(st == MOK_OK, "%s: gpu forward: %s", tag, g->message);
     }
     if (st == MOK_OK) {
-        download_y(&G, &L, &got);
+        gpu_layer_download_y(g, &L, &got);
         layer_result cpu_y = {0};
         cpu_y.nranks = P;
         for (int p = 0; p < P; ++p) cpu_y.y[p] = cpu.y[p];
@@ -323,9 +254,9 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
         for (int p = 0; p < P; ++p) cpu_y.y[p] = NULL;
         if (mode == CASE_EXACT)
             for (int p = 0; p < P; ++p) {
-                uint8_t *ctx = download(&G, p, G.context[p], G.sizes.context_bytes);
+                uint8_t *ctx = gpu_layer_download(g, p, g->context[p], g->sizes.context_bytes);
                 const size_t at =
-                    context_diff(&L, &G.sizes, cpu.info[p].padded_rows, p, ctx, (const uint8_t *)cpu.context[p]);
+                    context_diff(&L, &g->sizes, cpu.info[p].padded_rows, p, ctx, (const uint8_t *)cpu.context[p]);
                 CHECK(at == 0, "%s: rank %d: the context's g|u differ from the cpu's at byte %zu", tag, p, at - 1);
                 free(ctx);
             }
@@ -423,22 +354,25 @@ MOK_TEST(cuda_fp8_determinism) {
         }
         if (variants[v].no_tma) setenv("MOK_CUDA_TMA", "0", 1);
         fp8_gpu G;
+        gpu_layer *g = &G.gpu;
         mok_status st = gpu_open(&G, &L, &c);
         if (variants[v].no_tma) {
             if (saved) setenv("MOK_CUDA_TMA", saved_value, 1);
             else unsetenv("MOK_CUDA_TMA");
         }
-        CHECK(st == MOK_OK, "variant %zu: open: %s", v, G.message);
+        CHECK(st == MOK_OK, "variant %zu: open: %s", v, g->message);
         for (int run = 0; st == MOK_OK && run < (v == 0 ? 3 : 1); ++run) {
             st = gpu_forward(&G, &L);
-            CHECK(st == MOK_OK, "variant %zu run %d: forward: %s", v, run, G.message);
+            CHECK(st == MOK_OK, "variant %zu run %d: forward: %s", v, run, g->message);
             if (st != MOK_OK) break;
-            uint8_t *y = download(&G, 0, G.y[0], yb), *ctx = download(&G, 0, G.context[0], G.sizes.context_bytes);
+            uint8_t *y = gpu_layer_download(g, 0, g->y[0], yb);
+            uint8_t *ctx = gpu_layer_download(g, 0, g->context[0], g->sizes.context_bytes);
             if (!y0) {
                 mok_schedule_info info;
-                CHECK(mok_schedule_read(G.ws, G.schedule[0], 0, &info) == MOK_OK, "schedule_read: %s", mok_last_error());
+                CHECK(mok_schedule_read(g->ws, g->schedule[0], 0, &info) == MOK_OK, "schedule_read: %s",
+                      mok_last_error());
                 padded = info.padded_rows;
-                sizes0 = G.sizes;
+                sizes0 = g->sizes;
                 y0 = y;
                 ctx0 = ctx;
                 /* the run must have written y: no poison (0xffff, a NaN) left */
@@ -514,49 +448,50 @@ MOK_TEST(cuda_fp8_refusals) {
         return;
     }
     fp8_gpu G;
+    gpu_layer *g = &G.gpu;
     mok_status st = gpu_open(&G, &L, NULL);
-    CHECK(st == MOK_OK, "open: %s", G.message);
+    CHECK(st == MOK_OK, "open: %s", g->message);
     if (st == MOK_OK) st = gpu_forward(&G, &L);
-    CHECK(st == MOK_OK, "forward: %s", G.message);
+    CHECK(st == MOK_OK, "forward: %s", g->message);
     if (st == MOK_OK) {
         const size_t yb = (size_t)t1[0] * (size_t)s.hidden * 2;
-        uint8_t *y0 = download(&G, 0, G.y[0], yb);
+        uint8_t *y0 = gpu_layer_download(g, 0, g->y[0], yb);
         mok_forward_args fa[1];
-        forward_args(&G, &L, G.fp8, fa);
-        expect(mok_recompute_context(G.ws, fa), MOK_ERR_UNSUPPORTED, "FP8", "recompute on an FP8 workspace");
-        mok_backward_args ba = {t1[0], G.schedule[0], G.context[0], G.x[0], G.x[0],  G.rw[0], G.w[0][0],
-                                G.w[1][0], G.w[2][0], G.s[0][0], G.s[1][0], G.s[2][0], G.y[0], NULL,
-                                0,      G.w[0][0], G.w[1][0], G.w[2][0], G.s[0][0], G.s[1][0], G.s[2][0],
-                                NULL,   G.fp8[0]};
+        gpu_layer_forward_args(g, &L, NULL, G.fp8, fa);
+        expect(mok_recompute_context(g->ws, fa), MOK_ERR_UNSUPPORTED, "FP8", "recompute on an FP8 workspace");
+        mok_backward_args ba = {t1[0],      g->schedule[0], g->context[0], g->x[0],    g->x[0],    g->rw[0],
+                                g->w[0][0], g->w[1][0],     g->w[2][0],    g->s[0][0], g->s[1][0], g->s[2][0],
+                                g->y[0],    NULL,           0,             g->w[0][0], g->w[1][0], g->w[2][0],
+                                g->s[0][0], g->s[1][0],     g->s[2][0],    NULL,       G.fp8[0]};
         void *drw = NULL;
-        mok_memory_alloc(G.group, 0, (size_t)t1[0] * 2 * 4, &drw);
+        mok_memory_alloc(g->group, 0, (size_t)t1[0] * 2 * 4, &drw);
         ba.d_router_w = (float *)drw;
-        expect(mok_backward(G.ws, &ba), MOK_ERR_UNSUPPORTED, "FP8", "backward on an FP8 workspace");
-        mok_memory_free(G.group, 0, drw);
+        expect(mok_backward(g->ws, &ba), MOK_ERR_UNSUPPORTED, "FP8", "backward on an FP8 workspace");
+        mok_memory_free(g->group, 0, drw);
         void *none[1] = {NULL};
-        forward_args(&G, &L, none, fa);
-        expect(mok_forward(G.ws, fa), MOK_ERR_INVALID_ARGUMENT, "fp8_weights", "forward without fp8_weights");
+        gpu_layer_forward_args(g, &L, NULL, none, fa);
+        expect(mok_forward(g->ws, fa), MOK_ERR_INVALID_ARGUMENT, "fp8_weights", "forward without fp8_weights");
         /* a buffer whose header was not written by mok_quantize_weights: y stays as it was */
         void *bad = NULL;
-        CHECK(mok_memory_alloc(G.group, 0, G.layout.bytes, &bad) == MOK_OK, "alloc: %s", mok_last_error());
+        CHECK(mok_memory_alloc(g->group, 0, G.layout.bytes, &bad) == MOK_OK, "alloc: %s", mok_last_error());
         if (bad) {
-            fill(&G, 0, bad, G.layout.bytes, 0x3c);
-            fill(&G, 0, G.y[0], yb, 0x11);
+            gpu_layer_fill(g, 0, bad, G.layout.bytes, 0x3c);
+            gpu_layer_fill(g, 0, g->y[0], yb, 0x11);
             void *bads[1] = {bad};
-            forward_args(&G, &L, bads, fa);
-            CHECK(mok_forward(G.ws, fa) == MOK_OK, "forward with a bad buffer: issued: %s", mok_last_error());
-            expect(mok_synchronize(G.ws), MOK_ERR_INVALID_ARGUMENT, "fp8_weights", "a bad fp8_weights header");
-            uint8_t *y = download(&G, 0, G.y[0], yb);
+            gpu_layer_forward_args(g, &L, NULL, bads, fa);
+            CHECK(mok_forward(g->ws, fa) == MOK_OK, "forward with a bad buffer: issued: %s", mok_last_error());
+            expect(mok_synchronize(g->ws), MOK_ERR_INVALID_ARGUMENT, "fp8_weights", "a bad fp8_weights header");
+            uint8_t *y = gpu_layer_download(g, 0, g->y[0], yb);
             size_t changed = 0;
             for (size_t i = 0; i < yb; ++i) changed += y[i] != 0x11;
             CHECK(changed == 0, "the refused pass wrote %zu bytes of y", changed);
             free(y);
-            mok_memory_free(G.group, 0, bad);
+            mok_memory_free(g->group, 0, bad);
         }
         st = gpu_forward(&G, &L);
-        CHECK(st == MOK_OK, "forward after the refusals: %s", G.message);
+        CHECK(st == MOK_OK, "forward after the refusals: %s", g->message);
         if (st == MOK_OK) {
-            uint8_t *y = download(&G, 0, G.y[0], yb);
+            uint8_t *y = gpu_layer_download(g, 0, g->y[0], yb);
             CHECK(memcmp(y, y0, yb) == 0, "y after the refusals differs from the first forward's");
             free(y);
         }

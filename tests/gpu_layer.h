@@ -1,0 +1,58 @@
+/* gpu_layer.h — a layer's buffers on the GPUs, as the cuda tests share them (test_cuda.c in bf16,
+ * test_cuda_fp8.c in FP8): a group with rank p on GPU p, one workspace, every rank's inputs,
+ * weights, y, schedule and context in device memory, and the copies and pass arguments over them.
+ * Buffers are placed with mok_memory_alloc, so no CUDA header is needed. */
+#ifndef MOK_TESTS_GPU_LAYER_H
+#define MOK_TESTS_GPU_LAYER_H
+
+#include <stddef.h>
+
+#include "layer.h"
+
+/* Device copies of one layer, a group and a workspace. */
+typedef struct gpu_layer {
+    mok_group *group;
+    mok_workspace *ws;
+    mok_sizes sizes;
+    int nranks;
+    void *x[MOK_MAX_RANKS], *ids[MOK_MAX_RANKS], *rw[MOK_MAX_RANKS], *w[3][MOK_MAX_RANKS], *s[3][MOK_MAX_RANKS];
+    void *y[MOK_MAX_RANKS], *schedule[MOK_MAX_RANKS], *context[MOK_MAX_RANKS];
+    char message[1024]; /* what failed */
+} gpu_layer;
+
+/* config (NULL: the defaults) with the layer's SwiGLU limit, and the peer timeout of
+ * MOK_TEST_PEER_TIMEOUT_MS where set: under compute-sanitizer a pass runs far slower than the
+ * default peer timeout allows. */
+mok_config gpu_layer_config(const layer *L, const mok_config *config);
+
+/* Clears G; then the group of L's ranks, a workspace of L's shape under gpu_layer_config and its
+ * sizes, no buffers yet. A failure is noted in G->message ("group: ...", "workspace: ...",
+ * "sizes: ..."). */
+mok_status gpu_layer_create(gpu_layer *G, const layer *L, const mok_config *config);
+/* Rank p's buffers: x, topk_ids and router_w of its tokens, each with `pad` bytes more; the expert
+ * and shared weights; y of max_tokens rows; a schedule; a context. Nothing once *st is an error. */
+void gpu_layer_upload_rank(gpu_layer *G, const layer *L, int p, size_t pad, mok_status *st);
+/* Every rank's buffers, the workspace and the group freed; G cleared. Fine after a failed create. */
+void gpu_layer_close(gpu_layer *G);
+
+/* Returns st; where it is an error and G holds no message yet, notes "what: <mok_last_error>". */
+mok_status gpu_layer_note(gpu_layer *G, mok_status st, const char *what);
+
+/* A buffer of `bytes` (16 for 0) on rank p, holding host's bytes where host is given. Nothing, and
+ * NULL, once *st is an error. */
+void *gpu_layer_upload(gpu_layer *G, int p, const void *host, size_t bytes, mok_status *st);
+/* `bytes` of `value` into rank p's buffer dev. */
+mok_status gpu_layer_fill(gpu_layer *G, int p, void *dev, size_t bytes, int value);
+/* A host copy (malloc, 16 bytes for 0) of `bytes` of rank p's buffer dev. */
+void *gpu_layer_download(gpu_layer *G, int p, const void *dev, size_t bytes);
+/* y of every rank's tokens into out (a result with y only, for layer_compare). */
+void gpu_layer_download_y(gpu_layer *G, const layer *L, layer_result *out);
+
+/* Issues the schedule build into G's schedules on `stream` (NULL: the default stream). */
+mok_status gpu_layer_build(gpu_layer *G, const layer *L, void *stream);
+/* Every rank's forward arguments over G's buffers, on `stream`, with fp8_weights[p] (NULL: none,
+ * as for bf16). */
+void gpu_layer_forward_args(const gpu_layer *G, const layer *L, void *stream, void *const *fp8_weights,
+                            mok_forward_args *fa);
+
+#endif
