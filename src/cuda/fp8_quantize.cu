@@ -45,37 +45,49 @@ mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long l
 }
 
 /* One CTA per 128 x 128 block (blockIdx.x: the block's index over count matrices [rows, cols]):
- * its amax, then its codes into q [rows, cols] and, through shared memory so that both stores are
- * whole rows, into q_t [cols, rows]; its scale into both scale arrays. */
+ * warp w holds the block's rows w, w + 8, ..., four values a lane, read once; their amax, then
+ * their codes into q [rows, cols] and, through shared memory so that both stores are whole rows,
+ * into q_t [cols, rows]; the scale into both scale arrays. */
 __global__ void __launch_bounds__(QUANT_THREADS) quantize_weight_kernel(const uint16_t *w, long long rows, long long cols,
                                                                         uint8_t *q, uint8_t *q_t, float *scales,
                                                                         float *scales_t) {
-    __shared__ uint8_t tile[MOK_FP8_BLOCK][MOK_FP8_BLOCK + 4];
-    __shared__ float warp_max[QUANT_THREADS / 32];
+    constexpr int WARPS = QUANT_THREADS / 32, ROWS = MOK_FP8_BLOCK / WARPS;
+    __shared__ __align__(16) uint8_t tile[MOK_FP8_BLOCK][MOK_FP8_BLOCK + 4];
+    __shared__ float warp_max[WARPS];
     const long long br = rows / MOK_FP8_BLOCK, bc = cols / MOK_FP8_BLOCK, per = br * bc;
     const long long m = blockIdx.x / per, block_row = blockIdx.x % per / bc, block_col = blockIdx.x % bc;
     const uint16_t *src = w + m * rows * cols + block_row * MOK_FP8_BLOCK * cols + block_col * MOK_FP8_BLOCK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float v[ROWS][4];
     float amax = 0.0f;
-    for (int i = threadIdx.x; i < MOK_FP8_BLOCK * MOK_FP8_BLOCK; i += QUANT_THREADS)
-        amax = mok__fp8_amax(amax, mok__bf16_to_f32(src[(i / MOK_FP8_BLOCK) * cols + i % MOK_FP8_BLOCK]));
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        fp8_load4(src + (warp + WARPS * r) * cols, v[r]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) amax = mok__fp8_amax(amax, v[r][i]);
+    }
     for (int s = 16; s >= 1; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = amax;
+    if (lane == 0) warp_max[warp] = amax;
     __syncthreads();
     amax = 0.0f;
-    for (int i = 0; i < QUANT_THREADS / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+    for (int i = 0; i < WARPS; ++i) amax = fmaxf(amax, warp_max[i]);
     const int e = mok__fp8_scale_exp(amax);
-    const float inverse = mok__fp8_pow2(-e);
     uint8_t *dst = q + m * rows * cols + block_row * MOK_FP8_BLOCK * cols + block_col * MOK_FP8_BLOCK;
-    for (int i = threadIdx.x; i < MOK_FP8_BLOCK * MOK_FP8_BLOCK; i += QUANT_THREADS) {
-        const int r = i / MOK_FP8_BLOCK, c = i % MOK_FP8_BLOCK;
-        const uint8_t code = mok__fp8_quantize(mok__bf16_to_f32(src[r * cols + c]), inverse);
-        dst[r * cols + c] = code;
-        tile[c][r] = code;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int row = warp + WARPS * r;
+        const uint32_t codes = fp8_codes4(v[r], e);
+        *(uint32_t *)(dst + row * cols + 4 * lane) = codes;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tile[4 * lane + i][row] = (uint8_t)(codes >> (8 * i));
     }
     __syncthreads();
     uint8_t *dst_t = q_t + m * rows * cols + block_col * MOK_FP8_BLOCK * rows + block_row * MOK_FP8_BLOCK;
-    for (int i = threadIdx.x; i < MOK_FP8_BLOCK * MOK_FP8_BLOCK; i += QUANT_THREADS)
-        dst_t[(i / MOK_FP8_BLOCK) * rows + i % MOK_FP8_BLOCK] = tile[i / MOK_FP8_BLOCK][i % MOK_FP8_BLOCK];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int row = warp + WARPS * r;
+        *(uint32_t *)(dst_t + row * rows + 4 * lane) = *(const uint32_t *)&tile[row][4 * lane];
+    }
     if (threadIdx.x == 0) {
         scales[m * per + block_row * bc + block_col] = mok__fp8_pow2(e);
         scales_t[m * per + block_col * br + block_row] = mok__fp8_pow2(e);
