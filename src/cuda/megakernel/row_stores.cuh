@@ -6,7 +6,6 @@
 #ifndef MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
 #define MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
 
-#include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/compute_walk.cuh"
 
 /* The two shared-memory layouts bf16 tiles are written in: the staging tile c[128][TILE_C_LD]
@@ -55,30 +54,6 @@ static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, 
             const long long orow = MAPPED ? (long long)rowmap[r] : r;
             *(int4 *)(out + orow * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
         }
-    }
-}
-
-/* FP8: rows < rows of the staging tile's 128 bf16 columns, each row one 1 x 128 block, quantized
- * (fp8_rows.cuh) into codes at out + r * ld and scales at scales[r * scales_ld], one warp per row. */
-static __device__ __forceinline__ void quantize_staged(const uint16_t *c, int rows, uint8_t *out, long long ld,
-                                                       float *scales, long long scales_ld) {
-    static_assert(TILE_C_COLS == MOK_FP8_BLOCK, "a staged row is one quantization block");
-    constexpr int WARPS = CONSUMER_THREADS / 32;
-    const int warp = (threadIdx.x - PRODUCER_THREADS) >> 5;
-    for (int r0 = warp; r0 < rows; r0 += FP8_ROWS_ILP * WARPS) {
-        const uint16_t *src[FP8_ROWS_ILP];
-        uint8_t *dst[FP8_ROWS_ILP];
-        float *scale[FP8_ROWS_ILP];
-        bool valid[FP8_ROWS_ILP];
-#pragma unroll
-        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
-            const int r = r0 + i * WARPS;
-            valid[i] = r < rows;
-            src[i] = c + r * TILE_C_LD;
-            dst[i] = out + r * ld;
-            scale[i] = scales + r * scales_ld;
-        }
-        fp8_quantize_blocks(src, dst, scale, valid);
     }
 }
 

@@ -4,6 +4,7 @@
 #ifndef MOK_CUDA_MEGAKERNEL_SWIGLU_CUH
 #define MOK_CUDA_MEGAKERNEL_SWIGLU_CUH
 
+#include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/row_stores.cuh"
 
 /* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
@@ -15,7 +16,11 @@
  * forward), then h into c. The fragment's own pattern stored 16 bytes into each of 8 rows per
  * warp store. */
 /* FP8 (NT = 128, one quantization block per row): h_out is h^'s codes (h_ld of them per row) and
- * h^ = Q(h) goes there, its scales to h_scales (hs_ld per row), instead of h. */
+ * h^ = Q(h) goes there, its scales to h_scales (hs_ld per row), instead of h. Q runs on the
+ * registers: a row's 128 values of h are 32 in each of the four lanes that share lane / 4, so its
+ * amax is theirs by two shuffles (exact and order-free: the scale of fp8_rows.cuh's warp form);
+ * the codes go out through the staging tile as rows of FP8_CODES_LD bytes. */
+#define FP8_CODES_LD 144 /* bytes: 128 codes, padded so that the 8 rows of a warp's store hit other banks */
 template <int NT, bool FP8 = false>
 static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC], int nreal, long long ctx_row0,
                                                      long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
@@ -43,6 +48,22 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
         stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
         stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
     }
+    /* FP8: each of the thread's two rows' scale exponent (h[p] is block p / 2 of row row0 + 8 (p % 2)) */
+    int e[2] = {0, 0};
+    if constexpr (FP8) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int b = 0; b < NT / 8; ++b) {
+                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] << 16));
+                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] & 0xffff0000u));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            e[half] = mok__fp8_scale_exp(amax);
+        }
+    }
     const long long left = ctx ? ctx_rows - ctx_row0 : 0;
     const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
     consumer_sync();
@@ -51,11 +72,35 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
         copy_staged(c2, keep, NT, ctx + ctx_row0 * ctx_ld + inter + n0, ctx_ld);
     }
     consumer_sync();
+    if constexpr (FP8) {
+        static_assert(TILE_BM * FP8_CODES_LD <= TILE_BM * TILE_C_LD * 2, "the codes fit the staging tile");
+        uint8_t *codes = (uint8_t *)c;
+        const int col = 2 * (t & 3);
 #pragma unroll
-    for (int j = 0; j < NT / 8; j += 2) stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
-    consumer_sync();
-    if constexpr (FP8) quantize_staged(c, nreal, (uint8_t *)h_out + n0, h_ld, h_scales + n0 / MOK_FP8_BLOCK, hs_ld);
-    else copy_staged(c, nreal, NT, (uint16_t *)h_out + n0, h_ld);
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 8 * half;
+            const float inverse = mok__fp8_pow2(-e[half]);
+#pragma unroll
+            for (int b = 0; b < NT / 8; ++b) {
+                const uint32_t pair = h[2 * b + half];
+                *(uint16_t *)(codes + row * FP8_CODES_LD + 8 * b + col) = (uint16_t)e4m3x2_from_f32(
+                    __uint_as_float(pair << 16) * inverse, __uint_as_float(pair & 0xffff0000u) * inverse);
+            }
+            if ((t & 3) == 0 && row < nreal) h_scales[row * hs_ld + n0 / MOK_FP8_BLOCK] = mok__fp8_pow2(e[half]);
+        }
+        consumer_sync();
+        uint8_t *out = (uint8_t *)h_out + n0;
+        for (int idx = t; idx < TILE_BM * (MOK_FP8_BLOCK / 16); idx += CONSUMER_THREADS) {
+            const int r = idx / (MOK_FP8_BLOCK / 16), c16 = (idx % (MOK_FP8_BLOCK / 16)) * 16;
+            if (r < nreal) *(int4 *)(out + r * h_ld + c16) = *(const int4 *)(codes + r * FP8_CODES_LD + c16);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NT / 8; j += 2)
+            stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
+        consumer_sync();
+        copy_staged(c, nreal, NT, (uint16_t *)h_out + n0, h_ld);
+    }
     consumer_sync();
 }
 
