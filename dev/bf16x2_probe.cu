@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "try.h"
+#include "every_pattern.cuh"
 
 #include "core/portable.h"
 
@@ -31,10 +31,10 @@ __device__ static inline uint32_t cvt_pair(float lo, float hi) {
 __device__ static inline bool bf16_is_nan(uint16_t b) { return (b & 0x7fffu) > 0x7f80u; }
 
 /* counts[0]: non-NaN patterns whose bits differ; counts[1]: NaN patterns not giving a NaN;
- * counts[2]: patterns checked; first[0]: one differing pattern (for the report). */
+ * first[0]: one differing pattern (for the report). */
 __global__ void check(uint64_t base, unsigned long long *counts, unsigned int *first) {
     const uint64_t i = base + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t a = (uint32_t)i, b = (uint32_t)(i * 2654435761u + 0x9e3779b9u); /* b: a partner pattern */
+    const uint32_t a = (uint32_t)i, b = pattern_partner(i);
     float fa, fb;
     memcpy(&fa, &a, 4);
     memcpy(&fb, &b, 4);
@@ -53,32 +53,15 @@ __global__ void check(uint64_t base, unsigned long long *counts, unsigned int *f
 }
 
 int main(void) {
-    unsigned long long *counts;
-    unsigned int *first;
-    TRY(cudaMalloc(&counts, 3 * sizeof *counts));
-    TRY(cudaMalloc(&first, sizeof *first));
-    TRY(cudaMemset(counts, 0, 3 * sizeof *counts));
-    TRY(cudaMemset(first, 0, sizeof *first));
-    const uint64_t total = 1ull << 32, per_launch = 1ull << 30;
-    const int threads = 256;
-    for (uint64_t base = 0; base < total; base += per_launch) {
-        check<<<(unsigned)(per_launch / threads), threads>>>(base, counts, first);
-        TRY(cudaGetLastError());
-    }
-    TRY(cudaDeviceSynchronize());
-    unsigned long long c[3];
-    unsigned int f;
-    TRY(cudaMemcpy(c, counts, sizeof c, cudaMemcpyDeviceToHost));
-    TRY(cudaMemcpy(&f, first, sizeof f, cudaMemcpyDeviceToHost));
+    const pattern_result r = every_pattern(check);
+    const unsigned long long *c = r.counts;
     int passed = 0, failed = 0;
     printf("bf16x2 probe: all 2^32 fp32 patterns as the low half, and a spread of partners as the high half\n");
     printf("non-NaN values rounded to other bits than mok__bf16_from_f32: %llu%s", c[0], c[0] ? "" : "\n");
-    if (c[0]) printf(" (e.g. 0x%08x)\n", f);
+    if (c[0]) printf(" (e.g. 0x%08x)\n", r.first);
     c[0] ? ++failed : ++passed;
     printf("NaN values not rounded to a NaN: %llu\n", c[1]);
     c[1] ? ++failed : ++passed;
     printf("%d passed, %d failed\n", passed, failed);
-    TRY(cudaFree(counts));
-    TRY(cudaFree(first));
     return failed ? 1 : 0;
 }
