@@ -161,6 +161,22 @@ fi
 # inputs line shows the weights' quantization; the memory lines the FP8 weights.
 expect fp8-header 0 "precision fp8  backend cpu  ranks 2" run --preset deepseek-v3 --scale 16 --ranks 2 --tokens 32 \
     --repeat 1 --precision fp8 --backend cpu
+# ... and after the FP8 runs the same layer runs in bf16, both precisions' phases side by side
+if grep -q "^bf16 beside FP8" "$out" && grep -qE "^forward +[0-9.]+ +[0-9.]+ +[0-9.]+x$" "$out"; then
+    echo "PASS fp8-beside-bf16"
+    passed=$((passed + 1))
+else
+    echo "FAIL fp8-beside-bf16: no bf16 runs beside the FP8 ones, or no forward row with both times and their ratio"
+    failed=$((failed + 1))
+fi
+if "$mok" run --preset deepseek-v3 --scale 16 --ranks 2 --tokens 32 --repeat 1 --precision fp8 --backend cpu \
+    --fp8-alone 2>&1 | grep -q "bf16 beside FP8"; then
+    echo "FAIL fp8-alone: --fp8-alone still ran bf16 beside"
+    failed=$((failed + 1))
+else
+    echo "PASS fp8-alone"
+    passed=$((passed + 1))
+fi
 expect fp8-scale-rounds 0 "--scale 16 rounds to multiples of 128 under fp8 (its blocks), not 64: H 512 (bf16: 448)" \
     run --preset deepseek-v3 --scale 16 --ranks 2 --tokens 32 --repeat 1 --precision fp8 --backend cpu
 if grep -q "^inputs .*random .*quantize " "$out" && grep -q "FP8 weights .* bytes: codes, block scales" "$out"; then

@@ -170,6 +170,21 @@ static int report(run_state *st) {
     return 0;
 }
 
+/* FP8: the same layer on the same inputs in bf16, timed as the FP8 runs were (the same phases),
+ * and both precisions' phases side by side. After the FP8 verdict: the bf16 runs overwrite the
+ * outputs. */
+static int run_bf16_beside(run_state *st, double available) {
+    double fp8_median[NUM_PHASES];
+    memcpy(fp8_median, st->median, sizeof fp8_median);
+    printf("\nbf16 beside FP8: the same layer and inputs in bf16, timed the same way\n");
+    fflush(stdout);
+    if (run_switch_precision(st, MOK_PRECISION_BF16) != 0 || check_host_memory(st, available, 0) != 0 ||
+        run_passes(st) != 0 || run_summarize(st) != 0)
+        return -1;
+    report_beside(st, fp8_median);
+    return 0;
+}
+
 static int run_layer(const run_options *opt) {
     run_state st;
     memset(&st, 0, sizeof st);
@@ -201,6 +216,9 @@ static int run_layer(const run_options *opt) {
     if (opt->trace_path && write_trace(&st) != 0) goto done;
     result = report(&st);
     if (result < 0) result = 2;
+    if (result != 2 && st.shape.precision == MOK_PRECISION_FP8 && !opt->fp8_alone &&
+        run_bf16_beside(&st, available) != 0)
+        result = 2;
 done:
     fflush(stdout);
     tools_progress_stop(st.progress);

@@ -29,7 +29,10 @@ void tools_usage(FILE *out) {
             "  --precision P       bf16 (the default) or fp8: block-scaled E4M3 GEMM operands\n"
             "                      (include/mok.h's FP8 section, which says the backends that run\n"
             "                      it); the FP8 weights are quantized once, before the runs, and\n"
-            "                      --check compares with the FP8 reference\n"
+            "                      --check compares with the FP8 reference; then the same layer\n"
+            "                      and inputs run in bf16 and both precisions' phases are shown\n"
+            "                      side by side\n"
+            "  --fp8-alone         with --precision fp8: no bf16 runs beside\n"
             "  --ranks P           expert-parallel ranks (default 1)\n"
             "  --tokens T          tokens per rank (default 4096 at full size, else 16384/S^2,\n"
             "                      at least 32 and at most 4096)\n"
@@ -309,6 +312,7 @@ static int set_switch(const char *arg, run_options *opt) {
                  : strcmp(arg, "--hash") == 0        ? &opt->hash
                  : strcmp(arg, "--uneven") == 0      ? &opt->uneven
                  : strcmp(arg, "--no-backward") == 0 ? &opt->no_backward
+                 : strcmp(arg, "--fp8-alone") == 0   ? &opt->fp8_alone
                                                      : NULL;
     if (field) *field = 1;
     return field != NULL;

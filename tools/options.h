@@ -33,6 +33,7 @@ typedef struct run_options {
     int hash;             /* --hash: the outputs' hash and the runs' bitwise agreement, no reference */
     int64_t check_tokens; /* per rank; -1 = the default (CHECK_FULL_MAX_HI) */
     int no_backward;
+    int fp8_alone;        /* --fp8-alone: no bf16 runs beside the FP8 ones */
     int repeat;
     const char *trace_path;
     mok_config config;

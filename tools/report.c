@@ -200,6 +200,22 @@ void report_timings(const run_state *st) {
     if (st->nranks > 1 && st->median[PHASE_FORWARD] > 0.0) report_links(st);
 }
 
+void report_beside(const run_state *st, const double fp8_median[NUM_PHASES]) {
+    printf("\n%-9s %11s %11s %9s\n", "phase", "bf16 ms", "FP8 ms", "bf16/FP8");
+    for (int p = 0; p < NUM_PHASES; ++p) {
+        if (isnan(st->median[p]) || isnan(fp8_median[p])) {
+            printf("%-9s n/a (did not run)\n", phase_names[p]);
+            continue;
+        }
+        printf("%-9s %11.3f %11.3f", phase_names[p], 1e3 * st->median[p], 1e3 * fp8_median[p]);
+        if (fp8_median[p] > 0.0) printf(" %8.2fx", st->median[p] / fp8_median[p]);
+        printf("\n");
+    }
+    printf("(medians of %d run%s each on the same inputs; FP8's exclude mok_quantize_weights, once per\n"
+           " optimizer step: %.3f ms)\n",
+           st->opt->repeat, st->opt->repeat == 1 ? "" : "s", 1e3 * st->quantize_seconds);
+}
+
 /* Whether every run wrote the same bits (with more than one), and the first run's hash (the same
  * inputs, --seed, on another build give the same hash when it computes the same bits). */
 int report_hashes(const run_state *st) {

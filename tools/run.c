@@ -281,6 +281,29 @@ int run_make_tensors(run_state *st) {
     return 0;
 }
 
+int run_switch_precision(run_state *st, mok_precision precision) {
+    mok_workspace_destroy(st->workspace); /* first: the two workspaces are never held at once */
+    st->workspace = NULL;
+    st->shape.precision = precision;
+    if (run_create_workspace(st) != 0) return -1;
+    for (int r = 0; r < st->nranks; ++r) {
+        rank_tensors *rt = &st->ranks[r];
+        const tools_place place = {st->group, r, st->backend};
+        if (rt->schedule.bytes < st->sizes.schedule_bytes) {
+            tools_buffer_destroy(&rt->schedule);
+            if (tools_buffer_create_device(&rt->schedule, &place, st->sizes.schedule_bytes, "the schedule")) return -1;
+        }
+        if (rt->context.bytes < st->sizes.context_bytes) {
+            tools_buffer_destroy(&rt->context);
+            if (tools_buffer_create_device(&rt->context, &place, st->sizes.context_bytes, "the forward context"))
+                return -1;
+        }
+        fill_pass_args(st, r);
+        if (precision != MOK_PRECISION_FP8) st->forward_args[r].fp8_weights = st->backward_args[r].fp8_weights = NULL;
+    }
+    return 0;
+}
+
 int run_quantize_weights(run_state *st) {
     CALL(mok_quantize_weights, st->workspace, st->quantize_args);
     CALL(mok_synchronize, st->workspace);

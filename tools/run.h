@@ -62,6 +62,9 @@ int run_make_tensors(run_state *st);      /* every rank's inputs and outputs, th
 int run_quantize_weights(run_state *st);  /* FP8: every rank's FP8 weights from its bf16 ones */
 int run_passes(run_state *st);            /* the warm-up (cuda) and the --repeat timed runs */
 int run_summarize(run_state *st);         /* median, min and max of each phase */
+/* The workspace replaced by one of the same shape in `precision`, on the same inputs (the schedule
+ * and context buffers grown where it needs more; no FP8 weights passed to a bf16 workspace). */
+int run_switch_precision(run_state *st, mok_precision precision);
 void run_destroy(run_state *st);
 
 /* Tokens of rank `rank`: --tokens, or with --uneven T*(r+1)/P. */
@@ -79,6 +82,8 @@ void report_memory(const run_state *st);  /* the workspace's sizes */
 int report_ranks(run_state *st);          /* the schedules and links of every rank */
 void report_timings(const run_state *st);
 int report_hashes(const run_state *st);   /* 1 when the runs wrote different bits */
+/* The phases' medians of the bf16 runs (st) beside those of the FP8 runs (fp8_median). */
+void report_beside(const run_state *st, const double fp8_median[NUM_PHASES]);
 void report_format_bytes(char *out, size_t size, double bytes);
 
 /* verify.c: the reference on the same inputs; returns 0 PASS, 1 FAIL, -1 error. */
