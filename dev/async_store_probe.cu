@@ -1,0 +1,345 @@
+/* async_store_probe.cu — experiment: how much of a tile's epilogue do asynchronous (TMA) stores
+ * take off the consumers of the cooperative 128 x 256 tile, beside the staged stores the library's
+ * epilogues use?
+ *
+ * The question (docs/log.md): a compute task's epilogue runs with the SM's tensor cores idle, and
+ * a ping-pong consumer, which would hide it behind the other warpgroup's main loop, loses more to
+ * its narrower 128 x 128 tile than it hides (dev/pingpong_probe.cu). This keeps the 128 x 256
+ * tile and its ring (3 stages of 48 KB, as the megakernel) and changes only how C leaves:
+ *   staged    the consumers round C to bf16 into a padded 128 x 128 staging tile (stmatrix), sync,
+ *             copy it out in 16-byte chunks, sync, twice (the pattern of the library's store_staged);
+ *   tma       the consumers round C to bf16 into four 128-row x 64-column boxes in the 128B swizzle
+ *             (64 KB), fence the async proxy and sync; consumer thread 0 issues four TMA tile stores
+ *             and every consumer goes on to the next tile's main loop. Before the next epilogue
+ *             writes the boxes, thread 0 waits until the stores have read them and the consumers
+ *             sync (cp.async.bulk.wait_group.read);
+ *   tma+wait  as tma, but thread 0 waits for the stores to complete (cp.async.bulk.wait_group 0)
+ *             right after issuing them: what a task pays when the release of its done counter
+ *             must follow its stores at once, instead of at its next epilogue.
+ * Before the stores every mode runs the same synthetic epilogue math (`iters` passes of four FMA
+ * chains over the thread's 128 accumulators, as pingpong_probe.cu), standing for the SwiGLU. Each
+ * consumer warpgroup's thread 0 times its epilogues with %globaltimer (the tma modes' wait for the
+ * boxes included). K-major A and B only: the forward's gate|up and down GEMMs.
+ *
+ * Build and run from the repository root (H100/H200):
+ *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/async_store_probe.cu \
+ *        -o build/async_store_probe && ./build/async_store_probe [seed]
+ * Every mode is first checked against the fp32 reference; it ends with `N passed, N failed`. */
+#include "gemm_common.cuh"
+
+#include "cuda/sm90/tile_operands.cuh" /* swizzle(): the 128B pattern of the boxes */
+
+enum { MODE_STAGED = 0, MODE_TMA = 1, MODE_TMA_WAIT = 2, NUM_MODES = 3 };
+
+struct StoreConfig {
+    static constexpr int BN = 256;
+    static constexpr int STAGES = 3;
+    static constexpr int A_BYTES = BM * BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
+    static constexpr int GROUP_N = 2048 / BN;
+    static constexpr int STAGING_BYTES = BM * BN * 2;        /* four 16 KB boxes; staged uses 128 x 136 of it */
+    static constexpr int STAGED_LD = 136;                    /* bf16 per padded staging row */
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * 8 + SWIZZLE_ATOM_BYTES;
+    static_assert(BM * STAGED_LD * 2 <= STAGING_BYTES, "the padded tile fits the staging region");
+    static_assert(SMEM_BYTES <= 227 * 1024, "ring and staging fit in shared memory");
+};
+
+static __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+/* The synthetic epilogue (pingpong_probe.cu's): its result is stored only if it equals a value it
+ * never takes, which keeps the work from being removed. */
+static __device__ __forceinline__ void busy_epilogue(const float (&acc)[128], int iters, float *sink) {
+    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < 128; i += 4) {
+            x0 = fmaf(acc[i], x0, 0.5f);
+            x1 = fmaf(acc[i + 1], x1, 0.5f);
+            x2 = fmaf(acc[i + 2], x2, 0.5f);
+            x3 = fmaf(acc[i + 3], x3, 0.5f);
+        }
+    }
+    if (x0 + x1 + x2 + x3 == -12345.0f) *sink = x0;
+}
+
+static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+/* A warp's 16 rows from row0 of 8-column blocks j and j + 1 of the accumulators by one stmatrix:
+ * matrix m is block j + m / 2, rows 8 (m % 2) ..; `addr(row, block)` is a row's 16 bytes. */
+template <class Addr>
+static __device__ __forceinline__ void stsm_blocks(const float (&acc)[128], int j, int row0, Addr addr) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    stsm_x4(addr(row0 + 8 * (m & 1) + (lane & 7), j + (m >> 1)), pack_bf16(acc[4 * j], acc[4 * j + 1]),
+            pack_bf16(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16(acc[4 * j + 4], acc[4 * j + 5]),
+            pack_bf16(acc[4 * j + 6], acc[4 * j + 7]));
+}
+
+/* stats[0]: ns in epilogues (summed over warpgroups), stats[1]: epilogues timed. */
+template <int MODE>
+__global__ void __launch_bounds__(THREADS, 1)
+    store_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 const __grid_constant__ CUtensorMap map_c, bf16 *__restrict__ C, int M, int N, int K, int iters,
+                 unsigned long long *stats, float *sink, int *err) {
+    using Cfg = StoreConfig;
+    constexpr int STAGES = Cfg::STAGES;
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = smem_addr(smem_raw);
+    const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
+    const uint32_t staging = ring + STAGES * Cfg::STAGE_BYTES; /* 1024-aligned: the boxes' swizzle */
+    const uint32_t full_bar = staging + Cfg::STAGING_BYTES;
+    const uint32_t empty_bar = full_bar + STAGES * 8;
+    uint8_t *staging_ptr = smem_raw + (staging - raw);
+
+    const int num_m = (M + BM - 1) / BM, num_n = (N + Cfg::BN - 1) / Cfg::BN, num_k = (K + BK - 1) / BK;
+    const int warpgroup = threadIdx.x / WG_THREADS;
+    if (threadIdx.x == 0) {
+        prefetch_tensormap(&map_a);
+        prefetch_tensormap(&map_b);
+        prefetch_tensormap(&map_c);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 1);
+            mbar_init(empty_bar + 8 * s, 8);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0)
+            produce_tiles<Cfg, 0, 0>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int ctid = threadIdx.x - WG_THREADS, consumer = warpgroup - 1, lane = threadIdx.x % 32;
+    const int row0 = (ctid >> 5) * 16; /* this warp's 16 rows of the tile */
+    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128), desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    float acc[128];
+    int stage = 0, prev_stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
+        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
+        for (int kb = 0; kb < num_k; ++kb) {
+            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
+                wgmma_wait<0>();
+                return;
+            }
+            __syncwarp();
+            const uint64_t off = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < BK / 16; ++k)
+                wgmma_m64n256k16<0, 0>(acc, desc_a0 + off + 2 * k, desc_b0 + off + 2 * k, (kb | k) != 0);
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+            prev_stage = stage;
+            if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait<0>();
+        pin_accumulators(acc);
+        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+
+        const uint64_t t0 = globaltimer_ns();
+        busy_epilogue(acc, iters, sink);
+        if (MODE == MODE_STAGED) {
+            const bf16 *tile_c = reinterpret_cast<const bf16 *>(staging_ptr);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int j = 16 * h; j < 16 * h + 16; j += 2)
+                    stsm_blocks(acc, j, row0, [&](int r, int b) {
+                        return staging + r * (Cfg::STAGED_LD * 2) + (b - 16 * h) * 16;
+                    });
+                consumer_bar();
+                for (int idx = ctid; idx < BM * 16; idx += 256) {
+                    const int r = idx >> 4, c8 = (idx & 15) * 8, row = pos.m0 + r, col = pos.n0 + 128 * h + c8;
+                    if (row < M && col < N)
+                        *reinterpret_cast<int4 *>(C + (size_t)row * N + col) =
+                            *reinterpret_cast<const int4 *>(tile_c + r * Cfg::STAGED_LD + c8);
+                }
+                consumer_bar();
+            }
+        } else {
+            if (ctid == 0) bulk_wait_read(); /* the last tile's stores have read the boxes */
+            consumer_bar();
+#pragma unroll
+            for (int j = 0; j < 32; j += 2)
+                stsm_blocks(acc, j, row0, [&](int r, int b) {
+                    return staging + (b / 8) * (BM * 128) + swizzle(r, b % 8);
+                });
+            fence_proxy_async(); /* the generic-proxy writes, before the TMA unit reads them */
+            consumer_bar();
+            if (ctid == 0) {
+                for (int b = 0; b < 4; ++b) tma_store_2d(&map_c, pos.n0 + 64 * b, pos.m0, staging + b * BM * 128);
+                bulk_commit();
+                if (MODE == MODE_TMA_WAIT) bulk_wait();
+            }
+        }
+        if (threadIdx.x % WG_THREADS == 0) {
+            atomicAdd(&stats[0], (unsigned long long)(globaltimer_ns() - t0));
+            atomicAdd(&stats[1], 1ull);
+        }
+    }
+    if (ctid == 0) bulk_wait(); /* every store done before the kernel ends */
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Host side.                                                                                 */
+
+struct Run {
+    unsigned long long *stats;
+    float *sink;
+    int *err;
+};
+
+static const char *const mode_names[NUM_MODES] = {"staged", "tma", "tma+wait"};
+
+template <int MODE>
+static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const Run &r) {
+    static bool attribute_set = false;
+    if (!attribute_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(store_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        StoreConfig::SMEM_BYTES));
+        attribute_set = true;
+    }
+    const CUtensorMap map_a = make_kmajor_map(o.A, s.M, s.K, BM, "A");
+    const CUtensorMap map_b = make_kmajor_map(o.B, s.N, s.K, StoreConfig::BN, "B");
+    const CUtensorMap map_c = make_kmajor_map(C, s.M, s.N, BM, "C"); /* boxes of 128 rows x 64 columns */
+    const long long tiles = (long long)((s.M + BM - 1) / BM) * ((s.N + StoreConfig::BN - 1) / StoreConfig::BN);
+    const int grid = (int)std::min<long long>(tiles, g_num_sms);
+    store_kernel<MODE><<<grid, THREADS, StoreConfig::SMEM_BYTES>>>(map_a, map_b, map_c, C, s.M, s.N, s.K, iters,
+                                                                  r.stats, r.sink, r.err);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+static void launch_mode(int mode, const Operands &o, bf16 *C, const Shape &s, int iters, const Run &r) {
+    if (mode == MODE_STAGED) launch<MODE_STAGED>(o, C, s, iters, r);
+    else if (mode == MODE_TMA) launch<MODE_TMA>(o, C, s, iters, r);
+    else launch<MODE_TMA_WAIT>(o, C, s, iters, r);
+}
+
+static bool self_test(int mode, const Operands &o, bf16 *d_C, size_t c_capacity, const float *d_ref, const Shape &s,
+                      int iters, const Run &r) {
+    const size_t count = (size_t)s.M * s.N;
+    const size_t guard = std::min<size_t>(c_capacity - count, 1 << 16);
+    CUDA_CHECK(cudaMemset(d_C, 0xFF, (count + guard) * sizeof(bf16)));
+    launch_mode(mode, o, d_C, s, iters, r);
+    char what[96];
+    snprintf(what, sizeof(what), "%s M %d N %d K %d iters %d", mode_names[mode], s.M, s.N, s.K, iters);
+    if (!check_kernel_error(r.err, what)) {
+        printf("FAIL  %-48s kernel error (see stderr)\n", what);
+        return false;
+    }
+    const CompareResult c = compare(d_C, d_ref, s.M, s.N, guard);
+    const bool ok = c.bad == 0 && c.unwritten == 0 && c.guard_broken == 0;
+    printf("%s  %-48s max rel %.3e  bad %zu  unwritten %zu  past-end %zu\n", ok ? "ok  " : "FAIL", what, c.max_rel,
+           c.bad, c.unwritten, c.guard_broken);
+    return ok;
+}
+
+/* Median ms of the mode on the shape, and the mean µs per epilogue of one warpgroup. */
+static bool time_one(int mode, const Operands &o, bf16 *d_C, const Shape &s, int iters, const Run &r, double *ms,
+                     double *epi_us) {
+    *ms = time_median_ms([&] { launch_mode(mode, o, d_C, s, iters, r); });
+    CUDA_CHECK(cudaMemset(r.stats, 0, 2 * sizeof(unsigned long long)));
+    launch_mode(mode, o, d_C, s, iters, r);
+    if (!check_kernel_error(r.err, mode_names[mode])) return false;
+    unsigned long long st[2];
+    CUDA_CHECK(cudaMemcpy(st, r.stats, sizeof st, cudaMemcpyDeviceToHost));
+    *epi_us = st[1] ? (double)st[0] / (double)st[1] * 1e-3 : 0.0;
+    return true;
+}
+
+int main(int argc, char **argv) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    CHECK(prop.major == 9 && prop.minor == 0, "%s is sm_%d%d; this program is built for sm_90a only", prop.name,
+          prop.major, prop.minor);
+    CHECK((size_t)StoreConfig::SMEM_BYTES <= prop.sharedMemPerBlockOptin, "not enough shared memory per block (%zu)",
+          prop.sharedMemPerBlockOptin);
+    g_num_sms = prop.multiProcessorCount;
+    load_driver_entry_points();
+    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
+    printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+
+    /* self-test shapes: edges (M not a multiple of 128, N not of 256, K not of 64, one row, more
+       tiles than SMs so that the boxes are reused) and one large */
+    const Shape tests[] = {{1, 256, 64}, {77, 136, 72}, {300, 520, 1000}, {1000, 768, 2048}, {4096, 8192, 512},
+                           {4096, 2048, 7168}};
+    /* the forward's GEMMs of the benchmark's layers (routed rows: 16384) */
+    struct Timed {
+        const char *name;
+        Shape s;
+    } timed[] = {{"dsv3 gate|up", {16384, 4096, 7168}}, {"dsv3 down", {16384, 7168, 2048}},
+                 {"qwen3 gate|up", {16384, 1536, 2048}}, {"qwen3 down", {16384, 2048, 768}},
+                 {"mixtral gate|up", {16384, 28672, 4096}}, {"mixtral down", {16384, 4096, 14336}}};
+    const int iters[] = {0, 16};
+
+    size_t a_elems = 0, b_elems = 0, c_elems = 0;
+    auto size_for = [&](const Shape &s) {
+        a_elems = std::max(a_elems, (size_t)s.M * s.K);
+        b_elems = std::max(b_elems, (size_t)s.N * s.K);
+        c_elems = std::max(c_elems, (size_t)s.M * s.N);
+    };
+    for (const Shape &s : tests) size_for(s);
+    for (const Timed &t : timed) size_for(t.s);
+    const size_t c_capacity = c_elems + (1 << 16);
+    bf16 *d_C;
+    float *d_ref, *d_sink;
+    Run run;
+    const DeviceOperands dev = alloc_operands(a_elems, b_elems, seed);
+    CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&d_sink, sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&run.stats, 2 * sizeof(unsigned long long)));
+    CUDA_CHECK(cudaMalloc(&run.err, sizeof(int)));
+    CUDA_CHECK(cudaMemset(run.err, 0, sizeof(int)));
+    run.sink = d_sink;
+    const Operands ops = {dev.A, dev.B, dev.At, dev.Bt};
+
+    int passed = 0, failed = 0;
+    printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
+    for (const Shape &s : tests) {
+        run_reference(dev, d_ref, s);
+        for (int mode = 0; mode < NUM_MODES; ++mode)
+            for (int it : {0, 16}) (self_test(mode, ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
+    }
+    if (failed) { /* timings of a wrong kernel mean nothing */
+        printf("\n%d passed, %d failed\n", passed, failed);
+        return 1;
+    }
+
+    printf("\ntiming: median of %d runs after %d warm-up runs; epi µs: mean per tile epilogue of one warpgroup\n",
+           TIMED_RUNS, WARMUP_RUNS);
+    printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
+    for (int mode = 0; mode < NUM_MODES; ++mode) printf(" %9s ms  TF/s epi µs |", mode_names[mode]);
+    printf(" tma vs staged\n");
+    for (const Timed &t : timed) {
+        const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
+        for (int it : iters) {
+            double ms[NUM_MODES], epi[NUM_MODES];
+            bool ok = true;
+            for (int mode = 0; mode < NUM_MODES; ++mode) ok = time_one(mode, ops, d_C, t.s, it, run, &ms[mode], &epi[mode]) && ok;
+            (ok ? passed : failed)++;
+            printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
+            for (int mode = 0; mode < NUM_MODES; ++mode)
+                printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, epi[mode]);
+            printf(" %+6.1f%%\n", 100.0 * (ms[MODE_TMA] - ms[MODE_STAGED]) / ms[MODE_STAGED]);
+        }
+    }
+    free_operands(dev);
+    CUDA_CHECK(cudaFree(d_C));
+    CUDA_CHECK(cudaFree(d_ref));
+    CUDA_CHECK(cudaFree(d_sink));
+    CUDA_CHECK(cudaFree(run.stats));
+    CUDA_CHECK(cudaFree(run.err));
+    printf("\n%d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
+}
