@@ -238,23 +238,30 @@ static mok_status ref_check_routing(const char *fn, const mok_shape *shape, int 
         if (!(pointer)) return mok__fail(MOK_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);   \
     } while (0)
 
+/* The checks of a layer's routing and pointers, for both layer types (the same fields: bf16 in
+ * mok_ref_layer, fp64 in mok__ref_layer64); returns from the enclosing function on a failure. */
+#define REF_CHECK_LAYER(fn, layer)                                                                     \
+    do {                                                                                               \
+        REF_REQUIRE(fn, layer, "layer");                                                               \
+        mok_status status_ = ref_check_routing(fn, (layer)->shape, (layer)->nranks, (layer)->swiglu_limit, \
+                                               (layer)->num_tokens, (layer)->topk_ids);                \
+        if (status_ != MOK_OK) return status_;                                                         \
+        const int nranks_ = (layer)->nranks;                                                           \
+        const int64_t *num_tokens_ = (layer)->num_tokens;                                              \
+        REF_REQUIRE_PER_RANK(fn, (layer)->x, "layer->x", 0, nranks_, num_tokens_);                     \
+        REF_REQUIRE_PER_RANK(fn, (layer)->router_w, "layer->router_w", 0, nranks_, num_tokens_);       \
+        REF_REQUIRE_PER_RANK(fn, (layer)->w_gate, "layer->w_gate", 1, nranks_, num_tokens_);           \
+        REF_REQUIRE_PER_RANK(fn, (layer)->w_up, "layer->w_up", 1, nranks_, num_tokens_);               \
+        REF_REQUIRE_PER_RANK(fn, (layer)->w_down, "layer->w_down", 1, nranks_, num_tokens_);           \
+        if ((layer)->shape->shared_intermediate > 0) {                                                 \
+            REF_REQUIRE(fn, (layer)->s_gate, "layer->s_gate");                                         \
+            REF_REQUIRE(fn, (layer)->s_up, "layer->s_up");                                             \
+            REF_REQUIRE(fn, (layer)->s_down, "layer->s_down");                                         \
+        }                                                                                              \
+    } while (0)
+
 static mok_status ref_check_layer64(const char *fn, const mok__ref_layer64 *layer) {
-    REF_REQUIRE(fn, layer, "layer");
-    mok_status status = ref_check_routing(fn, layer->shape, layer->nranks, layer->swiglu_limit,
-                                          layer->num_tokens, layer->topk_ids);
-    if (status != MOK_OK) return status;
-    int nranks = layer->nranks;
-    const int64_t *num_tokens = layer->num_tokens;
-    REF_REQUIRE_PER_RANK(fn, layer->x, "layer->x", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->router_w, "layer->router_w", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->w_gate, "layer->w_gate", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->w_up, "layer->w_up", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->w_down, "layer->w_down", 1, nranks, num_tokens);
-    if (layer->shape->shared_intermediate > 0) {
-        REF_REQUIRE(fn, layer->s_gate, "layer->s_gate");
-        REF_REQUIRE(fn, layer->s_up, "layer->s_up");
-        REF_REQUIRE(fn, layer->s_down, "layer->s_down");
-    }
+    REF_CHECK_LAYER(fn, layer);
     return MOK_OK;
 }
 
@@ -726,22 +733,7 @@ typedef struct ref_wide_layer {
 } ref_wide_layer;
 
 static mok_status ref_check_public(const char *fn, const mok_ref_layer *layer) {
-    REF_REQUIRE(fn, layer, "layer");
-    mok_status status = ref_check_routing(fn, layer->shape, layer->nranks, layer->swiglu_limit,
-                                          layer->num_tokens, layer->topk_ids);
-    if (status != MOK_OK) return status;
-    int nranks = layer->nranks;
-    const int64_t *num_tokens = layer->num_tokens;
-    REF_REQUIRE_PER_RANK(fn, layer->x, "layer->x", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->router_w, "layer->router_w", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->w_gate, "layer->w_gate", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->w_up, "layer->w_up", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, layer->w_down, "layer->w_down", 1, nranks, num_tokens);
-    if (layer->shape->shared_intermediate > 0) {
-        REF_REQUIRE(fn, layer->s_gate, "layer->s_gate");
-        REF_REQUIRE(fn, layer->s_up, "layer->s_up");
-        REF_REQUIRE(fn, layer->s_down, "layer->s_down");
-    }
+    REF_CHECK_LAYER(fn, layer);
     return MOK_OK;
 }
 
