@@ -113,37 +113,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
-    const int ctid = threadIdx.x - WG_THREADS, consumer = warpgroup - 1, lane = threadIdx.x % 32;
+    const int ctid = threadIdx.x - WG_THREADS, consumer = warpgroup - 1;
     const int row0 = (ctid >> 5) * 16; /* this warp's 16 rows of the tile */
     const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128), desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
     float acc[128];
-    int stage = 0, prev_stage = 0;
-    uint32_t phase = 0;
+    RingCursor cur;
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-        for (int kb = 0; kb < num_k; ++kb) {
-            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-                wgmma_wait<0>();
-                return;
-            }
-            __syncwarp();
-            const uint64_t off = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < BK / 16; ++k)
-                wgmma_m64n256k16<0, 0>(acc, desc_a0 + off + 2 * k, desc_b0 + off + 2 * k, (kb | k) != 0);
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-            prev_stage = stage;
-            if (++stage == STAGES) {
-                stage = 0;
-                phase ^= 1;
-            }
-        }
-        wgmma_wait<0>();
-        pin_accumulators(acc);
-        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+        if (!coop_k_loop<STAGES, Cfg::STAGE_BYTES, 128, 0, 0>(acc, cur, full_bar, empty_bar, desc_a0, desc_b0, 2, 2,
+                                                              num_k, err))
+            return;
 
         const uint64_t t0 = globaltimer_ns();
         busy_epilogue(acc, iters, sink);
@@ -192,16 +171,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 /* ------------------------------------------------------------------------------------------ */
 /* Host side.                                                                                 */
 
-struct Run {
-    unsigned long long *stats;
-    float *sink;
-    int *err;
-};
-
 static const char *const mode_names[NUM_MODES] = {"staged", "tma", "tma+wait"};
 
 template <int MODE>
-static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const Run &r) {
+static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
     static bool attribute_set = false;
     if (!attribute_set) {
         CUDA_CHECK(cudaFuncSetAttribute(store_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -218,42 +191,21 @@ static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const 
     CUDA_CHECK(cudaGetLastError());
 }
 
-static void launch_mode(int mode, const Operands &o, bf16 *C, const Shape &s, int iters, const Run &r) {
+static void launch_mode(int mode, const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
     if (mode == MODE_STAGED) launch<MODE_STAGED>(o, C, s, iters, r);
     else if (mode == MODE_TMA) launch<MODE_TMA>(o, C, s, iters, r);
     else launch<MODE_TMA_WAIT>(o, C, s, iters, r);
 }
 
-static bool self_test(int mode, const Operands &o, bf16 *d_C, size_t c_capacity, const float *d_ref, const Shape &s,
-                      int iters, const Run &r) {
-    const size_t count = (size_t)s.M * s.N;
-    const size_t guard = std::min<size_t>(c_capacity - count, 1 << 16);
-    CUDA_CHECK(cudaMemset(d_C, 0xFF, (count + guard) * sizeof(bf16)));
-    launch_mode(mode, o, d_C, s, iters, r);
+static bool self_test(int mode, const ProbeBuffers &b, const Shape &s, int iters) {
     char what[96];
     snprintf(what, sizeof(what), "%s M %d N %d K %d iters %d", mode_names[mode], s.M, s.N, s.K, iters);
-    if (!check_kernel_error(r.err, what)) {
-        printf("FAIL  %-48s kernel error (see stderr)\n", what);
-        return false;
-    }
-    const CompareResult c = compare(d_C, d_ref, s.M, s.N, guard);
-    const bool ok = c.bad == 0 && c.unwritten == 0 && c.guard_broken == 0;
-    printf("%s  %-48s max rel %.3e  bad %zu  unwritten %zu  past-end %zu\n", ok ? "ok  " : "FAIL", what, c.max_rel,
-           c.bad, c.unwritten, c.guard_broken);
-    return ok;
+    return probe_self_test(b, s, what, [&] { launch_mode(mode, b.ops, b.C, s, iters, b.run); });
 }
 
 /* Median ms of the mode on the shape, and the mean µs per epilogue of one warpgroup. */
-static bool time_one(int mode, const Operands &o, bf16 *d_C, const Shape &s, int iters, const Run &r, double *ms,
-                     double *epi_us) {
-    *ms = time_median_ms([&] { launch_mode(mode, o, d_C, s, iters, r); });
-    CUDA_CHECK(cudaMemset(r.stats, 0, 2 * sizeof(unsigned long long)));
-    launch_mode(mode, o, d_C, s, iters, r);
-    if (!check_kernel_error(r.err, mode_names[mode])) return false;
-    unsigned long long st[2];
-    CUDA_CHECK(cudaMemcpy(st, r.stats, sizeof st, cudaMemcpyDeviceToHost));
-    *epi_us = st[1] ? (double)st[0] / (double)st[1] * 1e-3 : 0.0;
-    return true;
+static bool time_one(int mode, const ProbeBuffers &b, const Shape &s, int iters, double *ms, double *epi_us) {
+    return probe_time(b, mode_names[mode], [&] { launch_mode(mode, b.ops, b.C, s, iters, b.run); }, ms, epi_us);
 }
 
 int main(int argc, char **argv) {
@@ -282,34 +234,16 @@ int main(int argc, char **argv) {
                  {"mixtral gate|up", {16384, 28672, 4096}}, {"mixtral down", {16384, 4096, 14336}}};
     const int iters[] = {0, 16};
 
-    size_t a_elems = 0, b_elems = 0, c_elems = 0;
-    auto size_for = [&](const Shape &s) {
-        a_elems = std::max(a_elems, (size_t)s.M * s.K);
-        b_elems = std::max(b_elems, (size_t)s.N * s.K);
-        c_elems = std::max(c_elems, (size_t)s.M * s.N);
-    };
-    for (const Shape &s : tests) size_for(s);
-    for (const Timed &t : timed) size_for(t.s);
-    const size_t c_capacity = c_elems + (1 << 16);
-    bf16 *d_C;
-    float *d_ref, *d_sink;
-    Run run;
-    const DeviceOperands dev = alloc_operands(a_elems, b_elems, seed);
-    CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&d_sink, sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&run.stats, 2 * sizeof(unsigned long long)));
-    CUDA_CHECK(cudaMalloc(&run.err, sizeof(int)));
-    CUDA_CHECK(cudaMemset(run.err, 0, sizeof(int)));
-    run.sink = d_sink;
-    const Operands ops = {dev.A, dev.B, dev.At, dev.Bt};
+    std::vector<Shape> shapes(std::begin(tests), std::end(tests));
+    for (const Timed &t : timed) shapes.push_back(t.s);
+    const ProbeBuffers buf = probe_buffers(shapes, seed);
 
     int passed = 0, failed = 0;
     printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
     for (const Shape &s : tests) {
-        run_reference(dev, d_ref, s);
+        run_reference(buf.dev, buf.ref, s);
         for (int mode = 0; mode < NUM_MODES; ++mode)
-            for (int it : {0, 16}) (self_test(mode, ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
+            for (int it : {0, 16}) (self_test(mode, buf, s, it) ? passed : failed)++;
     }
     if (failed) { /* timings of a wrong kernel mean nothing */
         printf("\n%d passed, %d failed\n", passed, failed);
@@ -326,7 +260,7 @@ int main(int argc, char **argv) {
         for (int it : iters) {
             double ms[NUM_MODES], epi[NUM_MODES];
             bool ok = true;
-            for (int mode = 0; mode < NUM_MODES; ++mode) ok = time_one(mode, ops, d_C, t.s, it, run, &ms[mode], &epi[mode]) && ok;
+            for (int mode = 0; mode < NUM_MODES; ++mode) ok = time_one(mode, buf, t.s, it, &ms[mode], &epi[mode]) && ok;
             (ok ? passed : failed)++;
             printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
             for (int mode = 0; mode < NUM_MODES; ++mode)
@@ -334,12 +268,7 @@ int main(int argc, char **argv) {
             printf(" %+6.1f%%\n", 100.0 * (ms[MODE_TMA] - ms[MODE_STAGED]) / ms[MODE_STAGED]);
         }
     }
-    free_operands(dev);
-    CUDA_CHECK(cudaFree(d_C));
-    CUDA_CHECK(cudaFree(d_ref));
-    CUDA_CHECK(cudaFree(d_sink));
-    CUDA_CHECK(cudaFree(run.stats));
-    CUDA_CHECK(cudaFree(run.err));
+    probe_buffers_free(buf);
     printf("\n%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

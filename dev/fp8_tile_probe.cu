@@ -554,33 +554,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128);
     const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
     float acc[128];
-    int stage = 0, prev_stage = 0;
-    uint32_t phase = 0;
+    RingCursor cur;
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-        for (int kb = 0; kb < num_k; ++kb) {
-            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-                wgmma_wait<0>();
-                return;
-            }
-            __syncwarp();
-            const uint64_t off = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < BK / 16; ++k)
-                wgmma_m64n256k16<0, 0>(acc, desc_a0 + off + 2 * k, desc_b0 + off + 2 * k, (kb | k) != 0);
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-            prev_stage = stage;
-            if (++stage == Cfg::STAGES) {
-                stage = 0;
-                phase ^= 1;
-            }
-        }
-        wgmma_wait<0>();
-        pin_accumulators(acc);
-        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+        if (!coop_k_loop<Cfg::STAGES, Cfg::STAGE_BYTES, 128, 0, 0>(acc, cur, full_bar, empty_bar, desc_a0, desc_b0, 2, 2,
+                                                                   num_k, err))
+            return;
         const int row0 = pos.m0 + consumer * 64 + warp * 16 + lane / 4, col0 = pos.n0 + 2 * (lane % 4);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

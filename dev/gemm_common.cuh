@@ -151,6 +151,53 @@ static __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], uint64_t desc
         wgmma_m64n128k16<TA, TB>(d, desc_a, desc_b, scale_d);
 }
 
+/* Where the cooperative consumers stand in the ring: the next stage to read, its parity, and the
+ * stage whose release is pending. It carries from tile to tile. */
+struct RingCursor {
+    int stage = 0, prev = 0;
+    uint32_t phase = 0;
+};
+
+/* The cooperative consumers' K loop over one tile: num_k stages from the cursor, BK / 16 wgmmas
+ * each into acc (the first with scale-d 0), one group kept in flight; stage s is released (lane 0
+ * of every warp arrives on empty[s]) once the group that read it is done, the last one after the
+ * final wait. desc_a0 / desc_b0 address stage 0, step_a / step_b are 16 more k in descriptor
+ * units. Returns false, the wgmmas drained, when a full-barrier wait gave up (*err says why). */
+template <int STAGES, int STAGE_BYTES, int ACC, int TA, int TB>
+static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor &cur, uint32_t full_bar,
+                                                   uint32_t empty_bar, uint64_t desc_a0, uint64_t desc_b0,
+                                                   uint64_t step_a, uint64_t step_b, int num_k, int *err) {
+    const int lane = threadIdx.x % 32;
+    for (int kb = 0; kb < num_k; ++kb) {
+        if (!mbar_wait(full_bar + 8 * cur.stage, cur.phase, err, KERNEL_FULL_TIMEOUT)) {
+            wgmma_wait<0>();
+            return false;
+        }
+        // Threads leave the spin loop one by one; the wgmma instructions are .sync.aligned and
+        // need the whole warp converged.
+        __syncwarp();
+        const uint64_t off = (uint64_t)((cur.stage * STAGE_BYTES) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < BK / 16; ++k)
+            wgmma_tile<ACC, TA, TB>(acc, desc_a0 + off + step_a * k, desc_b0 + off + step_b * k, (kb | k) != 0);
+        wgmma_commit();
+        // Keep one wgmma group in flight: when this returns, the group that read the previous
+        // slot is complete and that slot can be refilled.
+        wgmma_wait<1>();
+        if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
+        cur.prev = cur.stage;
+        if (++cur.stage == STAGES) {
+            cur.stage = 0;
+            cur.phase ^= 1;
+        }
+    }
+    wgmma_wait<0>();
+    pin_accumulators(acc);
+    if (lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
+    return true;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Tile order and the producer, for a tile configuration Cfg with BN (columns per tile), STAGES,
  * A_BYTES, STAGE_BYTES and GROUP_N.                                                          */
@@ -464,3 +511,85 @@ static double time_median_ms(F run) {
     return median(ms);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* What the epilogue probes (pingpong_probe.cu, async_store_probe.cu) share on the host.      */
+
+/* A probe kernel's side channels: stats[0] the ns its warpgroups spent in epilogues, stats[1] the
+ * epilogues timed; a sink that keeps synthetic work alive; the error word. */
+struct ProbeRun {
+    unsigned long long *stats;
+    float *sink;
+    int *err;
+};
+
+/* Operands for the largest of the shapes, C with room for a guard past its end, the fp32
+ * reference, and the side channels. */
+struct ProbeBuffers {
+    DeviceOperands dev;
+    Operands ops;
+    bf16 *C;
+    size_t c_capacity;
+    float *ref;
+    ProbeRun run;
+};
+
+static ProbeBuffers probe_buffers(const std::vector<Shape> &shapes, uint64_t seed) {
+    size_t a_elems = 0, b_elems = 0, c_elems = 0;
+    for (const Shape &s : shapes) {
+        a_elems = std::max(a_elems, (size_t)s.M * s.K);
+        b_elems = std::max(b_elems, (size_t)s.N * s.K);
+        c_elems = std::max(c_elems, (size_t)s.M * s.N);
+    }
+    ProbeBuffers b;
+    b.dev = alloc_operands(a_elems, b_elems, seed);
+    b.ops = {b.dev.A, b.dev.B, b.dev.At, b.dev.Bt};
+    b.c_capacity = c_elems + (1 << 16);
+    CUDA_CHECK(cudaMalloc(&b.C, b.c_capacity * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&b.ref, c_elems * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&b.run.sink, sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&b.run.stats, 2 * sizeof(unsigned long long)));
+    CUDA_CHECK(cudaMalloc(&b.run.err, sizeof(int)));
+    CUDA_CHECK(cudaMemset(b.run.err, 0, sizeof(int)));
+    return b;
+}
+
+static void probe_buffers_free(const ProbeBuffers &b) {
+    free_operands(b.dev);
+    CUDA_CHECK(cudaFree(b.C));
+    CUDA_CHECK(cudaFree(b.ref));
+    CUDA_CHECK(cudaFree(b.run.sink));
+    CUDA_CHECK(cudaFree(b.run.stats));
+    CUDA_CHECK(cudaFree(b.run.err));
+}
+
+/* C and a guard after it poisoned, launch() (which writes s's C), then C against b.ref (the
+ * caller ran run_reference for s): one line named `what`. */
+template <class Launch>
+static bool probe_self_test(const ProbeBuffers &b, const Shape &s, const char *what, Launch launch) {
+    const size_t count = (size_t)s.M * s.N;
+    const size_t guard = std::min<size_t>(b.c_capacity - count, 1 << 16);
+    CUDA_CHECK(cudaMemset(b.C, 0xFF, (count + guard) * sizeof(bf16)));
+    launch();
+    if (!check_kernel_error(b.run.err, what)) {
+        printf("FAIL  %-56s kernel error (see stderr)\n", what);
+        return false;
+    }
+    const CompareResult c = compare(b.C, b.ref, s.M, s.N, guard);
+    const bool ok = c.bad == 0 && c.unwritten == 0 && c.guard_broken == 0;
+    printf("%s  %-56s max rel %.3e  bad %zu  unwritten %zu  past-end %zu\n", ok ? "ok  " : "FAIL", what, c.max_rel,
+           c.bad, c.unwritten, c.guard_broken);
+    return ok;
+}
+
+/* The median ms of launch(), then one more launch's mean µs per epilogue (the stats). */
+template <class Launch>
+static bool probe_time(const ProbeBuffers &b, const char *what, Launch launch, double *ms, double *epi_us) {
+    *ms = time_median_ms(launch);
+    CUDA_CHECK(cudaMemset(b.run.stats, 0, 2 * sizeof(unsigned long long)));
+    launch();
+    if (!check_kernel_error(b.run.err, what)) return false;
+    unsigned long long st[2];
+    CUDA_CHECK(cudaMemcpy(st, b.run.stats, sizeof st, cudaMemcpyDeviceToHost));
+    *epi_us = st[1] ? (double)st[0] / (double)st[1] * 1e-3 : 0.0;
+    return true;
+}

@@ -106,38 +106,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     constexpr uint64_t step_a = TA ? 2048 >> 4 : 2, step_b = TB ? 2048 >> 4 : 2;
 
     float acc[Cfg::ACC];
-    int stage = 0, prev_stage = 0;
-    uint32_t phase = 0;
+    RingCursor cur;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-        for (int kb = 0; kb < num_k; ++kb) {
-            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-                wgmma_wait<0>();
-                return;
-            }
-            // Threads leave the spin loop one by one; the wgmma instructions are .sync.aligned and
-            // need the whole warp converged.
-            __syncwarp();
-            const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
-            const uint64_t desc_a = desc_a0 + stage_offset, desc_b = desc_b0 + stage_offset;
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < BK / 16; ++k)
-                wgmma_tile<Cfg::ACC, TA, TB>(acc, desc_a + step_a * k, desc_b + step_b * k, (kb | k) != 0);
-            wgmma_commit();
-            // Keep one wgmma group in flight: when this returns, the group that read the previous
-            // slot is complete and that slot can be refilled.
-            wgmma_wait<1>();
-            if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-            prev_stage = stage;
-            if (++stage == STAGES) {
-                stage = 0;
-                phase ^= 1;
-            }
-        }
-        wgmma_wait<0>();
-        pin_accumulators(acc);
-        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+        if (!coop_k_loop<STAGES, Cfg::STAGE_BYTES, Cfg::ACC, TA, TB>(acc, cur, full_bar, empty_bar, desc_a0, desc_b0,
+                                                                    step_a, step_b, num_k, err))
+            return;
 
         /* Epilogue. Accumulator layout (m64nN f32): registers 4i+{0,1} hold row 16·warp + lane/4,
          * columns 8i + 2·(lane%4) + {0,1}; registers 4i+{2,3} the same columns 8 rows down. */

@@ -154,33 +154,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (MODE == MODE_COOP) {
         float acc[128];
         const uint64_t desc_a0 = desc_a_rows(consumer);
-        int stage = 0, prev_stage = 0;
-        uint32_t phase = 0;
+        RingCursor cur;
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
             const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-            for (int kb = 0; kb < num_k; ++kb) {
-                if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-                    wgmma_wait<0>();
-                    return;
-                }
-                __syncwarp();
-                const uint64_t off = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < BK / 16; ++k)
-                    wgmma_m64n256k16<TA, TB>(acc, desc_a0 + off + step_a * k, desc_b0 + off + step_b * k, (kb | k) != 0);
-                wgmma_commit();
-                wgmma_wait<1>();
-                if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-                prev_stage = stage;
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1;
-                }
-            }
-            wgmma_wait<0>();
-            pin_accumulators(acc);
-            if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+            if (!coop_k_loop<STAGES, Cfg::STAGE_BYTES, 128, TA, TB>(acc, cur, full_bar, empty_bar, desc_a0, desc_b0,
+                                                                   step_a, step_b, num_k, err))
+                return;
             const uint64_t t0 = globaltimer_ns();
             store_block<128>(acc, C, M, N, pos.m0 + consumer * 64 + warp * 16 + lane / 4, pos.n0 + 2 * (lane % 4));
             /* the same 128 values as ping's lo|hi: the first and second 64 of acc */
@@ -250,14 +229,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 /* ------------------------------------------------------------------------------------------ */
 /* Host side.                                                                                 */
 
-struct Run {
-    unsigned long long *stats;
-    float *sink;
-    int *err;
-};
-
 template <int MODE, int TA, int TB>
-static void launch_probe(const Operands &o, bf16 *C, const Shape &s, int iters, const Run &r) {
+static void launch_probe(const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
     using Cfg = ProbeConfig<MODE>;
     static bool attribute_set = false;  // once per template instance
     if (!attribute_set) {
@@ -277,38 +250,18 @@ static void launch_probe(const Operands &o, bf16 *C, const Shape &s, int iters, 
 static const char *mode_name(int mode) { return mode == MODE_COOP ? "coop 128x256" : "ping 128x128"; }
 
 template <int MODE, int TA, int TB>
-static bool self_test(const Operands &o, bf16 *d_C, size_t c_capacity, const float *d_ref, const Shape &s, int iters,
-                      const Run &r) {
-    const size_t count = (size_t)s.M * s.N;
-    const size_t guard = std::min<size_t>(c_capacity - count, 1 << 16);
-    CUDA_CHECK(cudaMemset(d_C, 0xFF, (count + guard) * sizeof(bf16)));
-    launch_probe<MODE, TA, TB>(o, d_C, s, iters, r);
+static bool self_test(const ProbeBuffers &b, const Shape &s, int iters) {
     char what[112];
     snprintf(what, sizeof(what), "%s M %d N %d K %d %s%s iters %d", mode_name(MODE), s.M, s.N, s.K, TA ? "At" : "A",
              TB ? "Bt" : "B", iters);
-    if (!check_kernel_error(r.err, what)) {
-        printf("FAIL  %-56s kernel error (see stderr)\n", what);
-        return false;
-    }
-    const CompareResult c = compare(d_C, d_ref, s.M, s.N, guard);
-    const bool ok = c.bad == 0 && c.unwritten == 0 && c.guard_broken == 0;
-    printf("%s  %-56s max rel %.3e  bad %zu  unwritten %zu  past-end %zu\n", ok ? "ok  " : "FAIL", what, c.max_rel, c.bad,
-           c.unwritten, c.guard_broken);
-    return ok;
+    return probe_self_test(b, s, what, [&] { launch_probe<MODE, TA, TB>(b.ops, b.C, s, iters, b.run); });
 }
 
 /* Median ms of the mode on the shape, and the mean µs per tile epilogue over the timed runs. */
 template <int MODE, int TA, int TB>
-static bool time_one(const Operands &o, bf16 *d_C, const Shape &s, int iters, const Run &r, double *ms,
-                     double *epi_us) {
-    *ms = time_median_ms([&] { launch_probe<MODE, TA, TB>(o, d_C, s, iters, r); });
-    CUDA_CHECK(cudaMemset(r.stats, 0, 2 * sizeof(unsigned long long)));
-    launch_probe<MODE, TA, TB>(o, d_C, s, iters, r);
-    if (!check_kernel_error(r.err, mode_name(MODE))) return false;
-    unsigned long long st[2];
-    CUDA_CHECK(cudaMemcpy(st, r.stats, sizeof st, cudaMemcpyDeviceToHost));
-    *epi_us = st[1] ? (double)st[0] / (double)st[1] * 1e-3 : 0.0;
-    return true;
+static bool time_one(const ProbeBuffers &b, const Shape &s, int iters, double *ms, double *epi_us) {
+    return probe_time(b, mode_name(MODE), [&] { launch_probe<MODE, TA, TB>(b.ops, b.C, s, iters, b.run); }, ms,
+                      epi_us);
 }
 
 struct Timed {
@@ -318,13 +271,13 @@ struct Timed {
 };
 
 template <int TA, int TB>
-static bool time_case(const Operands &o, bf16 *d_C, const Timed &t, const int *iters, int n_iters, const Run &r) {
+static bool time_case(const ProbeBuffers &b, const Timed &t, const int *iters, int n_iters) {
     const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
     bool ok = true;
     for (int j = 0; j < n_iters; ++j) {
         double ms_c, ms_p, epi_c, epi_p;
-        ok = time_one<MODE_COOP, TA, TB>(o, d_C, t.s, iters[j], r, &ms_c, &epi_c) && ok;
-        ok = time_one<MODE_PING, TA, TB>(o, d_C, t.s, iters[j], r, &ms_p, &epi_p) && ok;
+        ok = time_one<MODE_COOP, TA, TB>(b, t.s, iters[j], &ms_c, &epi_c) && ok;
+        ok = time_one<MODE_PING, TA, TB>(b, t.s, iters[j], &ms_p, &epi_p) && ok;
         printf("%-14s %5d %5d %5d %5d | %8.3f %6.1f %7.2f | %8.3f %6.1f %7.2f | %+6.1f%%\n", t.name, t.s.M, t.s.N, t.s.K,
                iters[j], ms_c, flops / ms_c * 1e-9, epi_c, ms_p, flops / ms_p * 1e-9, epi_p,
                100.0 * (ms_p - ms_c) / ms_c);
@@ -359,41 +312,23 @@ int main(int argc, char **argv) {
     };
     const int iters[] = {0, 16, 64, 256};
 
-    size_t a_elems = 0, b_elems = 0, c_elems = 0;
-    auto size_for = [&](const Shape &s) {
-        a_elems = std::max(a_elems, (size_t)s.M * s.K);
-        b_elems = std::max(b_elems, (size_t)s.N * s.K);
-        c_elems = std::max(c_elems, (size_t)s.M * s.N);
-    };
-    for (const Shape &s : tests) size_for(s);
-    for (const Timed &t : timed) size_for(t.s);
-    const size_t c_capacity = c_elems + (1 << 16);
-    bf16 *d_C;
-    float *d_ref, *d_sink;
-    Run run;
-    const DeviceOperands dev = alloc_operands(a_elems, b_elems, seed);
-    CUDA_CHECK(cudaMalloc(&d_C, c_capacity * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d_ref, c_elems * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&d_sink, sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&run.stats, 2 * sizeof(unsigned long long)));
-    CUDA_CHECK(cudaMalloc(&run.err, sizeof(int)));
-    CUDA_CHECK(cudaMemset(run.err, 0, sizeof(int)));
-    run.sink = d_sink;
-    const Operands ops = {dev.A, dev.B, dev.At, dev.Bt};
+    std::vector<Shape> shapes(std::begin(tests), std::end(tests));
+    for (const Timed &t : timed) shapes.push_back(t.s);
+    const ProbeBuffers buf = probe_buffers(shapes, seed);
 
     int passed = 0, failed = 0;
     printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
     for (const Shape &s : tests) {
-        run_reference(dev, d_ref, s);
-        transpose_operands(dev, s);
+        run_reference(buf.dev, buf.ref, s);
+        transpose_operands(buf.dev, s);
         for (int it : {0, 16}) {
-            (self_test<MODE_COOP, 0, 0>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
-            (self_test<MODE_PING, 0, 0>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
-            (self_test<MODE_COOP, 0, 1>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
-            (self_test<MODE_PING, 0, 1>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
+            (self_test<MODE_COOP, 0, 0>(buf, s, it) ? passed : failed)++;
+            (self_test<MODE_PING, 0, 0>(buf, s, it) ? passed : failed)++;
+            (self_test<MODE_COOP, 0, 1>(buf, s, it) ? passed : failed)++;
+            (self_test<MODE_PING, 0, 1>(buf, s, it) ? passed : failed)++;
             if (s.M % 8 == 0) { /* At's rows are M elements: TMA strides are multiples of 16 bytes */
-                (self_test<MODE_COOP, 1, 1>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
-                (self_test<MODE_PING, 1, 1>(ops, d_C, c_capacity, d_ref, s, it, run) ? passed : failed)++;
+                (self_test<MODE_COOP, 1, 1>(buf, s, it) ? passed : failed)++;
+                (self_test<MODE_PING, 1, 1>(buf, s, it) ? passed : failed)++;
             }
         }
     }
@@ -408,22 +343,17 @@ int main(int argc, char **argv) {
     printf("%-14s %5s %5s %5s %5s | %8s %6s %7s | %8s %6s %7s | %7s\n", "case", "M", "N", "K", "iters", "coop ms", "TF/s",
            "epi µs", "ping ms", "TF/s", "epi µs", "ping");
     for (const Timed &t : timed) {
-        transpose_operands(dev, t.s);
+        transpose_operands(buf.dev, t.s);
         bool ok;
         if (t.ta)
-            ok = time_case<1, 1>(ops, d_C, t, iters, 4, run);
+            ok = time_case<1, 1>(buf, t, iters, 4);
         else if (t.tb)
-            ok = time_case<0, 1>(ops, d_C, t, iters, 4, run);
+            ok = time_case<0, 1>(buf, t, iters, 4);
         else
-            ok = time_case<0, 0>(ops, d_C, t, iters, 4, run);
+            ok = time_case<0, 0>(buf, t, iters, 4);
         (ok ? passed : failed)++;
     }
-    free_operands(dev);
-    CUDA_CHECK(cudaFree(d_C));
-    CUDA_CHECK(cudaFree(d_ref));
-    CUDA_CHECK(cudaFree(d_sink));
-    CUDA_CHECK(cudaFree(run.stats));
-    CUDA_CHECK(cudaFree(run.err));
+    probe_buffers_free(buf);
     printf("\n%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }
