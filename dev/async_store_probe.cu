@@ -46,22 +46,6 @@ struct StoreConfig {
 
 static __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
-/* The synthetic epilogue (pingpong_probe.cu's): its result is stored only if it equals a value it
- * never takes, which keeps the work from being removed. */
-static __device__ __forceinline__ void busy_epilogue(const float (&acc)[128], int iters, float *sink) {
-    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
-    for (int it = 0; it < iters; ++it) {
-#pragma unroll
-        for (int i = 0; i < 128; i += 4) {
-            x0 = fmaf(acc[i], x0, 0.5f);
-            x1 = fmaf(acc[i + 1], x1, 0.5f);
-            x2 = fmaf(acc[i + 2], x2, 0.5f);
-            x3 = fmaf(acc[i + 3], x3, 0.5f);
-        }
-    }
-    if (x0 + x1 + x2 + x3 == -12345.0f) *sink = x0;
-}
-
 static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t *>(&v);
@@ -125,7 +109,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             return;
 
         const uint64_t t0 = globaltimer_ns();
-        busy_epilogue(acc, iters, sink);
+        /* the same 128 values as pingpong_probe.cu's: the first and second 64 of acc */
+        busy_epilogue(*reinterpret_cast<const float(*)[64]>(acc), *reinterpret_cast<const float(*)[64]>(acc + 64), iters,
+                      sink);
         if (MODE == MODE_STAGED) {
             const bf16 *tile_c = reinterpret_cast<const bf16 *>(staging_ptr);
 #pragma unroll

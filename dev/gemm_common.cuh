@@ -151,6 +151,30 @@ static __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], uint64_t desc
         wgmma_m64n128k16<TA, TB>(d, desc_a, desc_b, scale_d);
 }
 
+/* The epilogue probes' synthetic epilogue: iters passes of four FMA chains over 128 accumulators. The result is
+ * stored only if it equals a value it never takes, which keeps the work from being removed. */
+static __device__ __forceinline__ void busy_epilogue(const float (&lo)[64], const float (&hi)[64], int iters,
+                                                     float *sink) {
+    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < 64; i += 4) {
+            x0 = fmaf(lo[i], x0, 0.5f);
+            x1 = fmaf(lo[i + 1], x1, 0.5f);
+            x2 = fmaf(hi[i + 2], x2, 0.5f);
+            x3 = fmaf(hi[i + 3], x3, 0.5f);
+        }
+#pragma unroll
+        for (int i = 0; i < 64; i += 4) {
+            x0 = fmaf(hi[i], x0, 0.25f);
+            x1 = fmaf(hi[i + 1], x1, 0.25f);
+            x2 = fmaf(lo[i + 2], x2, 0.25f);
+            x3 = fmaf(lo[i + 3], x3, 0.25f);
+        }
+    }
+    if (x0 + x1 + x2 + x3 == -12345.0f) *sink = x0;
+}
+
 /* Where the cooperative consumers stand in the ring: the next stage to read, its parity, and the
  * stage whose release is pending. It carries from tile to tile. */
 struct RingCursor {

@@ -57,30 +57,6 @@ struct ProbeConfig {
     static_assert(SMEM_BYTES <= 227 * 1024, "ring does not fit in shared memory");
 };
 
-/* The synthetic epilogue: iters passes of four FMA chains over 128 accumulators. The result is
- * stored only if it equals a value it never takes, which keeps the work from being removed. */
-static __device__ __forceinline__ void busy_epilogue(const float (&lo)[64], const float (&hi)[64], int iters,
-                                                     float *sink) {
-    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
-    for (int it = 0; it < iters; ++it) {
-#pragma unroll
-        for (int i = 0; i < 64; i += 4) {
-            x0 = fmaf(lo[i], x0, 0.5f);
-            x1 = fmaf(lo[i + 1], x1, 0.5f);
-            x2 = fmaf(hi[i + 2], x2, 0.5f);
-            x3 = fmaf(hi[i + 3], x3, 0.5f);
-        }
-#pragma unroll
-        for (int i = 0; i < 64; i += 4) {
-            x0 = fmaf(hi[i], x0, 0.25f);
-            x1 = fmaf(hi[i + 1], x1, 0.25f);
-            x2 = fmaf(lo[i + 2], x2, 0.25f);
-            x3 = fmaf(lo[i + 3], x3, 0.25f);
-        }
-    }
-    if (x0 + x1 + x2 + x3 == -12345.0f) *sink = x0;
-}
-
 /* Stores a 64-row block of m64nN accumulators (ACC = N / 2 per thread) as bf16: registers 4i+{0,1}
  * are row 16·warp + lane/4, columns 8i + 2·(lane%4) + {0,1}; 4i+{2,3} the same 8 rows down. */
 template <int ACC>
