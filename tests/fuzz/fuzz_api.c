@@ -557,8 +557,13 @@ static int setup(world *w, reader *r) {
         /* 4, 5, 6: an id outside [-1, E); 7: an empty slot (valid) */
         const int32_t value = what == 4 ? -2 : what == 5 ? 0x7fffffff : what == 6 ? (int32_t)s.num_experts : -1;
         w->ids[v][p][take(r, 256) % (unsigned)n] = value;
-        if (what != 7) w->ids_valid[v] = 0;
     }
+    /* valid: every id in [-1, E), found by reading them (the second write may land on the first's
+       slot and undo a bad id) */
+    for (int v = 0; v < 2; ++v)
+        for (int p = 0; p < P; ++p)
+            for (int64_t i = 0; i < tokens[p] * k; ++i)
+                if (w->ids[v][p][i] < -1 || w->ids[v][p][i] >= s.num_experts) w->ids_valid[v] = 0;
     /* the clamp's gradient mask must not sit on a rounding midpoint, for either routing (a row
        redrawn for one is checked again for the other) */
     for (int round = 0, redrawn = 1; redrawn && round < 8; ++round) {
