@@ -412,8 +412,8 @@ def print_idle(ev, rank, window, windows=10):
 
 
 def trace_case(group, ranks, name, experts, tokens, skew, config, out, precision="bf16"):
-    """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each.
-    precision "fp8": the forward only when the backend has no FP8 backward."""
+    """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each (a pass
+    the backend refuses is skipped with its reason)."""
     import timeline
 
     layer = LAYERS[name]

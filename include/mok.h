@@ -119,9 +119,7 @@ typedef enum mok_backend {
 typedef enum mok_precision {
     MOK_PRECISION_BF16 = 0, /* bf16 storage, fp32 accumulation */
     MOK_PRECISION_FP8 = 1   /* block-scaled E4M3 operands, fp32 accumulation: the FP8 section
-                               below (cpu backend; the cuda backend runs mok_forward and
-                               mok_quantize_weights, and refuses mok_backward and
-                               mok_recompute_context with MOK_ERR_UNSUPPORTED for now) */
+                               below */
 } mok_precision;
 
 /* The direction of each transfer. PULL: the rank that needs the rows reads them from the peer.
@@ -403,7 +401,10 @@ mok_status mok_recompute_context(mok_workspace *workspace, const mok_forward_arg
  * GEMMs do not read.
  *
  * Memory: an FP8 workspace holds no more than the bf16 one of the same shape and config
- * (mok_sizes); the FP8 weights are caller memory of mok_fp8_layout.bytes per rank. */
+ * (mok_sizes), but for one case on the cuda backend: with a shared expert whose backward operands
+ * dg^|du^ (2 I_s + I_s / 16 bytes per token) do not fit beside bf16(x^) in the buffer of the
+ * forward's expert outputs (2 k H bytes per token), i.e. for top-k 1 or I_s near k H, it holds
+ * them apart. The FP8 weights are caller memory of mok_fp8_layout.bytes per rank. */
 #define MOK_FP8_BLOCK 128
 
 /* The matrices of one rank's FP8 weights. Codes are uint8 E4M3, row-major; scales are fp32, one

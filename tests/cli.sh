@@ -357,18 +357,9 @@ else
             --bwd-dispatch pull
         same_hash cuda-turned-transfers-hash "$hash_defaults" "$(grep "^outputs hash" "$out")"
     fi
-    # FP8 on cuda: the forward against the FP8 reference (the backward is not built yet: the run
-    # says so and leaves it out), and its outputs' bits the same on every --repeat run.
-    expect cuda-fp8-forward 0 "runs the FP8 forward only" \
-        run --preset olmoe-1b-7b --scale 16 --precision fp8 --backend cuda --check --repeat 2
-    if grep -qx PASS "$out"; then
-        echo "PASS cuda-fp8-forward-checked"
-        passed=$((passed + 1))
-    else
-        echo "FAIL cuda-fp8-forward-checked: no PASS line"
-        tail -n 25 "$out" | sed 's/^/    /'
-        failed=$((failed + 1))
-    fi
+    # FP8 on cuda: forward and backward against the FP8 reference, and the outputs' bits the same
+    # on every --repeat run.
+    check_run cuda-fp8 --preset olmoe-1b-7b --scale 16 --precision fp8 --backend cuda --check --repeat 2
     expect cuda-fp8-hash 0 "PASS" run --preset deepseek-v3 --scale 8 --precision fp8 --backend cuda --hash --repeat 3
     expect cuda-too-few-gpus 2 "ranks on the cuda backend need $((gpus + 1)) GPUs" \
         run --preset olmoe-1b-7b --scale 16 --ranks $((gpus + 1)) --backend cuda

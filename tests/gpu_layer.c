@@ -1,9 +1,12 @@
 /* gpu_layer.c — a layer's buffers on the GPUs for the cuda tests (gpu_layer.h). */
 #include "gpu_layer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "matrix.h"
 
 mok_config gpu_layer_config(const layer *L, const mok_config *config) {
     mok_config cfg = config ? *config : mok_config_default();
@@ -98,4 +101,171 @@ void gpu_layer_forward_args(const gpu_layer *G, const layer *L, void *stream, vo
         fa[p] = (mok_forward_args){L->num_tokens[p], G->schedule[p], G->x[p], G->rw[p], G->w[0][p], G->w[1][p],
                                    G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p], G->y[p], G->context[p], stream,
                                    fp8_weights ? fp8_weights[p] : NULL};
+}
+
+mok_status gpu_layer_backward(gpu_layer *G, const layer *L, int accumulate, void *const *fp8_weights,
+                              layer_result *out) {
+    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
+    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
+    const size_t ge = accumulate ? 4 : 2;
+    const size_t wn[3] = {El * I * H, El * I * H, El * H * I}, sn = Is * H;
+    mok_backward_args ba[MOK_MAX_RANKS];
+    void *dev[MOK_MAX_RANKS][9];
+    mok_status st = MOK_OK;
+    out->nranks = L->nranks;
+    out->grads_f32 = accumulate;
+    uint64_t rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)accumulate;
+    for (int p = 0; p < L->nranks; ++p) {
+        const size_t T = (size_t)L->num_tokens[p];
+        memset(dev[p], 0, sizeof dev[p]);
+        dev[p][0] = gpu_layer_upload(G, p, L->dy[p], T * H * 2 + 16, &st); /* dy */
+        dev[p][1] = gpu_layer_upload(G, p, NULL, T * H * 2 + 16, &st);     /* dx */
+        dev[p][2] = gpu_layer_upload(G, p, NULL, T * k * 4 + 16, &st);     /* d_router_w */
+        for (int m = 0; m < 3; ++m) {
+            void *init = NULL;
+            if (accumulate) {
+                float *f = malloc(wn[m] * 4);
+                for (size_t i = 0; i < wn[m]; ++i) {
+                    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                    f[i] = (float)((double)(rng >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+                }
+                out->dw_init[m][p] = f;
+                init = f;
+            }
+            dev[p][3 + m] = gpu_layer_upload(G, p, init, wn[m] * ge, &st);
+            if (Is) {
+                void *sinit = NULL;
+                if (accumulate) {
+                    float *f = malloc(sn * 4);
+                    for (size_t i = 0; i < sn; ++i) f[i] = 0.25f * (float)((i * 2654435761u) % 1000) / 1000.0f;
+                    out->ds_init[m][p] = f;
+                    sinit = f;
+                }
+                dev[p][6 + m] = gpu_layer_upload(G, p, sinit, sn * ge, &st);
+            }
+        }
+        ba[p] = (mok_backward_args){(int64_t)T, G->schedule[p], G->context[p], dev[p][0], G->x[p], G->rw[p],
+                                    G->w[0][p], G->w[1][p], G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p],
+                                    dev[p][1], dev[p][2], accumulate, dev[p][3], dev[p][4], dev[p][5],
+                                    dev[p][6], dev[p][7], dev[p][8], NULL, fp8_weights ? fp8_weights[p] : NULL};
+    }
+    if (st == MOK_OK) st = mok_backward(G->ws, ba);
+    if (st == MOK_OK) st = mok_synchronize(G->ws);
+    if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
+    for (int p = 0; p < L->nranks; ++p) {
+        const size_t T = (size_t)L->num_tokens[p];
+        if (st == MOK_OK) {
+            out->dx[p] = malloc(T * H * 2 + 16);
+            out->d_router_w[p] = malloc(T * k * 4 + 16);
+            mok_memory_copy(G->group, p, out->dx[p], dev[p][1], T * H * 2, MOK_COPY_RANK_TO_HOST);
+            mok_memory_copy(G->group, p, out->d_router_w[p], dev[p][2], T * k * 4, MOK_COPY_RANK_TO_HOST);
+            for (int m = 0; m < 3; ++m) {
+                out->dw[m][p] = malloc(wn[m] * ge);
+                mok_memory_copy(G->group, p, out->dw[m][p], dev[p][3 + m], wn[m] * ge, MOK_COPY_RANK_TO_HOST);
+                if (Is) {
+                    out->ds[m][p] = malloc(sn * ge);
+                    mok_memory_copy(G->group, p, out->ds[m][p], dev[p][6 + m], sn * ge, MOK_COPY_RANK_TO_HOST);
+                }
+            }
+        }
+        for (int i = 0; i < 9; ++i) mok_memory_free(G->group, p, dev[p][i]);
+    }
+    return st;
+}
+
+/* ---- FP8 ---------------------------------------------------------------------------------- */
+
+mok_status gpu_fp8_open(gpu_fp8 *G, const layer *L, const mok_config *config) {
+    memset(G, 0, sizeof *G);
+    gpu_layer *g = &G->gpu;
+    mok_status st = gpu_layer_create(g, L, config);
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_workspace_fp8_layout(g->ws, &G->layout), "fp8 layout");
+    mok_quantize_args q[MOK_MAX_RANKS];
+    for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
+        gpu_layer_upload_rank(g, L, p, 0, &st);
+        G->fp8[p] = gpu_layer_upload(g, p, NULL, G->layout.bytes, &st);
+        if (st == MOK_OK) st = gpu_layer_fill(g, p, G->fp8[p], G->layout.bytes, 0xa5);
+        if (st == MOK_OK) st = gpu_layer_fill(g, p, g->context[p], g->sizes.context_bytes, 0xff);
+        q[p] = (mok_quantize_args){g->w[0][p], g->w[1][p], g->w[2][p], g->s[0][p],
+                                   g->s[1][p], g->s[2][p], G->fp8[p], NULL};
+    }
+    gpu_layer_note(g, st, "device buffers");
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_quantize_weights(g->ws, q), "mok_quantize_weights");
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_synchronize(g->ws), "mok_synchronize after mok_quantize_weights");
+    return st;
+}
+
+void gpu_fp8_close(gpu_fp8 *G) {
+    for (int p = 0; p < G->gpu.nranks && G->gpu.group; ++p) mok_memory_free(G->gpu.group, p, G->fp8[p]);
+    gpu_layer_close(&G->gpu);
+    memset(G, 0, sizeof *G);
+}
+
+mok_status gpu_fp8_forward(gpu_fp8 *G, const layer *L, int recompute) {
+    gpu_layer *g = &G->gpu;
+    mok_status st = MOK_OK;
+    for (int p = 0; p < L->nranks && st == MOK_OK; ++p)
+        st = gpu_layer_fill(g, p, g->y[p], (size_t)L->shape.max_tokens * (size_t)L->shape.hidden * 2, 0xff);
+    if (st == MOK_OK) st = gpu_layer_note(g, gpu_layer_build(g, L, NULL), "mok_schedule_build");
+    mok_forward_args fa[MOK_MAX_RANKS];
+    gpu_layer_forward_args(g, L, NULL, G->fp8, fa);
+    if (st == MOK_OK)
+        st = gpu_layer_note(g, recompute ? mok_recompute_context(g->ws, fa) : mok_forward(g->ws, fa),
+                            recompute ? "mok_recompute_context" : "mok_forward");
+    if (st == MOK_OK) st = gpu_layer_note(g, mok_synchronize(g->ws), "mok_synchronize");
+    return st;
+}
+
+static uint16_t scaled(uint16_t v, int e) { return mok_bf16_from_float((float)ldexp(mok_bf16_to_float(v), e)); }
+
+void gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
+    const int64_t H = L->shape.hidden, I = L->shape.intermediate, Is = L->shape.shared_intermediate;
+    const int64_t El = L->shape.num_experts / L->nranks, B = MOK_FP8_BLOCK;
+    uint64_t rng = seed;
+    const int xlo = mode == GPU_FP8_EXACT ? -6 : -20, xspan = mode == GPU_FP8_EXACT ? 13 : 25;
+    const int wlo = mode == GPU_FP8_EXACT ? -6 : -12, wspan = mode == GPU_FP8_EXACT ? 13 : 17;
+#define VALUE(v, e) (mode == GPU_FP8_EXACT ? mok_bf16_from_float((float)ldexp((matrix_pick(&rng) & 1 ? -1.0 : 1.0) * \
+                                                                           (matrix_pick(&rng) & 1 ? 1.0 : 0.5), (e))) \
+                                        : scaled((v), (e)))
+    for (int p = 0; p < L->nranks; ++p)
+        for (int64_t t = 0; t < L->num_tokens[p]; ++t)
+            for (int64_t b = 0; b < H / B; ++b) {
+                const int e = xlo + (int)(matrix_pick(&rng) % (uint64_t)xspan);
+                for (int64_t c = b * B; c < b * B + B; ++c) L->x[p][t * H + c] = VALUE(L->x[p][t * H + c], e);
+            }
+    for (int p = 0; p < L->nranks && L->dy[p]; ++p) /* dy likewise (the backward's dy^) */
+        for (int64_t t = 0; t < L->num_tokens[p]; ++t)
+            for (int64_t b = 0; b < H / B; ++b) {
+                const int e = xlo + (int)(matrix_pick(&rng) % (uint64_t)xspan);
+                for (int64_t c = b * B; c < b * B + B; ++c) L->dy[p][t * H + c] = VALUE(L->dy[p][t * H + c], e);
+            }
+    /* every weight matrix [rows, cols] (count of them), block by block */
+    uint16_t *mats[3 * MOK_MAX_RANKS + 3];
+    int64_t rows[3 * MOK_MAX_RANKS + 3], cols[3 * MOK_MAX_RANKS + 3], count[3 * MOK_MAX_RANKS + 3];
+    int n = 0;
+    for (int p = 0; p < L->nranks; ++p)
+        for (int m = 0; m < 3; ++m, ++n) {
+            mats[n] = L->w[m][p];
+            rows[n] = m == LAYER_DOWN ? H : I;
+            cols[n] = m == LAYER_DOWN ? I : H;
+            count[n] = El;
+        }
+    for (int m = 0; m < 3 && Is; ++m, ++n) {
+        mats[n] = L->s[m];
+        rows[n] = m == LAYER_DOWN ? H : Is;
+        cols[n] = m == LAYER_DOWN ? Is : H;
+        count[n] = 1;
+    }
+    for (int i = 0; i < n; ++i)
+        for (int64_t e = 0; e < count[i]; ++e)
+            for (int64_t br = 0; br < rows[i] / B; ++br)
+                for (int64_t bc = 0; bc < cols[i] / B; ++bc) {
+                    const int x = wlo + (int)(matrix_pick(&rng) % (uint64_t)wspan);
+                    for (int64_t r = br * B; r < br * B + B; ++r)
+                        for (int64_t c = bc * B; c < bc * B + B; ++c) {
+                            uint16_t *v = mats[i] + (e * rows[i] + r) * cols[i] + c;
+                            *v = VALUE(*v, x);
+                        }
+                }
+#undef VALUE
 }

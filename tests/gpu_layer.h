@@ -55,4 +55,35 @@ mok_status gpu_layer_build(gpu_layer *G, const layer *L, void *stream);
 void gpu_layer_forward_args(const gpu_layer *G, const layer *L, void *stream, void *const *fp8_weights,
                             mok_forward_args *fa);
 
+/* Runs the backward on the device after a forward (schedule and context in G), with fp8_weights[p]
+ * (NULL: none), and downloads dx, d_router_w and every gradient into out. accumulate = 1: fp32
+ * gradients starting from random values (kept in out->dw_init / ds_init for the comparison). */
+mok_status gpu_layer_backward(gpu_layer *G, const layer *L, int accumulate, void *const *fp8_weights,
+                              layer_result *out);
+
+/* The layer on the GPUs (gpu_layer.h), the workspace's FP8 layout, and every rank's FP8 weights
+ * buffer, written there by mok_quantize_weights. */
+typedef struct gpu_fp8 {
+    gpu_layer gpu;
+    mok_fp8_layout layout;
+    void *fp8[MOK_MAX_RANKS];
+} gpu_fp8;
+
+/* Group, workspace, the layer's tensors on the devices, and the FP8 weights quantized there (into
+ * buffers filled with 0xa5, as layer.c fills the cpu's, so that their padding compares too). */
+mok_status gpu_fp8_open(gpu_fp8 *G, const layer *L, const mok_config *config);
+void gpu_fp8_close(gpu_fp8 *G);
+/* Schedule and forward (recompute: mok_recompute_context) with y poisoned first, then synchronize. */
+mok_status gpu_fp8_forward(gpu_fp8 *G, const layer *L, int recompute);
+
+/* Reshaped values for FP8 layers (mode GPU_FP8_EXACT or GPU_FP8_SPREAD). Exact layers: every x
+ * and dy value ±1 or ±1/2 times a power of two per (token, 128-block), every weight the same per
+ * 128 x 128 block (exponents in [-6, 6]). The E4M3 codes are then ±256 or
+ * ±128 and a block's partial sum a multiple of 2^14 below 2^23: exact on the tensor cores as in
+ * fp32, so g, u and dy^ · W^_down are the same bits on every backend (mok.h: only the block
+ * sums are the backend's). Spread layers keep the random values and scale the same blocks by 2^-20 .. 2^4 (x)
+ * and 2^-12 .. 2^4 (weights): blocks far apart in magnitude, many E4M3 subnormals. */
+enum { GPU_FP8_EXACT = 1, GPU_FP8_SPREAD = 2 };
+void gpu_fp8_reshape(layer *L, int mode, uint64_t seed);
+
 #endif

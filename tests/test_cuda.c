@@ -667,78 +667,6 @@ MOK_TEST(cuda_graph_capture_replay) {
 
 /* ---- backward ------------------------------------------------------------------------------ */
 
-/* Runs the backward on the device after gpu_forward (schedule and context in G) and downloads
- * dx, d_router_w and every gradient into out. accumulate = 1: fp32 gradients starting from
- * random values (kept in out->dw_init / ds_init for the comparison). */
-static mok_status gpu_backward(gpu_layer *G, const layer *L, int accumulate, layer_result *out) {
-    const size_t H = (size_t)L->shape.hidden, I = (size_t)L->shape.intermediate, k = (size_t)L->shape.topk;
-    const size_t Is = (size_t)L->shape.shared_intermediate, El = (size_t)(L->shape.num_experts / L->nranks);
-    const size_t ge = accumulate ? 4 : 2;
-    const size_t wn[3] = {El * I * H, El * I * H, El * H * I}, sn = Is * H;
-    mok_backward_args ba[MOK_MAX_RANKS];
-    void *dev[MOK_MAX_RANKS][9];
-    mok_status st = MOK_OK;
-    out->nranks = L->nranks;
-    out->grads_f32 = accumulate;
-    uint64_t rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)accumulate;
-    for (int p = 0; p < L->nranks; ++p) {
-        const size_t T = (size_t)L->num_tokens[p];
-        memset(dev[p], 0, sizeof dev[p]);
-        dev[p][0] = gpu_layer_upload(G, p, L->dy[p], T * H * 2 + 16, &st); /* dy */
-        dev[p][1] = gpu_layer_upload(G, p, NULL, T * H * 2 + 16, &st);     /* dx */
-        dev[p][2] = gpu_layer_upload(G, p, NULL, T * k * 4 + 16, &st);     /* d_router_w */
-        for (int m = 0; m < 3; ++m) {
-            void *init = NULL;
-            if (accumulate) {
-                float *f = malloc(wn[m] * 4);
-                for (size_t i = 0; i < wn[m]; ++i) {
-                    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-                    f[i] = (float)((double)(rng >> 11) * 0x1.0p-53 * 2.0 - 1.0);
-                }
-                out->dw_init[m][p] = f;
-                init = f;
-            }
-            dev[p][3 + m] = gpu_layer_upload(G, p, init, wn[m] * ge, &st);
-            if (Is) {
-                void *sinit = NULL;
-                if (accumulate) {
-                    float *f = malloc(sn * 4);
-                    for (size_t i = 0; i < sn; ++i) f[i] = 0.25f * (float)((i * 2654435761u) % 1000) / 1000.0f;
-                    out->ds_init[m][p] = f;
-                    sinit = f;
-                }
-                dev[p][6 + m] = gpu_layer_upload(G, p, sinit, sn * ge, &st);
-            }
-        }
-        ba[p] = (mok_backward_args){(int64_t)T, G->schedule[p], G->context[p], dev[p][0], G->x[p], G->rw[p],
-                                    G->w[0][p], G->w[1][p], G->w[2][p], G->s[0][p], G->s[1][p], G->s[2][p],
-                                    dev[p][1], dev[p][2], accumulate, dev[p][3], dev[p][4], dev[p][5],
-                                    dev[p][6], dev[p][7], dev[p][8], NULL, NULL};
-    }
-    if (st == MOK_OK) st = mok_backward(G->ws, ba);
-    if (st == MOK_OK) st = mok_synchronize(G->ws);
-    if (st != MOK_OK) snprintf(G->message, sizeof G->message, "%s", mok_last_error());
-    for (int p = 0; p < L->nranks; ++p) {
-        const size_t T = (size_t)L->num_tokens[p];
-        if (st == MOK_OK) {
-            out->dx[p] = malloc(T * H * 2 + 16);
-            out->d_router_w[p] = malloc(T * k * 4 + 16);
-            mok_memory_copy(G->group, p, out->dx[p], dev[p][1], T * H * 2, MOK_COPY_RANK_TO_HOST);
-            mok_memory_copy(G->group, p, out->d_router_w[p], dev[p][2], T * k * 4, MOK_COPY_RANK_TO_HOST);
-            for (int m = 0; m < 3; ++m) {
-                out->dw[m][p] = malloc(wn[m] * ge);
-                mok_memory_copy(G->group, p, out->dw[m][p], dev[p][3 + m], wn[m] * ge, MOK_COPY_RANK_TO_HOST);
-                if (Is) {
-                    out->ds[m][p] = malloc(sn * ge);
-                    mok_memory_copy(G->group, p, out->ds[m][p], dev[p][6 + m], sn * ge, MOK_COPY_RANK_TO_HOST);
-                }
-            }
-        }
-        for (int i = 0; i < 9; ++i) mok_memory_free(G->group, p, dev[p][i]);
-    }
-    return st;
-}
-
 /* Forward + backward on cuda against the reference (and the cpu backend for small layers). */
 static void check_backward(const char *tag, const mok_shape *shape, int P, const int64_t *tokens, int routing,
                            float limit, const mok_config *config, int accumulate) {
@@ -758,7 +686,7 @@ static void check_backward(const char *tag, const mok_shape *shape, int P, const
     }
     if (st == MOK_OK) {
         gpu_layer_download_y(&G, &L, &got);
-        st = gpu_backward(&G, &L, accumulate, &got);
+        st = gpu_layer_backward(&G, &L, accumulate, NULL, &got);
         CHECK(st == MOK_OK, "%s: backward: %s", tag, G.message);
     }
     if (st == MOK_OK) {
@@ -889,7 +817,7 @@ MOK_TEST(cuda_backward_deterministic) {
         int reps = c == 0 ? 5 : 2;
         for (int r = 0; r < reps; ++r) {
             layer_result got = {0};
-            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_backward(&G, &L, 0, &got) != MOK_OK) {
+            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_layer_backward(&G, &L, 0, NULL, &got) != MOK_OK) {
                 CHECK(0, "config %zu: %s", c, G.message);
                 layer_result_free(&got);
                 break;
@@ -960,7 +888,7 @@ MOK_TEST(cuda_tma_matches_cp_async) {
                 ok = 0;
                 break;
             }
-            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_backward(&G, &L, 0, &res[path]) != MOK_OK) {
+            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_layer_backward(&G, &L, 0, NULL, &res[path]) != MOK_OK) {
                 CHECK(0, "shape %d %s: %s", si, path == 0 ? "tma" : "cp.async", G.message);
                 ok = 0;
             } else {
@@ -1093,7 +1021,7 @@ static mok_status turned_run(const layer *L, const mok_config *cfg, int reps, la
         st = gpu_forward(&G, L, 0);
         if (st == MOK_OK) {
             gpu_layer_download_y(&G, L, &got);
-            st = gpu_backward(&G, L, 0, &got);
+            st = gpu_layer_backward(&G, L, 0, NULL, &got);
         }
         if (st == MOK_OK && r == 0) {
             *out = got;
@@ -1550,7 +1478,7 @@ MOK_TEST(cuda_protocol_tags) {
         /* a context no forward wrote */
         gpu_fill(&G, G.context, cbytes, 0xff);
         CHECK(gpu_layer_build(&G, &L, NULL) == MOK_OK, "build: %s", mok_last_error());
-        st = gpu_backward(&G, &L, 0, &got);
+        st = gpu_layer_backward(&G, &L, 0, NULL, &got);
         expect_refused_on_device(st, G.message, "backward with a context no forward wrote", "args[0].context",
                                  "holds no context tag");
         layer_result_free(&got);
@@ -1573,14 +1501,14 @@ MOK_TEST(cuda_protocol_tags) {
 
         /* the forward, then its backward */
         CHECK(gpu_forward(&G, &L, 0) == MOK_OK, "forward: %s", G.message);
-        st = gpu_backward(&G, &L, 0, &want);
+        st = gpu_layer_backward(&G, &L, 0, NULL, &want);
         CHECK(st == MOK_OK, "backward after its forward: %s", G.message);
 
         if (P == 2) {
             void *keep = G.context[0];
             G.context[0] = G.context[1];
             G.context[1] = keep;
-            st = gpu_backward(&G, &L, 0, &got);
+            st = gpu_layer_backward(&G, &L, 0, NULL, &got);
             expect_refused_on_device(st, G.message, "backward with the other rank's context", "args[0].context",
                                      "written by rank 1's pass");
             layer_result_free(&got);
@@ -1598,7 +1526,7 @@ MOK_TEST(cuda_protocol_tags) {
             G.schedule[p] = sched_copy[p];
             G.context[p] = ctx_copy[p];
         }
-        st = gpu_backward(&G, &L, 0, &got);
+        st = gpu_layer_backward(&G, &L, 0, NULL, &got);
         CHECK(st == MOK_OK, "backward with copies of the schedules and contexts: %s", G.message);
         if (st == MOK_OK)
             CHECK(layer_equal(&L, &want, &got, diff, sizeof diff), "backward with the copies: %s", diff);
@@ -1606,7 +1534,7 @@ MOK_TEST(cuda_protocol_tags) {
 
         /* the second workspace's passes on its own buffers */
         CHECK(gpu_forward(&G2, &L, 0) == MOK_OK, "second workspace's forward: %s", G2.message);
-        st = gpu_backward(&G2, &L, 0, &want2);
+        st = gpu_layer_backward(&G2, &L, 0, NULL, &want2);
         CHECK(st == MOK_OK, "second workspace's backward: %s", G2.message);
 
         /* the other workspace's context, then its schedule */
@@ -1615,7 +1543,7 @@ MOK_TEST(cuda_protocol_tags) {
             mine[p] = G.context[p];
             G.context[p] = G2.context[p];
         }
-        st = gpu_backward(&G, &L, 0, &got);
+        st = gpu_layer_backward(&G, &L, 0, NULL, &got);
         expect_refused_on_device(st, G.message, "backward with another workspace's context", "args[0].context",
                                  "workspace #1");
         layer_result_free(&got);
@@ -1631,7 +1559,7 @@ MOK_TEST(cuda_protocol_tags) {
 
         /* the schedule built again after the forward: its context is of an older build */
         CHECK(gpu_layer_build(&G, &L, NULL) == MOK_OK, "rebuild: %s", mok_last_error());
-        st = gpu_backward(&G, &L, 0, &got);
+        st = gpu_layer_backward(&G, &L, 0, NULL, &got);
         expect_refused_on_device(st, G.message, "backward after the schedule was built again", "args[0].context",
                                  ", but args[0].schedule holds build #");
         layer_result_free(&got);
@@ -1648,7 +1576,7 @@ MOK_TEST(cuda_protocol_tags) {
             G2.context[p] = G.context[p];
             G.context[p] = mine[p];
         }
-        st = gpu_backward(&G2, &L, 0, &got);
+        st = gpu_layer_backward(&G2, &L, 0, NULL, &got);
         CHECK(st == MOK_OK, "second workspace's backward with the buffers that held the first's: %s", G2.message);
         if (st == MOK_OK)
             CHECK(layer_equal(&L, &want2, &got, diff, sizeof diff), "backward with the reused buffers: %s", diff);

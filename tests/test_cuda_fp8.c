@@ -6,7 +6,8 @@
  * for bit (so the quantized x, its dispatch, the weights' scales and the per-128-K promotion are
  * checked exactly); blocks spanning many binades; bitwise determinism across runs, comm CTAs,
  * minibatch and ring sizes, turned transfers and the cp.async path; the memory rule; and the
- * refusals (the FP8 backward and recompute, fp8_weights not written for the workspace).
+ * refusals (fp8_weights missing, or not written for the workspace). The backward:
+ * test_cuda_fp8_backward.c.
  *
  * Tolerances: layer.c's rows for tensor-core block sums (layer.tensor_core_sums). The contract
  * leaves the sum of a 128-K block's exact products to the backend (mok.h: the tensor cores'
@@ -41,58 +42,6 @@ static mok_shape fp8_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t I
     return s;
 }
 
-/* ---- one layer on the GPUs -------------------------------------------------------------------- */
-
-/* The layer on the GPUs (gpu_layer.h), the workspace's FP8 layout, and every rank's FP8 weights
- * buffer, written there by mok_quantize_weights. */
-typedef struct fp8_gpu {
-    gpu_layer gpu;
-    mok_fp8_layout layout;
-    void *fp8[MOK_MAX_RANKS];
-} fp8_gpu;
-
-/* Group, workspace, the layer's tensors on the devices, and the FP8 weights quantized there (into
- * buffers filled with 0xa5, as layer.c fills the cpu's, so that their padding compares too). */
-static mok_status gpu_open(fp8_gpu *G, const layer *L, const mok_config *config) {
-    memset(G, 0, sizeof *G);
-    gpu_layer *g = &G->gpu;
-    mok_status st = gpu_layer_create(g, L, config);
-    if (st == MOK_OK) st = gpu_layer_note(g, mok_workspace_fp8_layout(g->ws, &G->layout), "fp8 layout");
-    mok_quantize_args q[MOK_MAX_RANKS];
-    for (int p = 0; p < L->nranks && st == MOK_OK; ++p) {
-        gpu_layer_upload_rank(g, L, p, 0, &st);
-        G->fp8[p] = gpu_layer_upload(g, p, NULL, G->layout.bytes, &st);
-        if (st == MOK_OK) st = gpu_layer_fill(g, p, G->fp8[p], G->layout.bytes, 0xa5);
-        if (st == MOK_OK) st = gpu_layer_fill(g, p, g->context[p], g->sizes.context_bytes, 0xff);
-        q[p] = (mok_quantize_args){g->w[0][p], g->w[1][p], g->w[2][p], g->s[0][p],
-                                   g->s[1][p], g->s[2][p], G->fp8[p], NULL};
-    }
-    gpu_layer_note(g, st, "device buffers");
-    if (st == MOK_OK) st = gpu_layer_note(g, mok_quantize_weights(g->ws, q), "mok_quantize_weights");
-    if (st == MOK_OK) st = gpu_layer_note(g, mok_synchronize(g->ws), "mok_synchronize after mok_quantize_weights");
-    return st;
-}
-
-static void gpu_close(fp8_gpu *G) {
-    for (int p = 0; p < G->gpu.nranks && G->gpu.group; ++p) mok_memory_free(G->gpu.group, p, G->fp8[p]);
-    gpu_layer_close(&G->gpu);
-    memset(G, 0, sizeof *G);
-}
-
-/* Schedule and forward (y poisoned first), then synchronize. */
-static mok_status gpu_forward(fp8_gpu *G, const layer *L) {
-    gpu_layer *g = &G->gpu;
-    mok_status st = MOK_OK;
-    for (int p = 0; p < L->nranks && st == MOK_OK; ++p)
-        st = gpu_layer_fill(g, p, g->y[p], (size_t)L->shape.max_tokens * (size_t)L->shape.hidden * 2, 0xff);
-    if (st == MOK_OK) st = gpu_layer_note(g, gpu_layer_build(g, L, NULL), "mok_schedule_build");
-    mok_forward_args fa[MOK_MAX_RANKS];
-    gpu_layer_forward_args(g, L, NULL, G->fp8, fa);
-    if (st == MOK_OK) st = gpu_layer_note(g, mok_forward(g->ws, fa), "mok_forward");
-    if (st == MOK_OK) st = gpu_layer_note(g, mok_synchronize(g->ws), "mok_synchronize");
-    return st;
-}
-
 /* The parts of a context that a forward writes past its tag: the routed rows up to the schedule's
  * padded rows (at most the context rows) and the shared rows of the T tokens (include/mok.h's
  * mok_forward_args.context). Returns 0 when a and b hold the same bytes there, else the byte
@@ -112,61 +61,7 @@ static size_t context_diff(const layer *L, const mok_sizes *sizes, int64_t padde
 
 /* ---- the cases ----------------------------------------------------------------------------- */
 
-enum { CASE_PLAIN = 0, CASE_EXACT = 1, CASE_SPREAD = 2, CASE_NONFINITE = 3 };
-
-static uint16_t scaled(uint16_t v, int e) { return mok_bf16_from_float((float)ldexp(mok_bf16_to_float(v), e)); }
-
-/* Exact layers: every x value ±1 or ±1/2 times a power of two per (token, 128-block), every
- * weight the same per 128 x 128 block (exponents in [-6, 6]). The E4M3 codes are then ±256 or
- * ±128 and a block's partial sum a multiple of 2^14 below 2^23: exact on the tensor cores as in
- * fp32, so g and u are the same bits on every backend (mok.h: only the block sums are the
- * backend's). Spread layers keep the random values and scale the same blocks by 2^-20 .. 2^4 (x)
- * and 2^-12 .. 2^4 (weights): blocks far apart in magnitude, many E4M3 subnormals. */
-static void reshape_values(layer *L, int mode, uint64_t seed) {
-    const int64_t H = L->shape.hidden, I = L->shape.intermediate, Is = L->shape.shared_intermediate;
-    const int64_t El = L->shape.num_experts / L->nranks, B = MOK_FP8_BLOCK;
-    uint64_t rng = seed;
-    const int xlo = mode == CASE_EXACT ? -6 : -20, xspan = mode == CASE_EXACT ? 13 : 25;
-    const int wlo = mode == CASE_EXACT ? -6 : -12, wspan = mode == CASE_EXACT ? 13 : 17;
-#define VALUE(v, e) (mode == CASE_EXACT ? mok_bf16_from_float((float)ldexp((matrix_pick(&rng) & 1 ? -1.0 : 1.0) * \
-                                                                           (matrix_pick(&rng) & 1 ? 1.0 : 0.5), (e))) \
-                                        : scaled((v), (e)))
-    for (int p = 0; p < L->nranks; ++p)
-        for (int64_t t = 0; t < L->num_tokens[p]; ++t)
-            for (int64_t b = 0; b < H / B; ++b) {
-                const int e = xlo + (int)(matrix_pick(&rng) % (uint64_t)xspan);
-                for (int64_t c = b * B; c < b * B + B; ++c) L->x[p][t * H + c] = VALUE(L->x[p][t * H + c], e);
-            }
-    /* every weight matrix [rows, cols] (count of them), block by block */
-    uint16_t *mats[3 * MOK_MAX_RANKS + 3];
-    int64_t rows[3 * MOK_MAX_RANKS + 3], cols[3 * MOK_MAX_RANKS + 3], count[3 * MOK_MAX_RANKS + 3];
-    int n = 0;
-    for (int p = 0; p < L->nranks; ++p)
-        for (int m = 0; m < 3; ++m, ++n) {
-            mats[n] = L->w[m][p];
-            rows[n] = m == LAYER_DOWN ? H : I;
-            cols[n] = m == LAYER_DOWN ? I : H;
-            count[n] = El;
-        }
-    for (int m = 0; m < 3 && Is; ++m, ++n) {
-        mats[n] = L->s[m];
-        rows[n] = m == LAYER_DOWN ? H : Is;
-        cols[n] = m == LAYER_DOWN ? Is : H;
-        count[n] = 1;
-    }
-    for (int i = 0; i < n; ++i)
-        for (int64_t e = 0; e < count[i]; ++e)
-            for (int64_t br = 0; br < rows[i] / B; ++br)
-                for (int64_t bc = 0; bc < cols[i] / B; ++bc) {
-                    const int x = wlo + (int)(matrix_pick(&rng) % (uint64_t)wspan);
-                    for (int64_t r = br * B; r < br * B + B; ++r)
-                        for (int64_t c = bc * B; c < bc * B + B; ++c) {
-                            uint16_t *v = mats[i] + (e * rows[i] + r) * cols[i] + c;
-                            *v = VALUE(*v, x);
-                        }
-                }
-#undef VALUE
-}
+enum { CASE_PLAIN = 0, CASE_EXACT = GPU_FP8_EXACT, CASE_SPREAD = GPU_FP8_SPREAD, CASE_NONFINITE };
 
 /* Non-finite layers: in every seventh token one x value is +Inf, -Inf or NaN (in turn). mok.h: it
  * becomes the E4M3 NaN and leaves its block's scale as it would be without it, so the token's y
@@ -196,7 +91,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     }
     L.swiglu_limit = limit;
     L.tensor_core_sums = 1;
-    if (mode == CASE_EXACT || mode == CASE_SPREAD) reshape_values(&L, mode, L.seed ^ 0x5eedull);
+    if (mode == CASE_EXACT || mode == CASE_SPREAD) gpu_fp8_reshape(&L, mode, L.seed ^ 0x5eedull);
     if (mode == CASE_NONFINITE) poison_tokens(&L);
     if (limit > 0.0f) layer_avoid_clamp_flips(&L);
     char tag[256];
@@ -215,11 +110,11 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
         st = layer_run_reference_forward(&L, &ref);
         CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
     }
-    fp8_gpu G;
+    gpu_fp8 G;
     memset(&G, 0, sizeof G);
     gpu_layer *g = &G.gpu;
     if (st == MOK_OK) {
-        st = gpu_open(&G, &L, gpu_cfg);
+        st = gpu_fp8_open(&G, &L, gpu_cfg);
         CHECK(st == MOK_OK, "%s: gpu open: %s", tag, g->message);
     }
     if (st == MOK_OK) {
@@ -233,7 +128,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
                   tag, p, first);
             free(w);
         }
-        st = gpu_forward(&G, &L);
+        st = gpu_fp8_forward(&G, &L, 0);
         CHECK(st == MOK_OK, "%s: gpu forward: %s", tag, g->message);
     }
     if (st == MOK_OK) {
@@ -261,7 +156,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
                 free(ctx);
             }
     }
-    gpu_close(&G);
+    gpu_fp8_close(&G);
     layer_result_free(&got);
     layer_result_free(&ref);
     layer_result_free(&cpu);
@@ -353,16 +248,16 @@ MOK_TEST(cuda_fp8_determinism) {
             c.fwd_combine = MOK_PULL;
         }
         if (variants[v].no_tma) setenv("MOK_CUDA_TMA", "0", 1);
-        fp8_gpu G;
+        gpu_fp8 G;
         gpu_layer *g = &G.gpu;
-        mok_status st = gpu_open(&G, &L, &c);
+        mok_status st = gpu_fp8_open(&G, &L, &c);
         if (variants[v].no_tma) {
             if (saved) setenv("MOK_CUDA_TMA", saved_value, 1);
             else unsetenv("MOK_CUDA_TMA");
         }
         CHECK(st == MOK_OK, "variant %zu: open: %s", v, g->message);
         for (int run = 0; st == MOK_OK && run < (v == 0 ? 3 : 1); ++run) {
-            st = gpu_forward(&G, &L);
+            st = gpu_fp8_forward(&G, &L, 0);
             CHECK(st == MOK_OK, "variant %zu run %d: forward: %s", v, run, g->message);
             if (st != MOK_OK) break;
             uint8_t *y = gpu_layer_download(g, 0, g->y[0], yb);
@@ -387,7 +282,7 @@ MOK_TEST(cuda_fp8_determinism) {
             free(y);
             free(ctx);
         }
-        gpu_close(&G);
+        gpu_fp8_close(&G);
     }
     free(y0);
     free(ctx0);
@@ -433,10 +328,9 @@ static void expect(mok_status got, mok_status want, const char *needle, const ch
         CHECK(strstr(mok_last_error(), needle) != NULL, "%s: message lacks \"%s\": %s", what, needle, mok_last_error());
 }
 
-/* What the cuda backend refuses on an FP8 workspace, by name: the backward and the recompute (no
- * FP8 backward yet), fp8_weights missing, and fp8_weights not written for the workspace (found on
- * the device: the pass does nothing, the error comes at the next call); then a good forward still
- * runs right. */
+/* What the cuda backend refuses on an FP8 workspace, by name: fp8_weights missing (forward and
+ * backward), and fp8_weights not written for the workspace (found on the device: the pass does
+ * nothing, the error comes at the next call); then a good forward still runs right. */
 MOK_TEST(cuda_fp8_refusals) {
     if (skip("cuda_fp8_refusals")) return;
     const int64_t t1[1] = {100};
@@ -447,26 +341,25 @@ MOK_TEST(cuda_fp8_refusals) {
         layer_free(&L);
         return;
     }
-    fp8_gpu G;
+    gpu_fp8 G;
     gpu_layer *g = &G.gpu;
-    mok_status st = gpu_open(&G, &L, NULL);
+    mok_status st = gpu_fp8_open(&G, &L, NULL);
     CHECK(st == MOK_OK, "open: %s", g->message);
-    if (st == MOK_OK) st = gpu_forward(&G, &L);
+    if (st == MOK_OK) st = gpu_fp8_forward(&G, &L, 0);
     CHECK(st == MOK_OK, "forward: %s", g->message);
     if (st == MOK_OK) {
         const size_t yb = (size_t)t1[0] * (size_t)s.hidden * 2;
         uint8_t *y0 = gpu_layer_download(g, 0, g->y[0], yb);
         mok_forward_args fa[1];
         gpu_layer_forward_args(g, &L, NULL, G.fp8, fa);
-        expect(mok_recompute_context(g->ws, fa), MOK_ERR_UNSUPPORTED, "FP8", "recompute on an FP8 workspace");
         mok_backward_args ba = {t1[0],      g->schedule[0], g->context[0], g->x[0],    g->x[0],    g->rw[0],
                                 g->w[0][0], g->w[1][0],     g->w[2][0],    g->s[0][0], g->s[1][0], g->s[2][0],
                                 g->y[0],    NULL,           0,             g->w[0][0], g->w[1][0], g->w[2][0],
-                                g->s[0][0], g->s[1][0],     g->s[2][0],    NULL,       G.fp8[0]};
+                                g->s[0][0], g->s[1][0],     g->s[2][0],    NULL,       NULL};
         void *drw = NULL;
         mok_memory_alloc(g->group, 0, (size_t)t1[0] * 2 * 4, &drw);
         ba.d_router_w = (float *)drw;
-        expect(mok_backward(g->ws, &ba), MOK_ERR_UNSUPPORTED, "FP8", "backward on an FP8 workspace");
+        expect(mok_backward(g->ws, &ba), MOK_ERR_INVALID_ARGUMENT, "fp8_weights", "backward without fp8_weights");
         mok_memory_free(g->group, 0, drw);
         void *none[1] = {NULL};
         gpu_layer_forward_args(g, &L, NULL, none, fa);
@@ -488,7 +381,7 @@ MOK_TEST(cuda_fp8_refusals) {
             free(y);
             mok_memory_free(g->group, 0, bad);
         }
-        st = gpu_forward(&G, &L);
+        st = gpu_fp8_forward(&G, &L, 0);
         CHECK(st == MOK_OK, "forward after the refusals: %s", g->message);
         if (st == MOK_OK) {
             uint8_t *y = gpu_layer_download(g, 0, g->y[0], yb);
@@ -497,6 +390,6 @@ MOK_TEST(cuda_fp8_refusals) {
         }
         free(y0);
     }
-    gpu_close(&G);
+    gpu_fp8_close(&G);
     layer_free(&L);
 }

@@ -201,12 +201,6 @@ static int run_layer(const run_options *opt) {
     const double available = tools_host_available(); /* before the workspace takes any of it */
     if (opt->trace_path && check_trace_path(opt->trace_path) != 0) goto done;
     if (run_create_group(&st) != 0) goto done;
-    if (st.backend == MOK_BACKEND_CUDA && st.shape.precision == MOK_PRECISION_FP8 && st.backward) {
-        /* include/mok.h: the cuda backend refuses the FP8 backward for now */
-        printf("note: the cuda backend runs the FP8 forward only (no FP8 backward yet): schedule and forward, as "
-               "with --no-backward\n");
-        st.backward = 0;
-    }
     report_layer(&st);
     if (check_host_memory(&st, available, 0) != 0 || run_create_workspace(&st) != 0) goto done;
     report_memory(&st);

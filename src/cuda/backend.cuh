@@ -101,6 +101,9 @@ typedef struct cuda_rank {
     uint16_t *ring_gu, *ring_dgu;       /* [ring, 2I]: replayed g|u, dg|du */
     float *ring_w, *ring_rdot;          /* [ring], [ring, I / 64] */
     uint16_t *sh_dgu;                   /* [T_max, 2 I_s] */
+    uint8_t *sh_gq;                     /* FP8 with a shared expert whose dg^|du^ code rows do not fit
+                                           the window's combine region: [T_max, sh_gq_ld bytes] (else
+                                           NULL: they go there, mok__cuda_fp8_shared_codes_fit) */
     float *carry;                       /* [carry_slots, 3 I H]: weight-gradient accumulators of experts
                                            that span macrobatches (bf16 mode) */
     long long carry_slots;
@@ -162,10 +165,22 @@ mok_status mok__cuda_sym_alloc(const cuda_workspace *cw, cuda_rank *R);
 mok_status mok__cuda_sym_register(mok_workspace *ws);
 mok_status mok__cuda_sym_release(mok_workspace *ws);
 
-/* fp8_quantize.cu: x [rows, cols] bf16 into E4M3 codes q [rows, cols] and scales s [rows, cols / 128],
- * per row per 128 columns (an FP8 pass's x^, before its dispatch), on `stream`. */
-mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s,
-                                       int num_sms, cudaStream_t stream);
+/* workspace.cu, an FP8 backward's buffers for a shared expert (backward_fp8.cuh): the bytes of
+ * bf16(x^) [T_max, H] at the start of the window's combine region, the row length of the dg^|du^
+ * code rows (2 I_s codes, then 2 I_s / 128 scales, 16-byte aligned), and whether those rows fit the
+ * region after bf16(x^). */
+size_t mok__cuda_fp8_xhat_bytes(const mok_workspace *ws);
+long long mok__cuda_fp8_sh_gq_ld(const mok_workspace *ws);
+int mok__cuda_fp8_shared_codes_fit(const mok_workspace *ws);
+
+/* fp8_quantize.cu, on `stream`: x [rows, cols] bf16 into E4M3 codes and scales per row per 128
+ * columns (an FP8 pass's x^ before its dispatch, the backward's dy^ for the shared expert), row
+ * r's codes at q + r * q_ld bytes and its scales at s + r * s_ld floats; and bf16(v^) [rows, cols]
+ * from codes [rows, cols] and scales [rows, cols / 128] stored back to back. */
+mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long long cols, uint8_t *q, long long q_ld,
+                                       float *s, long long s_ld, int num_sms, cudaStream_t stream);
+mok_status mok__cuda_fp8_dequantize_rows(const uint8_t *q, const float *s, long long rows, long long cols, uint16_t *out,
+                                         int num_sms, cudaStream_t stream);
 
 /* schedule.cu: sizes one rank's schedule scratch for the workspace's maxima and a device of num_sms SMs; with
  * base (device memory of the returned bytes) set, also points out's arrays into it. */

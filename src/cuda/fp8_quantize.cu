@@ -1,5 +1,7 @@
 /* fp8_quantize.cu — the cuda backend's quantization kernels (include/mok.h, FP8 section): a pass's
- * x^ = Q(x), per token per 128 of H, before its dispatch (mok__cuda_fp8_quantize_rows), and
+ * x^ = Q(x), per token per 128 of H, before its dispatch (mok__cuda_fp8_quantize_rows; the
+ * backward's dy^ for the shared expert likewise), bf16(x^) from its codes
+ * (mok__cuda_fp8_dequantize_rows), and
  * mok_quantize_weights on the device: each 128 x 128 block of every bf16 weight into its codes, in
  * both orientations, and its scale (mok__cuda_quantize_weights). Both deterministic: a block's
  * scale is a maximum, every code a function of its value and that scale. */
@@ -11,9 +13,10 @@
 
 #define QUANT_THREADS 256
 
-/* One warp per FP8_ROWS_ILP (row, 128-column block)s of x [rows, cols] at a time: codes q [rows,
- * cols], scales s [rows, cols / 128]. */
-__global__ void quantize_rows_kernel(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s) {
+/* One warp per FP8_ROWS_ILP (row, 128-column block)s of x [rows, cols] at a time: codes q (row r's
+ * at q + r * q_ld bytes), scales s (row r's at s + r * s_ld floats). */
+__global__ void quantize_rows_kernel(const uint16_t *x, long long rows, long long cols, uint8_t *q, long long q_ld,
+                                     float *s, long long s_ld) {
     const long long blocks_per_row = cols / MOK_FP8_BLOCK, total = rows * blocks_per_row;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     for (long long b0 = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; b0 < total;
@@ -24,23 +27,43 @@ __global__ void quantize_rows_kernel(const uint16_t *x, long long rows, long lon
         bool valid[FP8_ROWS_ILP];
 #pragma unroll
         for (int i = 0; i < FP8_ROWS_ILP; ++i) {
-            const long long b = b0 + i * warps, row = b / blocks_per_row, col = (b % blocks_per_row) * MOK_FP8_BLOCK;
+            const long long b = b0 + i * warps, row = b / blocks_per_row, blk = b % blocks_per_row;
             valid[i] = b < total;
-            src[i] = x + row * cols + col;
-            dst[i] = q + row * cols + col;
-            scale[i] = s + b;
+            src[i] = x + row * cols + blk * MOK_FP8_BLOCK;
+            dst[i] = q + row * q_ld + blk * MOK_FP8_BLOCK;
+            scale[i] = s + row * s_ld + blk;
         }
         fp8_quantize_blocks(src, dst, scale, valid);
     }
 }
 
-mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long long cols, uint8_t *q, float *s,
-                                       int num_sms, cudaStream_t stream) {
+mok_status mok__cuda_fp8_quantize_rows(const uint16_t *x, long long rows, long long cols, uint8_t *q, long long q_ld,
+                                       float *s, long long s_ld, int num_sms, cudaStream_t stream) {
     if (rows <= 0) return MOK_OK;
     const long long warps = rows * (cols / MOK_FP8_BLOCK), per_cta = QUANT_THREADS / 32;
     long long grid = (warps + per_cta - 1) / per_cta;
     if (grid > 8ll * num_sms) grid = 8ll * num_sms;
-    LAUNCH_TRY(quantize_rows_kernel<<<(unsigned)grid, QUANT_THREADS, 0, stream>>>(x, rows, cols, q, s));
+    LAUNCH_TRY(quantize_rows_kernel<<<(unsigned)grid, QUANT_THREADS, 0, stream>>>(x, rows, cols, q, q_ld, s, s_ld));
+    return MOK_OK;
+}
+
+/* bf16(v^) [rows, cols] of codes q [rows, cols] and scales s [rows, cols / 128] (exact: mok.h),
+ * eight values a thread. */
+__global__ void dequantize_rows_kernel(const uint8_t *q, const float *s, long long rows, long long cols, uint16_t *out) {
+    const long long total = rows * cols / 8;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i * 8 / cols, col = i * 8 % cols;
+        const uint2 codes = *(const uint2 *)(q + i * 8);
+        *(int4 *)(out + i * 8) = bf16x8_from_e4m3x8(codes, s[row * (cols / MOK_FP8_BLOCK) + col / MOK_FP8_BLOCK]);
+    }
+}
+
+mok_status mok__cuda_fp8_dequantize_rows(const uint8_t *q, const float *s, long long rows, long long cols, uint16_t *out,
+                                         int num_sms, cudaStream_t stream) {
+    if (rows <= 0) return MOK_OK;
+    long long grid = (rows * cols / 8 + QUANT_THREADS - 1) / QUANT_THREADS;
+    if (grid > 8ll * num_sms) grid = 8ll * num_sms;
+    LAUNCH_TRY(dequantize_rows_kernel<<<(unsigned)grid, QUANT_THREADS, 0, stream>>>(q, s, rows, cols, out));
     return MOK_OK;
 }
 

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/fp8.h"
+#include "cuda/device.cuh"
 
 /* The scale exponent of the block whose lanes hold these four values each (every lane gets it). */
 static __device__ __forceinline__ int fp8_warp_scale_exp(const float (&v)[4]) {
@@ -49,6 +50,27 @@ static __device__ __forceinline__ void fp8_load4(const uint16_t *block, float (&
     v[3] = mok__bf16_to_f32((uint16_t)(raw.y >> 16));
 }
 
+/* Two codes (lo in the low byte) as fp32: E4M3 widens exactly to f16 (cvt.rn.f16x2.e4m3x2), f16 to
+ * fp32; the NaN code gives NaN. */
+static __device__ __forceinline__ void f32x2_from_e4m3x2(uint32_t pair, float *lo, float *hi) {
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((uint16_t)pair));
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(*lo), "=f"(*hi) : "r"(h2));
+}
+
+/* Eight codes (little-endian in `codes`) dequantized with scale s, as bf16: exact (mok.h), a code
+ * times a power of two, down to fp32's and bf16's subnormals. */
+static __device__ __forceinline__ int4 bf16x8_from_e4m3x8(uint2 codes, float s) {
+    uint32_t out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float lo, hi;
+        f32x2_from_e4m3x2(((i < 2 ? codes.x : codes.y) >> (16 * (i & 1))) & 0xffffu, &lo, &hi);
+        out[i] = bf16x2_from_f32(lo * s, hi * s);
+    }
+    return make_int4((int)out[0], (int)out[1], (int)out[2], (int)out[3]);
+}
+
 /* One warp, FP8_ROWS_ILP blocks at once (each block's own src, dst and scale; a block with
  * valid[i] false is read nowhere and written nowhere): the blocks' loads, then their maxima, then
  * their stores, so that the blocks' latencies overlap instead of adding up (the loads may alias
@@ -74,6 +96,27 @@ static __device__ __forceinline__ void fp8_quantize_blocks(const uint16_t *const
             *(uint32_t *)(dst[i] + 4 * lane) = fp8_codes4(v[i], e[i]);
             if (lane == 0) *scale[i] = mok__fp8_pow2(e[i]);
         }
+}
+
+/* One warp: Q of a bf16 row of n values (a multiple of 128) into the code row at dst. */
+static __device__ __forceinline__ void code_row(uint8_t *dst, const uint16_t *src, long long n) {
+    const long long nb = n / MOK_FP8_BLOCK;
+    float *scales = (float *)(dst + n);
+    for (long long b0 = 0; b0 < nb; b0 += FP8_ROWS_ILP) {
+        const uint16_t *s[FP8_ROWS_ILP];
+        uint8_t *d[FP8_ROWS_ILP];
+        float *sc[FP8_ROWS_ILP];
+        bool valid[FP8_ROWS_ILP];
+#pragma unroll
+        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
+            const long long b = b0 + i < nb ? b0 + i : nb - 1;
+            valid[i] = b0 + i < nb;
+            s[i] = src + b * MOK_FP8_BLOCK;
+            d[i] = dst + b * MOK_FP8_BLOCK;
+            sc[i] = scales + b;
+        }
+        fp8_quantize_blocks(s, d, sc, valid);
+    }
 }
 
 #endif

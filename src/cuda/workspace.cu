@@ -28,6 +28,8 @@ static void rank_release(cuda_rank *R) {
     cudaFree(R->ring_gu);
     cudaFree(R->ring_dgu);
     cudaFree(R->sh_dgu);
+    cudaFree(R->sh_gq);
+    R->sh_gq = NULL;
     cudaFree(R->carry);
     cudaFree(R->trace);
     cudaFree(R->trace_count);
@@ -66,6 +68,20 @@ static mok_plan worst_plan(const mok_workspace *ws) {
     return mok__plan_worst(&w);
 }
 
+size_t mok__cuda_fp8_xhat_bytes(const mok_workspace *ws) {
+    return ((size_t)ws->shape.max_tokens * (size_t)ws->shape.hidden * 2 + 255) / 256 * 256;
+}
+
+long long mok__cuda_fp8_sh_gq_ld(const mok_workspace *ws) {
+    const long long Is = ws->shape.shared_intermediate;
+    return (2 * Is + 2 * Is / MOK_FP8_BLOCK * 4 + 15) / 16 * 16;
+}
+
+int mok__cuda_fp8_shared_codes_fit(const mok_workspace *ws) {
+    const size_t T = (size_t)ws->shape.max_tokens, comb = T * (size_t)ws->shape.topk * (size_t)ws->shape.hidden * 2;
+    return mok__cuda_fp8_xhat_bytes(ws) + T * (size_t)mok__cuda_fp8_sh_gq_ld(ws) <= comb;
+}
+
 static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R, size_t *total) {
     const mok_shape *s = &ws->shape;
     const size_t ring = (size_t)ws->config.ring_rows, H = (size_t)s->hidden, I = (size_t)s->intermediate;
@@ -88,6 +104,8 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     ALLOC(R->ring_gu, ring * 2 * I * 2);
     ALLOC(R->ring_dgu, ring * 2 * I * 2);
     ALLOC(R->sh_dgu, T * 2 * Is * 2);
+    if (s->precision == MOK_PRECISION_FP8 && Is > 0 && !mok__cuda_fp8_shared_codes_fit(ws))
+        ALLOC(R->sh_gq, T * (size_t)mok__cuda_fp8_sh_gq_ld(ws));
     long long max_macro = (ws->sched_layout.max_rows + ws->config.ring_rows - 1) / ws->config.ring_rows;
     R->carry_slots = max_macro > 1 ? max_macro - 1 : 0;
     ALLOC(R->carry, (size_t)R->carry_slots * 3 * I * H * 4);

@@ -19,12 +19,20 @@
 #include "cuda/megakernel/swiglu.cuh"
 #include "cuda/megakernel/wgrad.cuh"
 
+/* Whether the tasks of row tile rt replay g|u (its rows lie past the context's). */
+static __device__ __forceinline__ bool tile_replays(const pass_params &p, long long rt) {
+    return rt * MOK_ROW_TILE >= p.context_rows;
+}
+
 /* Per ring row, one warp: x and dy of its (peer, token) pair, w·dy beside dy and the router
- * weight; the tile's padding rows of x and w·dy are written as zeros, which the weight
+ * weight (FP8: bf16(x^) from the peer's x^, x^ itself when the tile replays, dy^;
+ * backward_fp8.cuh); the tile's padding rows of x and w·dy are written as zeros, which the weight
  * gradients' 64-row slices add as nothing. */
+template <bool FP8>
 static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
+    const bool replay = tile_replays(p, rt);
     const int lane = threadIdx.x & 31;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const int peer = ct->peer[r];
@@ -35,9 +43,16 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
         }
         const long long slot = ct->slot[r], token = slot / p.topk;
         const float w = ((const float *)input_row_base(p, peer, p.off_router_w, p.router_w))[slot];
-        pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
-                 (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) + token * p.hidden,
-                 (const uint16_t *)input_row_base(p, peer, p.off_dy, p.dy) + token * p.hidden, w, p.hidden);
+        const uint16_t *dy = (const uint16_t *)input_row_base(p, peer, p.off_dy, p.dy) + token * p.hidden;
+        if constexpr (FP8)
+            pull_row_fp8(p.ring_x + ring * p.hidden, replay ? (uint8_t *)(p.ring_y + ring * p.hidden) : nullptr,
+                         p.ring_dyw + ring * p.hidden, (uint8_t *)(p.ring_dy + ring * p.hidden),
+                         (const uint8_t *)(p.peers[peer] + p.off_x) + token * p.hidden,
+                         (const float *)(p.peers[peer] + p.off_xs) + token * (p.hidden / MOK_FP8_BLOCK), dy, w,
+                         p.hidden);
+        else
+            pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
+                     (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) + token * p.hidden, dy, w, p.hidden);
         if (lane == 0) p.ring_w[ring] = w;
     }
 }
@@ -85,12 +100,14 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt, com
 /* combine_push: this rank's x and dy rows, bf16(w * dy) and the router weights into q's ring
  * (after q opened the minibatch: the SCATTER's wait), what q's PULL of the tile would have
  * written; the SCATTER of q into its own tile also writes the padding rows' zeros. */
+template <bool FP8>
 static __device__ void run_scatter(const pass_params &p, int q, long long rt, comm_tile *ct) {
     comm_tile_load(ct, mok__sched_view(&p.layout, p.peers[q] + p.off_sched), rt);
     char *dst = p.peers[q];
     uint16_t *ring_x = (uint16_t *)(dst + p.off_ring_x), *ring_dy = (uint16_t *)(dst + p.off_ring_dy);
-    uint16_t *ring_dyw = (uint16_t *)(dst + p.off_ring_dyw);
+    uint16_t *ring_dyw = (uint16_t *)(dst + p.off_ring_dyw), *ring_y = (uint16_t *)(dst + p.off_ring_y);
     float *ring_w = (float *)(dst + p.off_ring_w);
+    const bool replay = tile_replays(p, rt); /* context_rows is the group's */
     const uint16_t *x = p.x, *dy = p.dy;
     const float *router_w = p.router_w;
     const int lane = threadIdx.x & 31;
@@ -101,8 +118,15 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
         if (src == p.rank) {
             const long long slot = ct->slot[r], token = slot / p.topk;
             const float w = router_w[slot];
-            pull_row(ring_x + ring * p.hidden, ring_dy + ring * p.hidden, ring_dyw + ring * p.hidden,
-                     x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
+            if constexpr (FP8)
+                pull_row_fp8(ring_x + ring * p.hidden, replay ? (uint8_t *)(ring_y + ring * p.hidden) : nullptr,
+                             ring_dyw + ring * p.hidden, (uint8_t *)(ring_dy + ring * p.hidden),
+                             (const uint8_t *)(p.peers[p.rank] + p.off_x) + token * p.hidden,
+                             (const float *)(p.peers[p.rank] + p.off_xs) + token * (p.hidden / MOK_FP8_BLOCK),
+                             dy + token * p.hidden, w, p.hidden);
+            else
+                pull_row(ring_x + ring * p.hidden, ring_dy + ring * p.hidden, ring_dyw + ring * p.hidden,
+                         x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
             if (lane == 0) ring_w[ring] = w;
         } else if (src < 0 && q == p.rank) {
             zero_pad_row(ring_x + ring * p.hidden, ring_dyw + ring * p.hidden, p.hidden);
@@ -361,16 +385,19 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     consumer_sync();
 }
 
+#include "cuda/megakernel/backward_fp8.cuh" /* the FP8 runner, on the helpers above */
+
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
+template <bool FP8>
 struct backward_comm {
     static __device__ void run(const pass_params &p, const mok_sched_view &v, const mok_task_span &span, long long rt,
                                long long, uint16_t *smem) {
         comm_tile *ct = (comm_tile *)smem;
         switch (span.kind) {
-        case MOK_TASK_PULL: run_pull(p, v, rt, ct); break;
+        case MOK_TASK_PULL: run_pull<FP8>(p, v, rt, ct); break;
         case MOK_TASK_PUSH: run_push(p, v, rt, ct); break;
         case MOK_TASK_GATHER: run_gather(p, span.peer, rt, ct); break;
-        case MOK_TASK_SCATTER: run_scatter(p, span.peer, rt, ct); break;
+        case MOK_TASK_SCATTER: run_scatter<FP8>(p, span.peer, rt, ct); break;
         default: break; /* OPEN: its counter is all it has */
         }
     }
@@ -403,13 +430,15 @@ struct backward_compute {
     }
 };
 
+template <bool FP8>
 __global__ void __launch_bounds__(COMPUTE_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
     int comm;
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    if (blockIdx.x < comm) walk_tasks<backward_comm>(p, v, (uint16_t *)smem_raw); /* comm_tile */
+    if (blockIdx.x < comm) walk_tasks<backward_comm<FP8>>(p, v, (uint16_t *)smem_raw); /* comm_tile */
+    else if constexpr (FP8) walk_compute<backward_compute_fp8>(p, v, smem_raw, nullptr, maps.m);
     else walk_compute<backward_compute>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
@@ -419,19 +448,25 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) backward_kernel(pass_param
 
 /* The tensor maps of a backward pass. The weight-gradient tiles read the ring's activations
  * M/N-major in whole 64-row slices: the rows between an expert's last row and its segment's end
- * are written as zeros (pull: x, w·dy; dh: h, dg|du) so that they add nothing. */
-/* Both travel as kernel parameters, which CUDA limits to 4 KB. */
+ * are written as zeros (pull: x, w·dy; dh: h, dg|du) so that they add nothing. An FP8 pass
+ * (backward_fp8.cuh) reads its E4M3 code rows and weights as pairs of codes ([rows, cols / 2],
+ * boxes of 64 pairs: a 128-byte row of 128 codes), the weights in the orientation each GEMM
+ * takes: gate and up for the replay, the transposed copies for dh and dx. */
+/* Both travel as kernel parameters: 4 KB before CUDA 12.1, 32,764 bytes since (sm_70 on). */
+#if CUDART_VERSION >= 12010
+static_assert(sizeof(pass_params) + sizeof(pass_maps) <= 32764, "the backward kernel's parameters exceed 32,764 bytes");
+#else
 static_assert(sizeof(pass_params) + sizeof(pass_maps) <= 4096, "the backward kernel's parameters exceed 4 KB");
+#endif
 
 static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
-    const long long H = p->hidden, I = p->inter, Is = p->shared_inter;
+    const long long H = p->hidden, I = p->inter, Is = p->shared_inter, E = p->num_local_experts;
     const long long ring = p->ring_rows, T = p->num_tokens;
     unsigned mask = 0;
     memset(maps, 0, sizeof *maps);
     if (!R->tuning.tma) return 0;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_X], R->ring_x, ring, H, 64) << MAP_RING_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 64) << MAP_RING_DY;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DYW], R->ring_dyw, ring, H, 64) << MAP_RING_DYW;
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DGU], R->ring_dgu, ring, 2 * I, 64) << MAP_RING_DGU;
     mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
@@ -439,7 +474,6 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_DGU], Is ? R->sh_dgu : NULL, T, 2 * Is, 64) << MAP_SH_DGU;
     if (!p->accumulate) { /* bf16 weight gradients, stored in 128-row boxes */
-        const long long E = p->num_local_experts;
         mask |= (unsigned)tma_encode(&maps->m[MAP_DW_GATE], p->dw[0], E * I, H, 128) << MAP_DW_GATE;
         mask |= (unsigned)tma_encode(&maps->m[MAP_DW_UP], p->dw[1], E * I, H, 128) << MAP_DW_UP;
         mask |= (unsigned)tma_encode(&maps->m[MAP_DW_DOWN], p->dw[2], E * H, I, 128) << MAP_DW_DOWN;
@@ -447,7 +481,57 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
         mask |= (unsigned)tma_encode(&maps->m[MAP_DS_UP], Is ? p->ds[1] : NULL, Is, H, 128) << MAP_DS_UP;
         mask |= (unsigned)tma_encode(&maps->m[MAP_DS_DOWN], Is ? p->ds[2] : NULL, H, Is, 128) << MAP_DS_DOWN;
     }
-    return mask | weight_maps(p, maps);
+    if (!p->fp8) {
+        mask |= (unsigned)tma_encode(&maps->m[MAP_RING_DY], R->ring_dy, ring, H, 64) << MAP_RING_DY;
+        return mask | weight_maps(p, maps);
+    }
+    const struct {
+        int map;
+        const void *ptr;
+        long long rows, cols, row_bytes; /* cols in codes */
+    } fp8[] = {{MAP_RING_DY, R->ring_dy, ring, H, 2 * H},
+               {MAP_RING_XQ, R->ring_y, ring, H, 2 * H},
+               {MAP_RING_GQ, R->ring_gu, ring, 2 * I, 4 * I},
+               {MAP_SH_DYQ, Is ? R->sh_out : NULL, T, H, 2 * H},
+               {MAP_SH_GQ, Is ? p->sh_gq : NULL, T, 2 * Is, p->sh_gq_ld},
+               {MAP_W_GATE, p->wq[MOK_FP8_W_GATE], E * I, H, H},
+               {MAP_W_UP, p->wq[MOK_FP8_W_UP], E * I, H, H},
+               {MAP_W_DOWN, p->wq[MOK_FP8_W_DOWN_T], E * I, H, H},
+               {MAP_W_GATE_T, p->wq[MOK_FP8_W_GATE_T], E * H, I, I},
+               {MAP_W_UP_T, p->wq[MOK_FP8_W_UP_T], E * H, I, I},
+               {MAP_S_GATE, Is ? p->wq[MOK_FP8_S_GATE_T] : NULL, H, Is, Is},
+               {MAP_S_UP, Is ? p->wq[MOK_FP8_S_UP_T] : NULL, H, Is, Is},
+               {MAP_S_DOWN, Is ? p->wq[MOK_FP8_S_DOWN_T] : NULL, Is, H, H}};
+    for (size_t i = 0; i < sizeof fp8 / sizeof fp8[0]; ++i)
+        mask |= (unsigned)tma_encode_rows(&maps->m[fp8[i].map], fp8[i].ptr, fp8[i].rows, fp8[i].cols / 2,
+                                          fp8[i].row_bytes, 64)
+                << fp8[i].map;
+    return mask;
+}
+
+/* An FP8 pass's inputs and buffers (backward_fp8.cuh), on the rank's stream: x^ into the window
+ * (codes, then scales, as the forward's), and with a shared expert bf16(x^) for its weight
+ * gradients and its dy^ as code rows in sh_out. */
+static mok_status backward_fp8_setup(mok_workspace *ws, cuda_rank *R, pass_params *p, const mok_backward_args *a,
+                                     cudaStream_t stream) {
+    const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
+    const long long H = p->hidden, T = a->num_tokens;
+    pass_params_fp8_weights(p, ws, a->fp8_weights);
+    p->n_tile = MOK_FP8_BLOCK; /* a dh tile quantizes whole 128-blocks of h, dg and du */
+    p->off_xs = cw->sym.x + (size_t)ws->shape.max_tokens * (size_t)H;
+    uint8_t *xq = (uint8_t *)(R->sym + cw->sym.x);
+    float *xs = (float *)(R->sym + p->off_xs);
+    mok_status st = mok__cuda_fp8_quantize_rows((const uint16_t *)a->x, T, H, xq, H, xs, H / MOK_FP8_BLOCK, R->num_sms,
+                                                stream);
+    if (st != MOK_OK || p->shared_inter == 0) return st;
+    uint16_t *xhat = (uint16_t *)(R->sym + cw->sym.comb);
+    p->x = xhat;
+    p->sh_gq = R->sh_gq ? R->sh_gq : (uint8_t *)(R->sym + cw->sym.comb) + mok__cuda_fp8_xhat_bytes(ws);
+    p->sh_gq_ld = mok__cuda_fp8_sh_gq_ld(ws);
+    st = mok__cuda_fp8_dequantize_rows(xq, xs, T, H, xhat, R->num_sms, stream);
+    if (st != MOK_OK) return st;
+    return mok__cuda_fp8_quantize_rows((const uint16_t *)a->dy, T, H, (uint8_t *)R->sh_out, 2 * H,
+                                       (float *)((uint8_t *)R->sh_out + H), H / 2, R->num_sms, stream);
 }
 
 extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_args *args) {
@@ -455,21 +539,17 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
     if (st != MOK_OK) return st;
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
-    /* Every rank refuses alike (the precision is the group's), before any collective step. */
-    if (s->precision == MOK_PRECISION_FP8)
-        return mok__fail(MOK_ERR_UNSUPPORTED,
-                         "mok_backward: the cuda backend has the FP8 forward only; the FP8 backward (dy^, the dh and "
-                         "dx GEMMs on the transposed FP8 weights, the weight gradients) is not built yet. FP8 "
-                         "training runs on the cpu backend");
+    const int fp8 = s->precision == MOK_PRECISION_FP8;
     int previous = 0;
     cudaGetDevice(&previous);
     const size_t smem = COMPUTE_SMEM_BYTES;
+    const void *kernel = fp8 ? (const void *)backward_kernel<true> : (const void *)backward_kernel<false>;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_backward_args *a = &args[lr];
         cudaStream_t stream = (cudaStream_t)a->stream;
         CUDA_TRY(cudaSetDevice(R->device));
-        CUDA_TRY(cudaFuncSetAttribute(backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, MOK_PASS_BACKWARD);
         p.accumulate = a->accumulate;
@@ -486,14 +566,18 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         p.ds[1] = a->ds_up;
         p.ds[2] = a->ds_down;
         const size_t H = (size_t)s->hidden, k = (size_t)s->topk, T = (size_t)a->num_tokens;
-        if (T > 0 && ws->group->nranks > 1) { /* the peers' copies (input_row_base) */
-            CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, T * H * 2, cudaMemcpyDeviceToDevice, stream));
+        if (fp8) {
+            st = backward_fp8_setup(ws, R, &p, a, stream);
+            if (st != MOK_OK) return st;
+        }
+        if (T > 0 && ws->group->nranks > 1) { /* the peers' copies (input_row_base; FP8: x^ is there) */
+            if (!fp8) CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.dy, a->dy, T * H * 2, cudaMemcpyDeviceToDevice, stream));
             CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.router_w, a->router_w, T * k * 4, cudaMemcpyDeviceToDevice, stream));
         }
         pass_maps maps;
         p.tma_mask = backward_maps(R, &p, &maps);
-        st = mok__cuda_launch_pass(ws, lr, R, &p, (const void *)backward_kernel, COMPUTE_THREADS, smem, stream,
+        st = mok__cuda_launch_pass(ws, lr, R, &p, kernel, COMPUTE_THREADS, smem, stream,
                                    a->num_tokens, &maps);
         if (st != MOK_OK) return st;
         if (T > 0)

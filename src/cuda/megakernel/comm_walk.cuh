@@ -10,6 +10,7 @@
 #ifndef MOK_CUDA_MEGAKERNEL_COMM_WALK_CUH
 #define MOK_CUDA_MEGAKERNEL_COMM_WALK_CUH
 
+#include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/task_list.cuh"
 
 /* The CTA loop: claim a ticket of this CTA's role, find its span and task, wait, run, bump. */
@@ -102,6 +103,25 @@ static __device__ __forceinline__ void pull_row(uint16_t *x_out, uint16_t *dy_ou
         xd[c] = xs[c];
         wd[c] = scale_bf16x8(a, w);
     }
+}
+
+/* One warp, a ring row of the FP8 backward (the pull's, or the combine_push's into a peer's ring):
+ * bf16(x^) of the token's x^ codes and scales into x_out, its codes and scales also into the code
+ * row xq_out when the tile replays (else NULL), bf16(w · dy) into dyw_out, dy^ into the code row
+ * dyq_out. */
+static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq_out, uint16_t *dyw_out,
+                                                    uint8_t *dyq_out, const uint8_t *xq, const float *xs,
+                                                    const uint16_t *dy, float w, long long H) {
+    const int lane = threadIdx.x & 31;
+    for (long long c = lane; c < H / 8; c += 32) {
+        const uint2 codes = ((const uint2 *)xq)[c];
+        ((int4 *)x_out)[c] = bf16x8_from_e4m3x8(codes, xs[c * 8 / MOK_FP8_BLOCK]);
+        if (xq_out) ((uint2 *)xq_out)[c] = codes;
+        ((int4 *)dyw_out)[c] = scale_bf16x8(((const int4 *)dy)[c], w);
+    }
+    if (xq_out)
+        for (long long b = lane; b < H / MOK_FP8_BLOCK; b += 32) ((float *)(xq_out + H))[b] = xs[b];
+    code_row(dyq_out, dy, H);
 }
 
 /* One warp: a ring row's dx part (h bf16) into its owner's (token, slot) row, and lane 0 the

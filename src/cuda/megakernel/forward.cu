@@ -158,22 +158,6 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_span &span, 
     }
 }
 
-/* FP8: B's block scales (tile_operands.sb) per 128-column chunk c of the tile: the weight rows
- * behind the chunk's first 64-row block, rows lo_row + 64 j of the weight whose scales are lo for
- * block j < b_split, else rows hi_row + 64 (j - b_split) of hi; a weight's scales are [rows / 128,
- * kblocks] (fp8_weights' layout). Every chunk lies in one weight block: lo_row and hi_row are
- * multiples of 128 (or the tile has 64 columns) and b_split is even. */
-static __device__ __forceinline__ void fp8_b_scales(tile_operands *op, const float *lo, long long lo_row,
-                                                    const float *hi, long long hi_row, long long kblocks) {
-#pragma unroll
-    for (int c = 0; c < TILE_BN / 128; ++c) {
-        const int j = 2 * c;
-        const bool first = j < op->b_split;
-        const long long row = first ? lo_row + 64 * j : hi_row + 64 * (j - op->b_split);
-        op->sb[c] = 128 * c < op->n_valid ? (first ? lo : hi) + row / MOK_FP8_BLOCK * kblocks : nullptr;
-    }
-}
-
 /* The FP8 GEMM of a compute task (fwd_gemm's, on x^, h^ and the weights' codes; tile_operands.cuh:
  * E4M3 operands counted in pairs of codes, so K = H is H / 2 pairs). */
 static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
@@ -201,7 +185,7 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
             op->sa = p.xs + a_row * (H / MOK_FP8_BLOCK);
             op->a_rows = (int)(p.num_tokens - a_row < MOK_ROW_TILE ? p.num_tokens - a_row : MOK_ROW_TILE);
         }
-        const int g = routed ? FP8_GATE : FP8_S_GATE, u = routed ? FP8_UP : FP8_S_UP;
+        const int g = routed ? MOK_FP8_W_GATE : MOK_FP8_S_GATE, u = routed ? MOK_FP8_W_UP : MOK_FP8_S_UP;
         op->lda = op->ldb = op->k = H / 2;
         op->sa_ld = H / MOK_FP8_BLOCK;
         op->b_lo = (const uint16_t *)(p.wq[g] + w_row * H);
@@ -233,7 +217,7 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
             op->sa = p.sh_hs + a_row * (Is / MOK_FP8_BLOCK);
             op->a_rows = (int)(p.num_tokens - a_row < MOK_ROW_TILE ? p.num_tokens - a_row : MOK_ROW_TILE);
         }
-        const int d = routed ? FP8_DOWN : FP8_S_DOWN;
+        const int d = routed ? MOK_FP8_W_DOWN : MOK_FP8_S_DOWN;
         op->lda = op->ldb = op->k = inter / 2;
         op->sa_ld = inter / MOK_FP8_BLOCK;
         op->b_lo = (const uint16_t *)(p.wq[d] + w_row * inter);
@@ -414,12 +398,12 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
                {MAP_RING_H, R->ring_h, ring, I},
                {MAP_X, p->x, T, H},
                {MAP_SH_H, Is ? R->sh_h : NULL, T, Is},
-               {MAP_W_GATE, p->wq[FP8_GATE], E * I, H},
-               {MAP_W_UP, p->wq[FP8_UP], E * I, H},
-               {MAP_W_DOWN, p->wq[FP8_DOWN], E * H, I},
-               {MAP_S_GATE, Is ? p->wq[FP8_S_GATE] : NULL, Is, H},
-               {MAP_S_UP, Is ? p->wq[FP8_S_UP] : NULL, Is, H},
-               {MAP_S_DOWN, Is ? p->wq[FP8_S_DOWN] : NULL, H, Is}};
+               {MAP_W_GATE, p->wq[MOK_FP8_W_GATE], E * I, H},
+               {MAP_W_UP, p->wq[MOK_FP8_W_UP], E * I, H},
+               {MAP_W_DOWN, p->wq[MOK_FP8_W_DOWN], E * H, I},
+               {MAP_S_GATE, Is ? p->wq[MOK_FP8_S_GATE] : NULL, Is, H},
+               {MAP_S_UP, Is ? p->wq[MOK_FP8_S_UP] : NULL, Is, H},
+               {MAP_S_DOWN, Is ? p->wq[MOK_FP8_S_DOWN] : NULL, H, Is}};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
         mask |= (unsigned)tma_encode(&maps->m[all[i].map], all[i].ptr, all[i].rows, all[i].cols / 2, 64) << all[i].map;
     return mask;
@@ -432,21 +416,13 @@ static void pass_params_fp8(pass_params *p, const mok_workspace *ws, const cuda_
     const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
     const size_t ring = (size_t)ws->config.ring_rows, T = (size_t)s->max_tokens;
-    p->fp8 = 1;
-    p->fp8_header = (const mok_fp8_header *)fp8_weights;
     p->x = (const uint16_t *)(R->sym + cw->sym.x);
     p->off_xs = cw->sym.x + T * (size_t)s->hidden;
     p->xs = (const float *)(R->sym + p->off_xs);
     p->ring_xs = (float *)((char *)R->ring_x + ring * (size_t)s->hidden);
     p->ring_hs = (float *)((char *)R->ring_h + ring * (size_t)s->intermediate);
     p->sh_hs = (float *)((char *)R->sh_h + T * (size_t)s->shared_intermediate);
-    mok_fp8_layout layout;
-    mok__fp8_layout(s, ws->num_local_experts, &layout);
-    const int matrices[6] = {MOK_FP8_W_GATE, MOK_FP8_W_UP, MOK_FP8_W_DOWN, MOK_FP8_S_GATE, MOK_FP8_S_UP, MOK_FP8_S_DOWN};
-    for (int m = 0; m < 6; ++m) {
-        p->wq[m] = (const uint8_t *)fp8_weights + layout.codes[matrices[m]];
-        p->wqs[m] = (const float *)((const char *)fp8_weights + layout.scales[matrices[m]]);
-    }
+    pass_params_fp8_weights(p, ws, fp8_weights);
 }
 
 extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_args *args, int recompute) {
@@ -455,11 +431,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
     const int fp8 = s->precision == MOK_PRECISION_FP8;
-    /* Every rank refuses alike (the precision is the group's), before any collective step. */
-    if (fp8 && recompute)
-        return mok__fail(MOK_ERR_UNSUPPORTED,
-                         "mok_recompute_context: the cuda backend has the FP8 forward only (no FP8 backward, which "
-                         "would read the context); FP8 training runs on the cpu backend");
     int previous = 0;
     cudaGetDevice(&previous);
     const size_t smem = COMPUTE_SMEM_BYTES;
@@ -484,8 +455,8 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                 return mok__fail(MOK_ERR_INTERNAL, "FP8 forward: gate|up tiles of %d columns, not 128", p.n_tile);
             /* x^ = Q(x) once, into this rank's window: its own tiles and the peers' dispatch read it */
             pass_params_fp8(&p, ws, R, a->fp8_weights);
-            st = mok__cuda_fp8_quantize_rows((const uint16_t *)a->x, a->num_tokens, s->hidden, (uint8_t *)p.x,
-                                             (float *)p.xs, R->num_sms, stream);
+            st = mok__cuda_fp8_quantize_rows((const uint16_t *)a->x, a->num_tokens, s->hidden, (uint8_t *)p.x, s->hidden,
+                                             (float *)p.xs, s->hidden / MOK_FP8_BLOCK, R->num_sms, stream);
             if (st != MOK_OK) return st;
             p.tma_mask = forward_maps_fp8(R, &p, &maps);
         } else {

@@ -39,17 +39,24 @@ struct pass_params {
     void *dw[3], *ds[3];
     float limit;
     /* FP8 passes (shape.precision, include/mok.h's FP8 section): x^'s codes at off_x of every
-       window (this rank's also at x) and its scales at off_xs (xs); the E4M3 rows of ring_x, ring_h
-       and sh_h with their scales after them, at ring_xs, ring_hs, sh_hs (a buffer's bf16 size holds
-       both: n codes and n / 32 bytes of scales); the weights' codes and scales in the forward's
-       orientation, from the caller's fp8_weights: FP8_GATE .. FP8_S_DOWN */
+       window and its scales at off_xs (xs); the weights' codes and scales from the caller's
+       fp8_weights, by mok_fp8_matrix. The forward: x is this rank's x^ codes; the E4M3 rows of
+       ring_x, ring_h and sh_h with their scales after them, at ring_xs, ring_hs, sh_hs (a buffer's
+       bf16 size holds both: n codes and n / 32 bytes of scales). The backward keeps its E4M3 rows
+       as "code rows": a row's n codes, then its n / 128 scales, in the bf16 row's bytes (ring_dy:
+       dy^; ring_y: x^ for a replay, until the dx tiles write there; sh_out: the shared expert's
+       dy^, until its dx tiles write there), or in rows of 4I bytes (ring_gu: dg^|du^) and of
+       sh_gq_ld bytes (sh_gq: the shared dg^|du^); x is bf16(x^) (the shared weight gradients'),
+       backward_fp8.cuh */
     int fp8;
     const mok_fp8_header *fp8_header; /* the start of fp8_weights, checked by pass_refusal */
     size_t off_xs;
     const float *xs;
     float *ring_xs, *ring_hs, *sh_hs;
-    const uint8_t *wq[6];
-    const float *wqs[6];
+    uint8_t *sh_gq;
+    long long sh_gq_ld;
+    const uint8_t *wq[MOK_FP8_NUM_MATRICES];
+    const float *wqs[MOK_FP8_NUM_MATRICES];
     unsigned long long *counters;
     long long counters_cap;
     /* Transfers in other than their default direction (docs/design.md §2.4a): the plan's switches
@@ -69,8 +76,6 @@ struct pass_params {
     long long trace_cap;
     unsigned long long *trace_count;
 };
-
-enum { FP8_GATE, FP8_UP, FP8_DOWN, FP8_S_GATE, FP8_S_UP, FP8_S_DOWN }; /* pass_params.wq, wqs */
 
 struct tile_info {
     long long row0, ring0;
@@ -251,6 +256,19 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->trace_cap = R->trace_cap;
     p->trace_count = R->trace_count ? R->trace_count + (p->backward ? 1 : 0) : nullptr;
     p->raster = R->tuning.raster;
+}
+
+/* An FP8 pass's weights (pass_params.wq, wqs: every matrix of mok_fp8_layout) from the caller's
+ * fp8_weights, whose header pass_refusal checks on the device. */
+static void pass_params_fp8_weights(pass_params *p, const mok_workspace *ws, const void *fp8_weights) {
+    mok_fp8_layout layout;
+    mok__fp8_layout(&ws->shape, ws->num_local_experts, &layout);
+    p->fp8 = 1;
+    p->fp8_header = (const mok_fp8_header *)fp8_weights;
+    for (int m = 0; m < MOK_FP8_NUM_MATRICES; ++m) {
+        p->wq[m] = (const uint8_t *)fp8_weights + layout.codes[m];
+        p->wqs[m] = (const float *)((const char *)fp8_weights + layout.scales[m]);
+    }
 }
 
 /* A pass's comm CTAs (pass_params): the tuning's count, and with configured = 0 the bounds of the

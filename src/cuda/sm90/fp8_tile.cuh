@@ -60,6 +60,31 @@ static __device__ __forceinline__ void fp8_chunk(float (&part)[WGMMA_N128_ACC], 
     pin_partial(part);
 }
 
+/* FP8: B's block scales (tile_operands.sb) per 128-column chunk c of the tile: the weight rows
+ * behind the chunk's first 64-row block, rows lo_row + 64 j of the weight whose scales are lo for
+ * block j < b_split, else rows hi_row + 64 (j - b_split) of hi; a weight's scales are [rows / 128,
+ * kblocks] (fp8_weights' layout). Every chunk lies in one weight block: lo_row and hi_row are
+ * multiples of 128 (or the tile has 64 columns) and b_split is even. */
+static __device__ __forceinline__ void fp8_b_scales(tile_operands *op, const float *lo, long long lo_row,
+                                                    const float *hi, long long hi_row, long long kblocks) {
+#pragma unroll
+    for (int c = 0; c < TILE_BN / 128; ++c) {
+        const int j = 2 * c;
+        const bool first = j < op->b_split;
+        const long long row = first ? lo_row + 64 * j : hi_row + 64 * (j - op->b_split);
+        op->sb[c] = 128 * c < op->n_valid ? (first ? lo : hi) + row / MOK_FP8_BLOCK * kblocks : nullptr;
+    }
+}
+
+/* B's block scales for a K split (tile_operands.sb2): as fp8_b_scales for the matrix
+ * after the split, whose rows are those of the one before it. */
+static __device__ __forceinline__ void fp8_b_scales_split(tile_operands *op, const float *hi, long long row,
+                                                          long long kblocks) {
+#pragma unroll
+    for (int c = 0; c < TILE_BN / 128; ++c)
+        op->sb2[c] = 128 * c < op->n_valid ? hi + (row + 128 * c) / MOK_FP8_BLOCK * kblocks : nullptr;
+}
+
 /* Consumer: acc += the block-scaled product over the GEMM's stages (acc holds the starting values,
  * written on every path before: gemm_tile.cuh's NOTE on consume_gemm). */
 static __device__ __forceinline__ void consume_gemm_fp8(stage_ring &r, const tile_operands &op, float (&acc)[TILE_ACC]) {
@@ -68,9 +93,13 @@ static __device__ __forceinline__ void consume_gemm_fp8(stage_ring &r, const til
     const int t = threadIdx.x - PRODUCER_THREADS, row0 = (t >> 5) * 16 + (lane >> 2);
     const bool lo_real = row0 < op.a_rows, hi_real = row0 + 8 < op.a_rows, two = op.sb[1] != nullptr;
     const float *sa = op.sa + (lo_real ? row0 * op.sa_ld : 0), *sb0 = op.sb[0], *sb1 = op.sb[1];
-    const int hi_step = 8 * (int)op.sa_ld;
+    const int hi_step = 8 * (int)op.sa_ld, kb_split = (int)(op.bk_split / TILE_BK);
     float part[WGMMA_N128_ACC];
     for (int kb = 0; kb < kblocks; ++kb) {
+        if (kb_split > 0 && kb == kb_split) { /* B's second matrix along K (tile_operands.bk_split) */
+            sb0 = op.sb2[0] - kb;
+            sb1 = op.sb2[1] - kb;
+        }
         /* activation scales were written by earlier tasks of the pass, so plain loads (not .nc): the
            producer's counter acquire that let this task start emptied the SM's L1, as for every
            operand an epilogue reads that way; a row's scales then come from L1, 8 blocks a sector */

@@ -100,10 +100,11 @@ static __device__ __forceinline__ void ring_advance(stage_ring &r) {
 static __device__ __forceinline__ int k_steps(const tile_operands &op) { return (int)((op.k + TILE_BK - 1) / TILE_BK); }
 
 /* Producer, one stage: the LOADER_THREADS threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's
- * layout): 1024 16-byte chunks of A, 2048 of B. */
+ * layout): 1024 16-byte chunks of A, 2048 of B. KSPLIT: K-major B may have a K split (bk_split,
+ * the FP8 kernels only; the bf16 ones compile without it). */
 #define LOAD_ITERS_A ((1024 + LOADER_THREADS - 1) / LOADER_THREADS)
 #define LOAD_ITERS_B ((64 * TILE_BN / 8 + LOADER_THREADS - 1) / LOADER_THREADS)
-template <bool A_MN, bool B_MN>
+template <bool A_MN, bool B_MN, bool KSPLIT = false>
 static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_operands &op, long long k0, int tid) {
     const uint32_t b_base = a_base + STAGE_A_BYTES;
     if (A_MN) {
@@ -142,28 +143,30 @@ static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_op
             cp_async_16(b_base + block * SWIZZLE_BLOCK_BYTES + swizzle(krow, chunk), src, valid);
         }
     } else { /* TILE_BN rows of 8 chunks */
+        const bool ks = KSPLIT && op.bk_split > 0 && k0 >= op.bk_split; /* past the K split: all of B from b_hi */
+        const long long kb = ks ? k0 - op.bk_split : k0;
 #pragma unroll 2
         for (int i = 0; i < LOAD_ITERS_B; ++i) {
             int idx = tid + i * LOADER_THREADS;
             if (idx >= B_CHUNKS) break;
             int row = idx >> 3, chunk = idx & 7;
-            const bool lo = row < 64 * op.b_split;
+            const bool lo = !ks && row < 64 * op.b_split;
             const uint16_t *base = lo ? op.b_lo : op.b_hi;
-            const long long r = lo ? row : row - 64 * op.b_split;
+            const long long r = lo || ks ? row : row - 64 * op.b_split;
             bool valid = base != nullptr && row < op.n_valid;
-            const uint16_t *src = valid ? base + r * op.ldb + k0 + chunk * 8 : op.b_lo;
+            const uint16_t *src = valid ? base + r * op.ldb + kb + chunk * 8 : op.b_lo;
             cp_async_16(b_base + swizzle(row, chunk), src, valid);
         }
     }
 }
 
 /* Producer: every stage of one GEMM, in ring order. */
-template <bool A_MN, bool B_MN>
+template <bool A_MN, bool B_MN, bool KSPLIT = false>
 static __device__ void produce_gemm(stage_ring &r, const tile_operands &op, int tid) {
     const int ktiles = k_steps(op);
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
-        load_stage<A_MN, B_MN>(r.stages + r.stage * STAGE_BYTES, op, (long long)kt * TILE_BK, tid);
+        load_stage<A_MN, B_MN, KSPLIT>(r.stages + r.stage * STAGE_BYTES, op, (long long)kt * TILE_BK, tid);
         cp_async_arrive(r.full + 8 * r.stage);
         ring_advance(r);
     }
@@ -171,6 +174,7 @@ static __device__ void produce_gemm(stage_ring &r, const tile_operands &op, int 
 
 /* Producer, TMA: thread 0 arms full[s] with the stage's byte count and issues the boxes; the
  * other loaders arrive plainly, so full[s] keeps its count of LOADER_THREADS on both paths. */
+template <bool KSPLIT = false>
 static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int tid) {
     const int ktiles = k_steps(op);
     const uint32_t bytes = (op.a_halves + op.b_halves) * SWIZZLE_BLOCK_BYTES;
@@ -190,14 +194,15 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
             const bool second = k0 >= op.k_split;
             const int map_n = second ? op.b_map[1] : op.b_map[0];
             const int krow = second ? op.b_row[1] + k0 - (int)op.k_split : op.b_row[0] + k0;
+            const bool ks = KSPLIT && op.bk_split > 0 && k0 >= op.bk_split; /* K-major B past its K split */
 #pragma unroll
             for (int h = 0; h < STAGE_B_BLOCKS; ++h) {
                 if (h >= op.b_halves) break;
                 const uint32_t dst = a + STAGE_A_BYTES + h * SWIZZLE_BLOCK_BYTES;
-                const bool lo = h < op.b_split;
+                const bool lo = !ks && h < op.b_split;
                 if (!op.b_nmajor)
-                    tma_load_2d(dst, r.maps + (lo ? op.b_map[0] : op.b_map[1]), k0,
-                                lo ? op.b_row[0] + 64 * h : op.b_row[1] + 64 * (h - op.b_split), full);
+                    tma_load_2d(dst, r.maps + (lo ? op.b_map[0] : op.b_map[1]), ks ? k0 - (int)op.bk_split : k0,
+                                lo ? op.b_row[0] + 64 * h : op.b_row[1] + 64 * (ks ? h : h - op.b_split), full);
                 else tma_load_2d(dst, r.maps + map_n, op.b_col + 64 * h, krow, full);
             }
         } else {

@@ -50,10 +50,15 @@ typedef struct tile_operands {
        pairs, and one 64-step stage is 128 codes of K, one scale block. The block scales: A's row m
        < a_rows, K block kb at sa[m * sa_ld + kb]; B's rows 128 c .. 128 c + 127 (the tile's columns
        of chunk c) lie in one 128 x 128 weight block, whose scales along K are sb[c][kb] (NULL for a
-       chunk past n_valid). */
+       chunk past n_valid).
+       A K split of K-major B (bk_split > 0, FP8 only: a dx tile's [W_gate_T | W_up_T]): k <
+       bk_split as above, k >= bk_split from b_hi, every row, at k - bk_split (TMA: b_map[1] from
+       b_row[1]), with the scales sb2[c][kb - bk_split / 64] for those K blocks. */
     const float *sa;
     long long sa_ld;
     const float *sb[TILE_BN / 128];
+    long long bk_split;
+    const float *sb2[TILE_BN / 128];
 } tile_operands;
 
 /* A 128-row x 64-column bf16 box in the 128B swizzle: the unit of the TMA stores. */

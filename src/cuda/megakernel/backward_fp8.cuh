@@ -1,0 +1,229 @@
+/* backward_fp8.cuh — the FP8 backward (include/mok.h, FP8 section) on the backward megakernel
+ * (backward.cu): the same tasks, counters and ring, with E4M3 operands in the dgrad GEMMs.
+ *
+ * Before the pass (mok__cuda_backward): x^ = Q(x) into this rank's window, as in the forward
+ * (codes, then scales, at off_x / off_xs), where the pulls of every rank read it; with a shared
+ * expert also bf16(x^) (its weight gradients' x, pass_params.x, in the window's combine region,
+ * which a backward does not use) and its dy^ = Q(dy) as code rows in sh_out.
+ *
+ * Code rows (params.cuh): a row's n E4M3 codes, then its n / 128 scales, in one row of a buffer.
+ *   ring_dy  dy^ of the ring row (pull): the dh GEMM's A;
+ *   ring_y   x^ of the ring row, copied by the pull when its tile replays g|u: the replay's A
+ *            (the dx tiles write the row's dx part there after every dh tile of the row tile);
+ *   ring_gu  dg^|du^ (rows of 4I bytes): the dx GEMM's A, written by the dh tiles;
+ *   sh_out   the shared expert's dy^, until its dx tiles write there; sh_gq its dg^|du^.
+ * ring_x holds bf16(x^) (exact) for the weight gradients, ring_dyw bf16(w · dy), ring_h bf16(h^),
+ * ring_dgu bf16 dg|du: the weight-gradient GEMMs are the bf16 ones, on these operands. A replayed
+ * g|u goes into ring_dgu's columns of its tile, which the tile's dh epilogue reads before it
+ * writes dg|du there (swiglu_backward_fp8.cuh).
+ *
+ * GEMMs (all K-major, FP8 tiles of fp8_tile.cuh): the replay x^ · [W^_gate; W^_up] (128 columns
+ * of each: the forward's gate|up tile, so g and u are the forward's bits); dh0 = dy^ · W^_down
+ * against its transposed copy [I, H]; the dx part [dg^ | du^] · [W^_gate ; W^_up] against the
+ * transposed copies [H, I], one K loop split between them (tile_operands.bk_split). The dh tiles
+ * are one 128-column block wide (pass_params.n_tile = MOK_FP8_BLOCK). */
+#ifndef MOK_CUDA_MEGAKERNEL_BACKWARD_FP8_CUH
+#define MOK_CUDA_MEGAKERNEL_BACKWARD_FP8_CUH
+
+#include "cuda/megakernel/swiglu_backward_fp8.cuh"
+
+/* ---- GEMMs -------------------------------------------------------------------------------- */
+
+/* A code-row operand A of a K-major FP8 GEMM: rows from `row` of a buffer whose rows are row_bytes
+ * apart, k codes each, then their scales. */
+static __device__ __forceinline__ void code_row_a(tile_operands *op, const void *buffer, long long row,
+                                                  long long row_bytes, long long k, int rows) {
+    const uint8_t *base = (const uint8_t *)buffer + row * row_bytes;
+    op->a = (const uint16_t *)base;
+    op->lda = row_bytes / 2;
+    op->k = op->k_valid = k / 2;
+    op->sa = (const float *)(base + k);
+    op->sa_ld = row_bytes / 4;
+    op->a_rows = rows;
+}
+
+/* GEMM i of a compute task of the FP8 backward: 1 (K-major, E4M3) or 4 (the bf16 weight gradients,
+ * M/N-major), 0 when there is none. */
+static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
+                                   const task_prep &tp, int i, tile_operands *op) {
+    const long long H = p.hidden, I = p.inter, Is = p.shared_inter, KB = H / MOK_FP8_BLOCK;
+    *op = tile_operands{};
+    switch (span.kind) {
+    case MOK_TASK_DH: {
+        const tile_info t = tp.tile;
+        if (t.nreal == 0) return 0;
+        const bool replay = tile_replays(p, rt);
+        const long long n0 = nt * MOK_FP8_BLOCK, w_row = t.expert * I + n0;
+        if (replay && i == 0) { /* g|u of the tile's columns: the forward's gate|up tile */
+            code_row_a(op, p.ring_y, t.ring0, 2 * H, H, t.nreal);
+            op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_W_GATE] + w_row * H);
+            op->b_hi = (const uint16_t *)(p.wq[MOK_FP8_W_UP] + w_row * H);
+            op->ldb = H / 2;
+            op->n_valid = 2 * MOK_FP8_BLOCK;
+            op->b_split = MOK_FP8_BLOCK / 64;
+            fp8_b_scales(op, p.wqs[MOK_FP8_W_GATE], w_row, p.wqs[MOK_FP8_W_UP], w_row, KB);
+            use_tma_k(p, op, MAP_RING_XQ, t.ring0, MAP_W_GATE, w_row, MAP_W_UP, w_row);
+            return 1;
+        }
+        if (i != (replay ? 1 : 0)) return 0;
+        code_row_a(op, p.ring_dy, t.ring0, 2 * H, H, t.nreal);
+        op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_W_DOWN_T] + w_row * H);
+        op->ldb = H / 2;
+        op->n_valid = MOK_FP8_BLOCK;
+        op->b_split = MOK_FP8_BLOCK / 64;
+        fp8_b_scales(op, p.wqs[MOK_FP8_W_DOWN_T], w_row, nullptr, 0, KB);
+        use_tma_k(p, op, MAP_RING_DY, t.ring0, MAP_W_DOWN, w_row);
+        return 1;
+    }
+    case MOK_TASK_SHARED_DH: {
+        if (i > 0) return 0;
+        const long long t0 = rt * MOK_ROW_TILE, n0 = nt * MOK_FP8_BLOCK;
+        code_row_a(op, p.sh_out, t0, 2 * H, H, token_rows(p, t0));
+        op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_S_DOWN_T] + n0 * H);
+        op->ldb = H / 2;
+        op->n_valid = MOK_FP8_BLOCK;
+        op->b_split = MOK_FP8_BLOCK / 64;
+        fp8_b_scales(op, p.wqs[MOK_FP8_S_DOWN_T], n0, nullptr, 0, KB);
+        use_tma_k(p, op, MAP_SH_DYQ, t0, MAP_S_DOWN, n0);
+        return 1;
+    }
+    case MOK_TASK_DX:
+    case MOK_TASK_SHARED_DX: {
+        if (i > 0) return 0;
+        const bool shared = span.kind == MOK_TASK_SHARED_DX;
+        const long long inter = shared ? Is : I, n0 = nt * p.n_tile_h;
+        long long w_row, a_row;
+        if (shared) {
+            a_row = rt * MOK_ROW_TILE;
+            w_row = n0;
+            code_row_a(op, p.sh_gq, a_row, p.sh_gq_ld, 2 * inter, token_rows(p, a_row));
+        } else {
+            const tile_info t = tp.tile;
+            if (t.nreal == 0) return 0;
+            a_row = t.ring0;
+            w_row = t.expert * H + n0;
+            code_row_a(op, p.ring_gu, a_row, 4 * I, 2 * I, t.nreal);
+        }
+        const int g = shared ? MOK_FP8_S_GATE_T : MOK_FP8_W_GATE_T, u = shared ? MOK_FP8_S_UP_T : MOK_FP8_W_UP_T;
+        op->b_lo = (const uint16_t *)(p.wq[g] + w_row * inter);
+        op->b_hi = (const uint16_t *)(p.wq[u] + w_row * inter);
+        op->ldb = inter / 2;
+        op->n_valid = p.n_tile_h;
+        op->b_split = p.n_tile_h / 64;
+        op->bk_split = inter / 2;
+        fp8_b_scales(op, p.wqs[g], w_row, nullptr, 0, inter / MOK_FP8_BLOCK);
+        fp8_b_scales_split(op, p.wqs[u], w_row, inter / MOK_FP8_BLOCK);
+        if (shared) use_tma_k(p, op, MAP_SH_GQ, a_row, MAP_S_GATE, w_row, MAP_S_UP, w_row);
+        else use_tma_k(p, op, MAP_RING_GQ, a_row, MAP_W_GATE_T, w_row, MAP_W_UP_T, w_row);
+        return 1;
+    }
+    case MOK_TASK_WGRAD:
+    case MOK_TASK_SHARED_WGRAD: {
+        if (i > 0) return 0;
+        wgrad_job w;
+        wgrad_job_of(p, span, tp, &w);
+        *op = w.op;
+        return 4;
+    }
+    default: return 0;
+    }
+}
+
+/* ---- epilogues ---------------------------------------------------------------------------- */
+
+/* A replay's g (accumulator columns 0..127) and u (128..255) in bf16 into the tile's columns of
+ * ring_dgu, through the staging tile. */
+static __device__ __forceinline__ void replay_epilogue_fp8(const pass_params &p, long long nt, const task_prep &tp,
+                                                           float (&acc)[TILE_ACC], uint16_t *c) {
+    const long long I = p.inter, n0 = nt * MOK_FP8_BLOCK;
+    const tile_info t = tp.tile;
+    const int w16 = ((threadIdx.x - PRODUCER_THREADS) >> 5) * 16;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
+    uint16_t *out = p.ring_dgu + t.ring0 * 2 * I + n0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < TILE_C_COLS / 8; j += 2)
+            stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, w16, h * (TILE_C_COLS / 8));
+        consumer_sync();
+        copy_staged(c, t.nreal, MOK_FP8_BLOCK, out + h * I, 2 * I);
+        consumer_sync();
+    }
+}
+
+/* The SwiGLU backward of a routed or shared FP8 dh tile. */
+static __device__ __forceinline__ void dh_epilogue_fp8(const pass_params &p, const mok_task_span &span, long long rt,
+                                                       long long nt, const task_prep &tp, float (&acc)[TILE_ACC],
+                                                       uint16_t *c) {
+    const long long I = p.inter, Is = p.shared_inter, n0 = nt * MOK_FP8_BLOCK;
+    if (span.kind == MOK_TASK_DH) {
+        const tile_info t = tp.tile;
+        const uint16_t *gu = tile_replays(p, rt) ? p.ring_dgu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
+        swiglu_backward_fp8(acc, t.nreal, gu, 2 * I, I, n0, p.ring_w + t.ring0, p.limit, p.ring_h + t.ring0 * I, I,
+                            p.ring_dgu + t.ring0 * 2 * I, 2 * I, (uint8_t *)(p.ring_gu + t.ring0 * 2 * I), 4 * I,
+                            p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c, true);
+    } else {
+        const long long t0 = rt * MOK_ROW_TILE;
+        swiglu_backward_fp8(acc, token_rows(p, t0), p.context_shared + t0 * 2 * Is, 2 * Is, Is, n0, nullptr, p.limit,
+                            p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is, p.sh_gq + t0 * p.sh_gq_ld,
+                            p.sh_gq_ld, nullptr, 0, c, false);
+    }
+}
+
+template <int VAR>
+static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, const mok_task_span &span, long long rt,
+                                                        long long nt, const task_prep &tp, int i,
+                                                        float (&acc)[TILE_ACC], uint16_t *c, const CUtensorMap *maps) {
+    const int tid = threadIdx.x - PRODUCER_THREADS;
+    if (tid == 0) bulk_wait_read(); /* as bwd_epilogue: the last TMA stores have read the staging region */
+    consumer_sync();
+    if (VAR == 0) {
+        switch (span.kind) {
+        case MOK_TASK_DH:
+            if (i == 0 && tile_replays(p, rt)) replay_epilogue_fp8(p, nt, tp, acc, c);
+            else dh_epilogue_fp8(p, span, rt, nt, tp, acc, c);
+            break;
+        case MOK_TASK_SHARED_DH: dh_epilogue_fp8(p, span, rt, nt, tp, acc, c); break;
+        case MOK_TASK_DX: dx_epilogue(p, nt, tp, acc, c, tid); return;
+        case MOK_TASK_SHARED_DX: {
+            const long long t0 = rt * MOK_ROW_TILE;
+            store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * p.hidden, p.hidden, nt * p.n_tile_h, c);
+            return;
+        }
+        default: break;
+        }
+    } else if (VAR == 3) {
+        wgrad_epilogue(p, span, tp, acc, c, maps, tid);
+    }
+    consumer_sync();
+}
+
+struct backward_compute_fp8 {
+    static constexpr int VARIANTS = (1 << 0) | (1 << 3); /* E4M3 K/K, bf16 M-major/N-major */
+    static constexpr bool FP8 = true;
+    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
+                                   long long rt, long long nt, task_prep *tp) {
+        bwd_prepare(p, v, span, rt, nt, tp);
+    }
+    static __device__ int gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
+                               const task_prep &tp, int i, tile_operands *op) {
+        return bwd_gemm_fp8(p, span, rt, nt, tp, i, op);
+    }
+    template <int VAR>
+    static __device__ void preset(const pass_params &p, const mok_task_span &span, long long, long long,
+                                  const task_prep &tp, int, float (&acc)[TILE_ACC]) {
+        bwd_preset<VAR>(p, span, tp, acc);
+    }
+    template <int VAR>
+    static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
+                                    const task_prep &tp, int i, float (&acc)[TILE_ACC], uint16_t *c, float *,
+                                    const CUtensorMap *maps) {
+        bwd_epilogue_fp8<VAR>(p, span, rt, nt, tp, i, acc, c, maps);
+    }
+    static __device__ void plain(const pass_params &p, const mok_task_span &span, long long, long long,
+                                 const task_prep &) {
+        if (span.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, span.first_tile);
+    }
+};
+
+#endif

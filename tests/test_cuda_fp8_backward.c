@@ -1,0 +1,208 @@
+/* test_cuda_fp8_backward.c — the cuda backend's FP8 backward (include/mok.h, FP8 section) against
+ * the FP8 reference and the cpu backend's FP8 backward: dx, d_router_w and every weight gradient
+ * (bf16 and accumulate mode) on the adversarial routings of the bf16 tests (one expert, empty
+ * experts, -1 slots, router weights <= 0, the clamp, no shared expert, several macrobatches with
+ * the replay of g|u past the context); the replay and mok_recompute_context giving the bits of a
+ * backward from the forward's context; and bitwise determinism across runs, comm CTAs, minibatch
+ * and ring sizes, turned transfers and the cp.async path.
+ *
+ * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums). Every case
+ * prints its errors (1 = the tolerance), passing or not. Every test skips without a GPU; the EP2
+ * cases without two. Seeds derive from MOK_TEST_SEED and the case's name. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_layer.h"
+#include "layer.h"
+#include "matrix.h"
+#include "test.h"
+
+static int skip(const char *name) {
+    if (mok_backend_available(MOK_BACKEND_CUDA) >= 1) return 0;
+    mok_test_skip("%s needs a GPU (and a build with the cuda backend)", name);
+    return 1;
+}
+
+static mok_shape fp8_shape(int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is) {
+    mok_shape s = {H, I, E, k, Is, 1, MOK_PRECISION_FP8};
+    return s;
+}
+
+static int make_layer(layer *L, const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
+                      float limit) {
+    if (layer_make(L, shape, P, tokens, matrix_case_seed(name, 0xbac8f8ull), routing) != 0) {
+        CHECK(0, "%s: layer_make failed", name);
+        layer_free(L);
+        return -1;
+    }
+    L->swiglu_limit = limit;
+    L->tensor_core_sums = 1;
+    if (limit > 0.0f) layer_avoid_clamp_flips(L);
+    return 0;
+}
+
+/* Forward (or forward then recompute) and backward of L on the GPUs with config into *out. */
+static mok_status gpu_run(const layer *L, const mok_config *config, int accumulate, int recompute, layer_result *out,
+                          char *message, size_t message_size) {
+    gpu_fp8 G;
+    mok_status st = gpu_fp8_open(&G, L, config);
+    if (st == MOK_OK) st = gpu_fp8_forward(&G, L, 0);
+    if (st == MOK_OK) gpu_layer_download_y(&G.gpu, L, out);
+    if (st == MOK_OK && recompute) {
+        /* a poisoned context, rebuilt by the recompute pass */
+        for (int p = 0; p < L->nranks && st == MOK_OK; ++p)
+            st = gpu_layer_fill(&G.gpu, p, G.gpu.context[p], G.gpu.sizes.context_bytes, 0xff);
+        if (st == MOK_OK) st = gpu_fp8_forward(&G, L, 1);
+    }
+    if (st == MOK_OK) st = gpu_layer_backward(&G.gpu, L, accumulate, G.fp8, out);
+    if (st != MOK_OK) snprintf(message, message_size, "%s", G.gpu.message[0] ? G.gpu.message : mok_last_error());
+    gpu_fp8_close(&G);
+    return st;
+}
+
+/* One layer (exact: gpu_fp8_reshape's exact values): the FP8 reference, then the GPU's
+ * backward, compared. */
+static void check_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
+                       float limit, const mok_config *gpu_cfg, int accumulate, int exact) {
+    if (mok_backend_available(MOK_BACKEND_CUDA) < P) {
+        printf("    (%s: skipped, needs %d GPUs)\n", name, P);
+        return;
+    }
+    layer L;
+    if (make_layer(&L, name, shape, P, tokens, routing, limit) != 0) return;
+    if (exact) gpu_fp8_reshape(&L, GPU_FP8_EXACT, L.seed ^ 0x5eedull);
+    char tag[256], message[1024] = "";
+    snprintf(tag, sizeof tag, "%s (MOK_TEST_SEED=%llu)", name, mok_test_seed());
+    layer_result ref = {0}, got = {0};
+    mok_status st = layer_run_reference(&L, &ref);
+    CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
+    if (st == MOK_OK) {
+        st = gpu_run(&L, gpu_cfg, accumulate, 0, &got, message, sizeof message);
+        CHECK(st == MOK_OK, "%s: gpu: %s", tag, message);
+    }
+    if (st == MOK_OK) {
+        const double e = layer_compare(&L, &got, &ref, tag);
+        CHECK(e <= 1.0, "%s: cuda FP8 backward vs the FP8 reference: error %.3g > 1", tag, e);
+        printf("    %s: error %.3f vs the reference\n", name, e);
+    }
+    layer_result_free(&got);
+    layer_result_free(&ref);
+    layer_free(&L);
+}
+
+MOK_TEST(cuda_fp8_backward_routings) {
+    if (skip("cuda_fp8_backward_routings")) return;
+    const int64_t t1[1] = {300}, one[1] = {1};
+    const mok_shape a = fp8_shape(256, 256, 8, 2, 128);
+    check_case("fp8 bwd ep1 uniform", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 skewed accumulate", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1, 0);
+    check_case("fp8 bwd ep1 one expert", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 empty experts", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 -1 slots, weights <= 0", &a, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, NULL,
+               0, 0);
+    /* the clamp on exact layers: g and u are the reference's bits, so no element's clamp mask can
+       differ (layer_avoid_clamp_flips steers by the reference's g and u; the tensor cores' block
+       sums move them by more than its window) */
+    check_case("fp8 bwd ep1 clamp, exact", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 one token", &a, 1, one, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
+    const mok_shape wide = fp8_shape(384, 384, 4, 3, 0); /* no shared expert; 256 + 128 column dx tiles */
+    check_case("fp8 bwd ep1 no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0);
+    const mok_shape big_shared = fp8_shape(128, 128, 4, 1, 384); /* k = 1: the shared dg^|du^ rows of their own */
+    check_case("fp8 bwd ep1 k = 1, wide shared expert", &big_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
+    mok_config ring = mok_config_default();
+    ring.minibatch_rows = 128;
+    ring.ring_rows = 256;
+    ring.context_rows = 128;
+    ring.bwd_comm_sms = 3;
+    const int64_t t777[1] = {777};
+    check_case("fp8 bwd ep1 macrobatches, replay", &a, 1, t777, LAYER_ROUTE_SKEWED, 0.0f, &ring, 0, 0);
+    check_case("fp8 bwd ep1 macrobatches, replay, accumulate", &a, 1, t777, LAYER_ROUTE_ONE_EXPERT, 0.0f, &ring, 1, 0);
+    const int64_t t2[2] = {300, 0}, t2b[2] = {17, 411};
+    const mok_shape b = fp8_shape(256, 128, 8, 4, 128);
+    check_case("fp8 bwd ep1 exact", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 exact, replay, accumulate", &a, 1, t777, LAYER_ROUTE_UNIFORM, 0.0f, &ring, 1, 1);
+    check_case("fp8 bwd ep2 uneven", &b, 2, t2, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep2 holes, macrobatches, replay", &b, 2, t2b, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f,
+               &ring, 0, 0);
+}
+
+/* The replay of g|u past the context (config.context_rows) and mok_recompute_context give the
+ * bits of a backward from the forward's whole context: the replay's x^ and weights are the
+ * forward's, so are its g and u. */
+MOK_TEST(cuda_fp8_backward_replay) {
+    if (skip("cuda_fp8_backward_replay")) return;
+    const int64_t t1[1] = {700};
+    const mok_shape s = fp8_shape(384, 256, 8, 4, 128);
+    layer L;
+    if (make_layer(&L, "fp8 bwd replay", &s, 1, t1, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f) != 0) return;
+    char message[1024] = "", what[256] = "";
+    layer_result whole = {0}, replayed = {0}, recomputed = {0};
+    mok_config c = mok_config_default();
+    mok_status st = gpu_run(&L, &c, 0, 0, &whole, message, sizeof message);
+    CHECK(st == MOK_OK, "whole context: %s", message);
+    c.context_rows = 128;
+    if (st == MOK_OK) {
+        st = gpu_run(&L, &c, 0, 0, &replayed, message, sizeof message);
+        CHECK(st == MOK_OK, "context of 128 rows: %s", message);
+    }
+    if (st == MOK_OK)
+        CHECK(layer_equal(&L, &whole, &replayed, what, sizeof what), "the replay past 128 context rows differs: %s",
+              what);
+    c = mok_config_default();
+    if (st == MOK_OK) {
+        st = gpu_run(&L, &c, 0, 1, &recomputed, message, sizeof message);
+        CHECK(st == MOK_OK, "recompute: %s", message);
+    }
+    if (st == MOK_OK)
+        CHECK(layer_equal(&L, &whole, &recomputed, what, sizeof what),
+              "the backward after mok_recompute_context differs: %s", what);
+    layer_result_free(&whole);
+    layer_result_free(&replayed);
+    layer_result_free(&recomputed);
+    layer_free(&L);
+}
+
+/* dx, d_router_w and the gradients bitwise equal across two runs and across workspaces with other
+ * comm CTA counts, minibatch and ring sizes, turned transfers and the cp.async path
+ * (MOK_CUDA_TMA=0). */
+MOK_TEST(cuda_fp8_backward_determinism) {
+    if (skip("cuda_fp8_backward_determinism")) return;
+    const int64_t t1[1] = {700};
+    const mok_shape s = fp8_shape(256, 256, 8, 4, 128);
+    layer L;
+    if (make_layer(&L, "fp8 bwd determinism", &s, 1, t1, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f) != 0) return;
+    struct {
+        int comm, minibatch, ring, turned, no_tma;
+    } variants[] = {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, {1, 0, 0, 0, 0}, {7, 128, 256, 0, 0},
+                    {2, 256, 512, 0, 0}, {0, 0, 0, 1, 0}, {0, 128, 384, 1, 0}, {0, 0, 0, 0, 1}};
+    const char *saved = getenv("MOK_CUDA_TMA");
+    char saved_value[32] = "", message[1024] = "", what[256] = "";
+    if (saved) snprintf(saved_value, sizeof saved_value, "%s", saved);
+    layer_result first = {0};
+    for (size_t v = 0; v < sizeof variants / sizeof variants[0]; ++v) {
+        mok_config c = mok_config_default();
+        if (variants[v].comm) c.bwd_comm_sms = variants[v].comm;
+        if (variants[v].minibatch) c.minibatch_rows = variants[v].minibatch;
+        if (variants[v].ring) c.ring_rows = variants[v].ring;
+        if (variants[v].turned) {
+            c.bwd_combine = MOK_PUSH; /* the scatter of x^, dy rows into the ring */
+            c.bwd_dispatch = MOK_PULL; /* the gather of dx parts */
+        }
+        if (variants[v].no_tma) setenv("MOK_CUDA_TMA", "0", 1);
+        layer_result got = {0};
+        mok_status st = gpu_run(&L, &c, 0, 0, v == 0 ? &first : &got, message, sizeof message);
+        if (variants[v].no_tma) {
+            if (saved) setenv("MOK_CUDA_TMA", saved_value, 1);
+            else unsetenv("MOK_CUDA_TMA");
+        }
+        CHECK(st == MOK_OK, "variant %zu: %s", v, message);
+        if (st == MOK_OK && v > 0)
+            CHECK(layer_equal(&L, &first, &got, what, sizeof what), "variant %zu differs from the first run: %s", v,
+                  what);
+        layer_result_free(&got);
+        if (st != MOK_OK) break;
+    }
+    layer_result_free(&first);
+    layer_free(&L);
+}
