@@ -5,7 +5,8 @@ source-page CSV of the SASS view (`ncu -i R --page source --csv --print-source s
 
 LISTING is `nvdisasm -g -c` of the cubin that ran (scripts/ncu-pass.sh makes it from
 build/libmok.so): its `//## File "...", line L` comments give each instruction's source line, so
-the samples can be summed per line. The CSV's rows are matched to the listing's instructions of
+the samples can be summed per line. The executed local-memory instructions (LDL, STL: spills)
+are summed per line too. The CSV's rows are matched to the listing's instructions of
 function NAME by their offset from the function's first instruction; the opcodes of the first
 rows are compared, and a mismatch drops the per-line table rather than print a wrong one.
 
@@ -116,6 +117,19 @@ def main():
         print(f"\nby source line (top {top}):")
         for ln, (s, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"{100 * s / total:6.2f}%  {ln:<28} {n:5d} instructions")
+    executed = next((i for i, c in enumerate(head) if c.strip() == "Instructions Executed"), None)
+    local = [r for r in data if r[src].split() and r[src].split()[-1] and
+             any(w.split(".")[0] in ("LDL", "STL") for w in r[src].split()[:2])]
+    if executed is not None and local:
+        per = defaultdict(lambda: [0.0, 0])
+        for r in local:
+            e = per[line_of.get(id(r), r[src].strip()[:40])]
+            e[0] += number(r[executed]) or 0.0
+            e[1] += 1
+        spilled = sum(v[0] for v in per.values()) or 1.0
+        print(f"\nlocal memory (spills): {spilled:.0f} executed LDL/STL warp instructions, by source line (top {top}):")
+        for ln, (n_exec, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"{100 * n_exec / spilled:6.2f}%  {n_exec:12.0f}  {ln:<28} {n:5d} instructions")
     print(f"\nby instruction (top {top}):")
     for r in sorted(sampled, key=lambda r: -number(r[col]))[:top]:
         where = r[addr] if addr is not None else ""

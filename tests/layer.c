@@ -72,8 +72,17 @@
  * typical terms among n = (k + 1) · I terms, an error of sqrt(f / n) · 2^-3 of y's typical size:
  * with f / n about 0.03, 2.2e-2 of it. A block's max and its worst error are both the tail of its
  * 10^4 - 10^5 values (4 - 4.5 standard deviations of each), so the worst error is about 2.2e-2 of
- * the block's max. With the last rounding (7.8e-3): y's rtol 3e-2 on those backends. The
- * backward's rows stay the cpu's until a tensor-core FP8 backward exists to measure them. */
+ * the block's max. With the last rounding (7.8e-3): y's rtol 3e-2 on those backends.
+ * The cuda FP8 backward (test_cuda_fp8_backward.c, 3 seeds of 11 random layers, H 128-384) put
+ * the flip fraction higher: y up to 3.7e-2 of its block's max (f about 0.09 in the walk above),
+ * and the backward's tensors built from h^ alike: d_router_w (a dot over I terms of h^) 5.3e-2
+ * where its block is one token's two slots, its max no tail; dw_down and ds_down (sums of
+ * bf16(w dy) h^ over the rows) 3.9e-2 and 2.4e-2; dx (dg^, du^ flipped through the dh sums)
+ * 2.2e-2; dw_gate, dw_up, ds_gate, ds_up (dg, du unquantized: an ulp) within the cpu's 1e-2. So on
+ * those backends: y 5e-2, dx 3e-2, d_router_w 8e-2, dw_down and ds_down 5e-2. These rows cannot
+ * tell a missing quantization point (1.8e-2 - 6e-2, above); the layers whose block sums are exact
+ * on the tensor cores (test_cuda_fp8*.c's exact layers: every quantized operand and every GEMM
+ * the reference's bits up to fp32 against fp64) keep the cpu's rows, and they can. */
 #include "layer.h"
 
 #include <math.h>
@@ -114,12 +123,16 @@ static const tolerance tolerances_fp8[T_NUM] = {
 };
 
 
-/* y's rtol for FP8 layers on tensor-core block sums (derived above); their other rows are the cpu's. */
-#define FP8_TENSOR_CORE_Y_RTOL 3e-2
-
+/* The rows FP8 layers on tensor-core block sums change (derived above); the others are the cpu's. */
 static void tolerances_of(const layer *L, tolerance *out) {
     memcpy(out, L->shape.precision == MOK_PRECISION_FP8 ? tolerances_fp8 : tolerances_bf16, sizeof(tolerance) * T_NUM);
-    if (L->shape.precision == MOK_PRECISION_FP8 && L->tensor_core_sums) out[T_Y].rtol = FP8_TENSOR_CORE_Y_RTOL;
+    if (L->shape.precision == MOK_PRECISION_FP8 && L->tensor_core_sums) {
+        out[T_Y].rtol = 5e-2;
+        out[T_DX].rtol = 3e-2;
+        out[T_DRW].rtol = 8e-2;
+        out[T_DW_DOWN].rtol = 5e-2;
+        out[T_DS_DOWN].rtol = 5e-2;
+    }
 }
 
 /* ---- random numbers: splitmix64 streams keyed by (seed, purpose, index) -------------------- */

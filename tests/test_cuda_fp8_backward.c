@@ -6,8 +6,10 @@
  * backward from the forward's context; and bitwise determinism across runs, comm CTAs, minibatch
  * and ring sizes, turned transfers and the cp.async path.
  *
- * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums). Every case
- * prints its errors (1 = the tolerance), passing or not. Every test skips without a GPU; the EP2
+ * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums) on random
+ * layers, and the cpu's FP8 rows on exact ones (gpu_layer.h: x, dy and the weights such that every
+ * GEMM's block sums are exact on the tensor cores, where those rows see a missing quantization
+ * point). Every case prints its errors (1 = the tolerance), passing or not. Every test skips without a GPU; the EP2
  * cases without two. Seeds derive from MOK_TEST_SEED and the case's name. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,7 +73,10 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     }
     layer L;
     if (make_layer(&L, name, shape, P, tokens, routing, limit) != 0) return;
-    if (exact) gpu_fp8_reshape(&L, GPU_FP8_EXACT, L.seed ^ 0x5eedull);
+    if (exact) { /* every GEMM the reference's up to fp32 sums: the cpu's rows apply (layer.c) */
+        gpu_fp8_reshape(&L, GPU_FP8_EXACT, L.seed ^ 0x5eedull);
+        L.tensor_core_sums = 0;
+    }
     char tag[256], message[1024] = "";
     snprintf(tag, sizeof tag, "%s (MOK_TEST_SEED=%llu)", name, mok_test_seed());
     layer_result ref = {0}, got = {0};
@@ -91,25 +96,31 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     layer_free(&L);
 }
 
+/* Random layers (tensor-core rows) and exact ones (the cpu's rows, which would see a missing
+ * quantization point) on the adversarial routings. */
 MOK_TEST(cuda_fp8_backward_routings) {
     if (skip("cuda_fp8_backward_routings")) return;
     const int64_t t1[1] = {300}, one[1] = {1};
     const mok_shape a = fp8_shape(256, 256, 8, 2, 128);
     check_case("fp8 bwd ep1 uniform", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
     check_case("fp8 bwd ep1 skewed accumulate", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1, 0);
-    check_case("fp8 bwd ep1 one expert", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 0, 0);
-    check_case("fp8 bwd ep1 empty experts", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 0, 0);
-    check_case("fp8 bwd ep1 -1 slots, weights <= 0", &a, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f, NULL,
-               0, 0);
-    /* the clamp on exact layers: g and u are the reference's bits, so no element's clamp mask can
-       differ (layer_avoid_clamp_flips steers by the reference's g and u; the tensor cores' block
-       sums move them by more than its window) */
-    check_case("fp8 bwd ep1 clamp, exact", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 0, 1);
-    check_case("fp8 bwd ep1 one token", &a, 1, one, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 exact skewed", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 exact one expert", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 exact empty experts", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 1, 1);
+    check_case("fp8 bwd ep1 exact -1 slots, weights <= 0", &a, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f,
+               NULL, 0, 1);
+    /* the clamp on exact layers only: g and u are the reference's bits there, so no element's clamp
+       mask can differ (layer_avoid_clamp_flips steers by the reference's g and u; the tensor cores'
+       block sums move them by more than its window) */
+    check_case("fp8 bwd ep1 exact clamp", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 exact one token", &a, 1, one, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 1);
     const mok_shape wide = fp8_shape(384, 384, 4, 3, 0); /* no shared expert; 256 + 128 column dx tiles */
     check_case("fp8 bwd ep1 no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 exact no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1);
     const mok_shape big_shared = fp8_shape(128, 128, 4, 1, 384); /* k = 1: the shared dg^|du^ rows of their own */
     check_case("fp8 bwd ep1 k = 1, wide shared expert", &big_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 exact k = 1, wide shared expert", &big_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0,
+               1);
     mok_config ring = mok_config_default();
     ring.minibatch_rows = 128;
     ring.ring_rows = 256;
@@ -117,14 +128,13 @@ MOK_TEST(cuda_fp8_backward_routings) {
     ring.bwd_comm_sms = 3;
     const int64_t t777[1] = {777};
     check_case("fp8 bwd ep1 macrobatches, replay", &a, 1, t777, LAYER_ROUTE_SKEWED, 0.0f, &ring, 0, 0);
-    check_case("fp8 bwd ep1 macrobatches, replay, accumulate", &a, 1, t777, LAYER_ROUTE_ONE_EXPERT, 0.0f, &ring, 1, 0);
+    check_case("fp8 bwd ep1 exact macrobatches, replay, accumulate", &a, 1, t777, LAYER_ROUTE_ONE_EXPERT, 0.0f, &ring,
+               1, 1);
     const int64_t t2[2] = {300, 0}, t2b[2] = {17, 411};
     const mok_shape b = fp8_shape(256, 128, 8, 4, 128);
-    check_case("fp8 bwd ep1 exact", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1);
-    check_case("fp8 bwd ep1 exact, replay, accumulate", &a, 1, t777, LAYER_ROUTE_UNIFORM, 0.0f, &ring, 1, 1);
     check_case("fp8 bwd ep2 uneven", &b, 2, t2, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0);
-    check_case("fp8 bwd ep2 holes, macrobatches, replay", &b, 2, t2b, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f,
-               &ring, 0, 0);
+    check_case("fp8 bwd ep2 exact holes, macrobatches, replay", &b, 2, t2b, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS,
+               0.0f, &ring, 0, 1);
 }
 
 /* The replay of g|u past the context (config.context_rows) and mok_recompute_context give the

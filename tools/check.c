@@ -64,8 +64,32 @@ static const tools_tolerance tolerances_fp8[TOOLS_NUM_TENSORS] = {
     [TOOLS_DS_DOWN] = {"ds_down", 1e-2, 1e-6},
 };
 
-const tools_tolerance *tools_tolerance_of(tools_tensor tensor, int precision) {
-    return precision == MOK_PRECISION_FP8 ? &tolerances_fp8[tensor] : &tolerances[tensor];
+/* FP8 on a backend whose tensor cores sum each 128-K block with fewer bits than fp32 (the cuda
+ * backend; mok.h leaves a block's sum to the backend): g, u and dh move by a bf16 ulp often, and
+ * several percent of the h^, dg^, du^ elements flip by an E4M3 step instead of a rare one.
+ * tests/layer.c derives and measures these rows (worst seen over random layers: y 3.7e-2, dx
+ * 2.2e-2, d_router_w 5.3e-2, dw_down 3.9e-2, ds_down 2.4e-2, the other gradients within 1e-2). */
+static const tools_tolerance tolerances_fp8_tensor_cores[TOOLS_NUM_TENSORS] = {
+    [TOOLS_Y] = {"y", 5e-2, 1e-6},
+    [TOOLS_DX] = {"dx", 3e-2, 1e-6},
+    [TOOLS_D_ROUTER_W] = {"d_router_w", 8e-2, 1e-6},
+    [TOOLS_DW_GATE] = {"dw_gate", 1e-2, 1e-6},
+    [TOOLS_DW_UP] = {"dw_up", 1e-2, 1e-6},
+    [TOOLS_DW_DOWN] = {"dw_down", 5e-2, 1e-6},
+    [TOOLS_DS_GATE] = {"ds_gate", 1e-2, 1e-6},
+    [TOOLS_DS_UP] = {"ds_up", 1e-2, 1e-6},
+    [TOOLS_DS_DOWN] = {"ds_down", 5e-2, 1e-6},
+};
+
+tools_table tools_table_of(int precision, int backend) {
+    if (precision != MOK_PRECISION_FP8) return TOOLS_TABLE_BF16;
+    return backend == MOK_BACKEND_CUDA ? TOOLS_TABLE_FP8_TENSOR_CORES : TOOLS_TABLE_FP8;
+}
+
+const tools_tolerance *tools_tolerance_of(tools_tensor tensor, tools_table table) {
+    return table == TOOLS_TABLE_FP8_TENSOR_CORES ? &tolerances_fp8_tensor_cores[tensor]
+           : table == TOOLS_TABLE_FP8         ? &tolerances_fp8[tensor]
+                                              : &tolerances[tensor];
 }
 
 static double element(const void *data, tools_dtype type, int64_t index) {
@@ -73,7 +97,7 @@ static double element(const void *data, tools_dtype type, int64_t index) {
     return (double)((const float *)data)[index];
 }
 
-tools_error tools_compare(tools_tensor tensor, int precision, const void *got, tools_dtype got_type,
+tools_error tools_compare(tools_tensor tensor, tools_table table, const void *got, tools_dtype got_type,
                           const void *ref, tools_dtype ref_type, int64_t count) {
     tools_error error = {0.0, 0.0, 0.0, -1};
     for (int64_t i = 0; i < count; ++i) {
@@ -86,7 +110,7 @@ tools_error tools_compare(tools_tensor tensor, int precision, const void *got, t
             error.worst_index = i;
         }
     }
-    const tools_tolerance *tol = tools_tolerance_of(tensor, precision);
+    const tools_tolerance *tol = tools_tolerance_of(tensor, table);
     error.normalized = error.max_abs_error / (tol->atol + tol->rtol * error.max_abs_ref);
     return error;
 }

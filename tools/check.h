@@ -27,8 +27,11 @@ typedef struct tools_tolerance {
     double atol; /* floor, for a tensor that is zero or nearly so */
 } tools_tolerance;
 
-/* precision: mok_precision (the FP8 function is compared with the FP8 reference). */
-const tools_tolerance *tools_tolerance_of(tools_tensor tensor, int precision);
+/* The table a run is judged by: its precision (the FP8 function is compared with the FP8
+ * reference) and, for FP8, whether its backend sums a GEMM's 128-K blocks on tensor cores (cuda). */
+typedef enum tools_table { TOOLS_TABLE_BF16, TOOLS_TABLE_FP8, TOOLS_TABLE_FP8_TENSOR_CORES } tools_table;
+tools_table tools_table_of(int precision, int backend);
+const tools_tolerance *tools_tolerance_of(tools_tensor tensor, tools_table table);
 
 typedef struct tools_error {
     double max_abs_error; /* +inf when an element is NaN or infinite on either side */
@@ -37,7 +40,7 @@ typedef struct tools_error {
     int64_t worst_index;  /* element of the largest error; -1 for an empty tensor */
 } tools_error;
 
-tools_error tools_compare(tools_tensor tensor, int precision, const void *got, tools_dtype got_type,
+tools_error tools_compare(tools_tensor tensor, tools_table table, const void *got, tools_dtype got_type,
                           const void *ref, tools_dtype ref_type, int64_t count);
 
 #endif

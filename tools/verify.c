@@ -146,7 +146,7 @@ static int compare_tensor(const run_state *st, const reference *ref, tools_tenso
         const tools_dtype got_type = t == TOOLS_D_ROUTER_W ? TOOLS_F32 : TOOLS_BF16;
         const tools_dtype ref_type = (t == TOOLS_Y || t == TOOLS_DX) ? TOOLS_BF16 : TOOLS_F32;
         const tools_error e =
-            tools_compare(t, st->shape.precision, ref->got, got_type, ref->out[t][r], ref_type, count);
+            tools_compare(t, tools_table_of(st->shape.precision, st->backend), ref->got, got_type, ref->out[t][r], ref_type, count);
         if (!(e.normalized <= worst->normalized)) {
             *worst = e;
             *worst_rank = r;
@@ -161,7 +161,7 @@ static int print_comparison(const run_state *st, const reference *ref) {
     int failed = 0;
     for (int t = 0; t < TOOLS_NUM_TENSORS; ++t) {
         if (!run_tensor_present(st, (tools_tensor)t)) continue;
-        const tools_tolerance *tol = tools_tolerance_of((tools_tensor)t, st->shape.precision);
+        const tools_tolerance *tol = tools_tolerance_of((tools_tensor)t, tools_table_of(st->shape.precision, st->backend));
         if (!ref->compared[t]) {
             printf("%-11s n/a (%s)\n", tol->name, t != TOOLS_Y && !st->backward ? "no backward" : "sampled tokens");
             continue;

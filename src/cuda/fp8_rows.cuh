@@ -98,25 +98,4 @@ static __device__ __forceinline__ void fp8_quantize_blocks(const uint16_t *const
         }
 }
 
-/* One warp: Q of a bf16 row of n values (a multiple of 128) into the code row at dst. */
-static __device__ __forceinline__ void code_row(uint8_t *dst, const uint16_t *src, long long n) {
-    const long long nb = n / MOK_FP8_BLOCK;
-    float *scales = (float *)(dst + n);
-    for (long long b0 = 0; b0 < nb; b0 += FP8_ROWS_ILP) {
-        const uint16_t *s[FP8_ROWS_ILP];
-        uint8_t *d[FP8_ROWS_ILP];
-        float *sc[FP8_ROWS_ILP];
-        bool valid[FP8_ROWS_ILP];
-#pragma unroll
-        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
-            const long long b = b0 + i < nb ? b0 + i : nb - 1;
-            valid[i] = b0 + i < nb;
-            s[i] = src + b * MOK_FP8_BLOCK;
-            d[i] = dst + b * MOK_FP8_BLOCK;
-            sc[i] = scales + b;
-        }
-        fp8_quantize_blocks(s, d, sc, valid);
-    }
-}
-
 #endif

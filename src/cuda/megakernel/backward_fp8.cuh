@@ -42,8 +42,9 @@ static __device__ __forceinline__ void code_row_a(tile_operands *op, const void 
     op->a_rows = rows;
 }
 
-/* GEMM i of a compute task of the FP8 backward: 1 (K-major, E4M3) or 4 (the bf16 weight gradients,
- * M/N-major), 0 when there is none. */
+/* GEMM i of a compute task of the FP8 backward: 1 + its layout (compute_walk.cuh: 0 K-major E4M3,
+ * 1 the same with B split along K: the dx tiles, 3 the bf16 weight gradients), 0 when there is
+ * none. */
 static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                    const task_prep &tp, int i, tile_operands *op) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter, KB = H / MOK_FP8_BLOCK;
@@ -115,7 +116,7 @@ static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
         fp8_b_scales_split(op, p.wqs[u], w_row, inter / MOK_FP8_BLOCK);
         if (shared) use_tma_k(p, op, MAP_SH_GQ, a_row, MAP_S_GATE, w_row, MAP_S_UP, w_row);
         else use_tma_k(p, op, MAP_RING_GQ, a_row, MAP_W_GATE_T, w_row, MAP_W_UP_T, w_row);
-        return 1;
+        return 2;
     }
     case MOK_TASK_WGRAD:
     case MOK_TASK_SHARED_WGRAD: {
@@ -177,13 +178,11 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
     const int tid = threadIdx.x - PRODUCER_THREADS;
     if (tid == 0) bulk_wait_read(); /* as bwd_epilogue: the last TMA stores have read the staging region */
     consumer_sync();
-    if (VAR == 0) {
+    if (VAR == 0) { /* replay, dh */
+        if (span.kind == MOK_TASK_DH && i == 0 && tile_replays(p, rt)) replay_epilogue_fp8(p, nt, tp, acc, c);
+        else dh_epilogue_fp8(p, span, rt, nt, tp, acc, c);
+    } else if (VAR == 1) { /* dx */
         switch (span.kind) {
-        case MOK_TASK_DH:
-            if (i == 0 && tile_replays(p, rt)) replay_epilogue_fp8(p, nt, tp, acc, c);
-            else dh_epilogue_fp8(p, span, rt, nt, tp, acc, c);
-            break;
-        case MOK_TASK_SHARED_DH: dh_epilogue_fp8(p, span, rt, nt, tp, acc, c); break;
         case MOK_TASK_DX: dx_epilogue(p, nt, tp, acc, c, tid); return;
         case MOK_TASK_SHARED_DX: {
             const long long t0 = rt * MOK_ROW_TILE;
@@ -199,7 +198,7 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
 }
 
 struct backward_compute_fp8 {
-    static constexpr int VARIANTS = (1 << 0) | (1 << 3); /* E4M3 K/K, bf16 M-major/N-major */
+    static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* E4M3, E4M3 split B, bf16 M/N-major */
     static constexpr bool FP8 = true;
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long nt, task_prep *tp) {

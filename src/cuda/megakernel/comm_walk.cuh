@@ -108,20 +108,44 @@ static __device__ __forceinline__ void pull_row(uint16_t *x_out, uint16_t *dy_ou
 /* One warp, a ring row of the FP8 backward (the pull's, or the combine_push's into a peer's ring):
  * bf16(x^) of the token's x^ codes and scales into x_out, its codes and scales also into the code
  * row xq_out when the tile replays (else NULL), bf16(w · dy) into dyw_out, dy^ into the code row
- * dyq_out. */
+ * dyq_out. Four 128-blocks a step, every load of the step issued before the first store (the
+ * blocks' maxima are warp reductions): a lane's 16 codes of x (in block lane / 8) and its 4 values
+ * of dy in each block, as fp8_quantize_blocks lays them. */
 static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq_out, uint16_t *dyw_out,
                                                     uint8_t *dyq_out, const uint8_t *xq, const float *xs,
                                                     const uint16_t *dy, float w, long long H) {
     const int lane = threadIdx.x & 31;
-    for (long long c = lane; c < H / 8; c += 32) {
-        const uint2 codes = ((const uint2 *)xq)[c];
-        ((int4 *)x_out)[c] = bf16x8_from_e4m3x8(codes, xs[c * 8 / MOK_FP8_BLOCK]);
-        if (xq_out) ((uint2 *)xq_out)[c] = codes;
-        ((int4 *)dyw_out)[c] = scale_bf16x8(((const int4 *)dy)[c], w);
+    const long long nb = H / MOK_FP8_BLOCK;
+    float *dy_scales = (float *)(dyq_out + H);
+    for (long long b0 = 0; b0 < nb; b0 += FP8_ROWS_ILP) {
+        static_assert(FP8_ROWS_ILP == 4, "a lane's 16 codes of x lie in block lane / 8 of four");
+        uint2 d[FP8_ROWS_ILP];
+#pragma unroll
+        for (int i = 0; i < FP8_ROWS_ILP; ++i)
+            d[i] = b0 + i < nb ? *(const uint2 *)(dy + (b0 + i) * MOK_FP8_BLOCK + 4 * lane) : make_uint2(0u, 0u);
+        const long long xb = b0 + lane / 8, at = b0 * MOK_FP8_BLOCK + 16 * lane;
+        const bool x_here = xb < nb;
+        const uint4 codes = x_here ? *(const uint4 *)(xq + at) : make_uint4(0u, 0u, 0u, 0u);
+        const float s = x_here ? xs[xb] : 0.0f;
+        if (x_here) {
+            *(int4 *)(x_out + at) = bf16x8_from_e4m3x8(make_uint2(codes.x, codes.y), s);
+            *(int4 *)(x_out + at + 8) = bf16x8_from_e4m3x8(make_uint2(codes.z, codes.w), s);
+            if (xq_out) *(uint4 *)(xq_out + at) = codes;
+        }
+#pragma unroll
+        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
+            const float v[4] = {mok__bf16_to_f32((uint16_t)(d[i].x & 0xffffu)), mok__bf16_to_f32((uint16_t)(d[i].x >> 16)),
+                                mok__bf16_to_f32((uint16_t)(d[i].y & 0xffffu)), mok__bf16_to_f32((uint16_t)(d[i].y >> 16))};
+            const int e = fp8_warp_scale_exp(v); /* every lane: a warp reduction */
+            if (b0 + i >= nb) continue;
+            const long long col = (b0 + i) * MOK_FP8_BLOCK + 4 * lane;
+            *(uint32_t *)(dyq_out + col) = fp8_codes4(v, e);
+            *(uint2 *)(dyw_out + col) = make_uint2(bf16x2_from_f32(w * v[0], w * v[1]), bf16x2_from_f32(w * v[2], w * v[3]));
+            if (lane == 0) dy_scales[b0 + i] = mok__fp8_pow2(e);
+        }
     }
     if (xq_out)
-        for (long long b = lane; b < H / MOK_FP8_BLOCK; b += 32) ((float *)(xq_out + H))[b] = xs[b];
-    code_row(dyq_out, dy, H);
+        for (long long b = lane; b < nb; b += 32) ((float *)(xq_out + H))[b] = xs[b];
 }
 
 /* One warp: a ring row's dx part (h bf16) into its owner's (token, slot) row, and lane 0 the

@@ -6,9 +6,11 @@
  *
  * A Runner says what a compute task is, and both sides ask it the same questions:
  *   static constexpr int VARIANTS;  bit (2 A_MN + B_MN) set for each operand layout it uses
- *   static constexpr bool FP8;      optional: true when its K-major GEMMs (layout 0) are
- *                                    block-scaled E4M3 (fp8_tile.cuh's consumer loop; the whole
- *                                    kernel takes its register split); M/N-major ones stay bf16
+ *   static constexpr bool FP8;      optional: true when its K-major GEMMs are block-scaled E4M3
+ *                                    (fp8_tile.cuh's consumer loop; the whole kernel takes its
+ *                                    register split): layout 0 then, and layout 1 for one whose B
+ *                                    has a K split (tile_operands.bk_split; its operands are K-major
+ *                                    too); M/N-major ones (layout 3) stay bf16
  *   prepare(p, v, span, rt, nt, &tp): producer thread 0, once per task before posting it: what
  *                                    the others need of the schedule (params.cuh's task_prep); they
  *                                    get it as `tp` (shared memory, beside the task's queue entry)
@@ -206,9 +208,11 @@ static __device__ __forceinline__ bool variant_used(int variant) {
 
 template <typename Runner>
 static __device__ void produce(stage_ring &r, int variant, const tile_operands &op, int tid) {
-    constexpr bool KSPLIT = runner_fp8<Runner>::value; /* tile_operands.bk_split: FP8 dx tiles */
-    if (op.tma) produce_tma<KSPLIT>(r, op, tid);
-    else if (variant_used<Runner, false, false>(variant)) produce_gemm<false, false, KSPLIT>(r, op, tid);
+    constexpr bool FP8 = runner_fp8<Runner>::value; /* layouts 0 and 1 both K-major, B maybe split */
+    if (op.tma) produce_tma<FP8>(r, op, tid);
+    else if (FP8 && (variant_used<Runner, false, false>(variant) || variant_used<Runner, false, true>(variant)))
+        produce_gemm<false, false, true>(r, op, tid);
+    else if (variant_used<Runner, false, false>(variant)) produce_gemm<false, false>(r, op, tid);
     else if (variant_used<Runner, false, true>(variant)) produce_gemm<false, true>(r, op, tid);
     else if (variant_used<Runner, true, false>(variant)) produce_gemm<true, false>(r, op, tid);
     else if (variant_used<Runner, true, true>(variant)) produce_gemm<true, true>(r, op, tid);
@@ -223,8 +227,9 @@ static __device__ __forceinline__ void consume_phase(const pass_params &p, const
     float acc[TILE_ACC];
     Runner::template preset<(A_MN ? 2 : 0) + (B_MN ? 1 : 0)>(p, span, rt, nt, tp, i, acc);
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
-    /* an FP8 runner's K-major GEMMs are E4M3; the backward's weight gradients stay bf16 (M/N-major) */
-    if constexpr (runner_fp8<Runner>::value && !A_MN && !B_MN) consume_gemm_fp8(r, op, acc);
+    /* an FP8 runner's K-major GEMMs are E4M3 (layout 1: B split along K); the backward's weight
+       gradients stay bf16 (M/N-major) */
+    if constexpr (runner_fp8<Runner>::value && !A_MN) consume_gemm_fp8<B_MN>(r, op, acc);
     else consume_gemm<A_MN, B_MN>(r, op, acc);
     if (TRACE_ON(p)) {
         clk.gemm_end = globaltimer_ns();

@@ -86,17 +86,21 @@ static __device__ __forceinline__ void fp8_b_scales_split(tile_operands *op, con
 }
 
 /* Consumer: acc += the block-scaled product over the GEMM's stages (acc holds the starting values,
- * written on every path before: gemm_tile.cuh's NOTE on consume_gemm). */
+ * written on every path before: gemm_tile.cuh's NOTE on consume_gemm). KSPLIT: B has a K split
+ * (tile_operands.bk_split). Its scale switch is compiled only where a GEMM has one: the loop holds
+ * 192 accumulators and partial sums of the 224 registers, and the switch's few more made ptxas
+ * spill accumulators around every promotion (ncu: local memory in fp8_promote). */
+template <bool KSPLIT>
 static __device__ __forceinline__ void consume_gemm_fp8(stage_ring &r, const tile_operands &op, float (&acc)[TILE_ACC]) {
     const int kblocks = k_steps(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
     if (kblocks == 0) return;
     const int t = threadIdx.x - PRODUCER_THREADS, row0 = (t >> 5) * 16 + (lane >> 2);
     const bool lo_real = row0 < op.a_rows, hi_real = row0 + 8 < op.a_rows, two = op.sb[1] != nullptr;
     const float *sa = op.sa + (lo_real ? row0 * op.sa_ld : 0), *sb0 = op.sb[0], *sb1 = op.sb[1];
-    const int hi_step = 8 * (int)op.sa_ld, kb_split = (int)(op.bk_split / TILE_BK);
+    const int hi_step = 8 * (int)op.sa_ld, kb_split = KSPLIT ? (int)(op.bk_split / TILE_BK) : 0;
     float part[WGMMA_N128_ACC];
     for (int kb = 0; kb < kblocks; ++kb) {
-        if (kb_split > 0 && kb == kb_split) { /* B's second matrix along K (tile_operands.bk_split) */
+        if (KSPLIT && kb == kb_split) { /* B's second matrix along K (tile_operands.bk_split) */
             sb0 = op.sb2[0] - kb;
             sb1 = op.sb2[1] - kb;
         }
