@@ -269,3 +269,34 @@ void gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
                 }
 #undef VALUE
 }
+
+mok_config gpu_variant_config(const gpu_variant *v, int backward) {
+    mok_config c = mok_config_default();
+    if (v->comm) *(backward ? &c.bwd_comm_sms : &c.fwd_comm_sms) = v->comm;
+    if (v->minibatch) c.minibatch_rows = v->minibatch;
+    if (v->ring) c.ring_rows = v->ring;
+    if (v->turned && backward) {
+        c.bwd_combine = MOK_PUSH;
+        c.bwd_dispatch = MOK_PULL;
+    } else if (v->turned) {
+        c.fwd_dispatch = MOK_PUSH;
+        c.fwd_combine = MOK_PULL;
+    }
+    return c;
+}
+
+void gpu_variant_env(const gpu_variant *v, int on) {
+    static char saved[64];
+    static int had;
+    if (!v->no_tma) return;
+    if (on) {
+        const char *now = getenv("MOK_CUDA_TMA");
+        had = now != NULL;
+        if (had) snprintf(saved, sizeof saved, "%s", now);
+        setenv("MOK_CUDA_TMA", "0", 1);
+    } else if (had) {
+        setenv("MOK_CUDA_TMA", saved, 1);
+    } else {
+        unsetenv("MOK_CUDA_TMA");
+    }
+}

@@ -226,35 +226,19 @@ MOK_TEST(cuda_fp8_determinism) {
         layer_free(&L);
         return;
     }
-    struct {
-        int comm, minibatch, ring, turned, no_tma;
-    } variants[] = {{0, 0, 0, 0, 0}, {1, 0, 0, 0, 0}, {7, 128, 256, 0, 0}, {2, 256, 512, 0, 0},
-                    {0, 0, 0, 1, 0}, {0, 128, 384, 1, 0}, {0, 0, 0, 0, 1}};
+    const gpu_variant variants[] = GPU_VARIANTS;
     const size_t yb = (size_t)t1[0] * (size_t)s.hidden * 2;
     uint8_t *y0 = NULL, *ctx0 = NULL;
     int64_t padded = 0;
     mok_sizes sizes0;
     memset(&sizes0, 0, sizeof sizes0);
-    const char *saved = getenv("MOK_CUDA_TMA");
-    char saved_value[32] = "";
-    if (saved) snprintf(saved_value, sizeof saved_value, "%s", saved);
     for (size_t v = 0; v < sizeof variants / sizeof variants[0]; ++v) {
-        mok_config c = mok_config_default();
-        if (variants[v].comm) c.fwd_comm_sms = variants[v].comm;
-        if (variants[v].minibatch) c.minibatch_rows = variants[v].minibatch;
-        if (variants[v].ring) c.ring_rows = variants[v].ring;
-        if (variants[v].turned) {
-            c.fwd_dispatch = MOK_PUSH;
-            c.fwd_combine = MOK_PULL;
-        }
-        if (variants[v].no_tma) setenv("MOK_CUDA_TMA", "0", 1);
+        mok_config c = gpu_variant_config(&variants[v], 0);
+        gpu_variant_env(&variants[v], 1);
         gpu_fp8 G;
         gpu_layer *g = &G.gpu;
         mok_status st = gpu_fp8_open(&G, &L, &c);
-        if (variants[v].no_tma) {
-            if (saved) setenv("MOK_CUDA_TMA", saved_value, 1);
-            else unsetenv("MOK_CUDA_TMA");
-        }
+        gpu_variant_env(&variants[v], 0);
         CHECK(st == MOK_OK, "variant %zu: open: %s", v, g->message);
         for (int run = 0; st == MOK_OK && run < (v == 0 ? 3 : 1); ++run) {
             st = gpu_fp8_forward(&G, &L, 0);

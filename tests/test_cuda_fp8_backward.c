@@ -182,32 +182,19 @@ MOK_TEST(cuda_fp8_backward_determinism) {
     const mok_shape s = fp8_shape(256, 256, 8, 4, 128);
     layer L;
     if (make_layer(&L, "fp8 bwd determinism", &s, 1, t1, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f) != 0) return;
-    struct {
-        int comm, minibatch, ring, turned, no_tma;
-    } variants[] = {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, {1, 0, 0, 0, 0}, {7, 128, 256, 0, 0},
-                    {2, 256, 512, 0, 0}, {0, 0, 0, 1, 0}, {0, 128, 384, 1, 0}, {0, 0, 0, 0, 1}};
-    const char *saved = getenv("MOK_CUDA_TMA");
-    char saved_value[32] = "", message[1024] = "", what[256] = "";
-    if (saved) snprintf(saved_value, sizeof saved_value, "%s", saved);
+    const gpu_variant variants[] = GPU_VARIANTS;
+    char message[1024] = "", what[256] = "";
     layer_result first = {0};
-    for (size_t v = 0; v < sizeof variants / sizeof variants[0]; ++v) {
-        mok_config c = mok_config_default();
-        if (variants[v].comm) c.bwd_comm_sms = variants[v].comm;
-        if (variants[v].minibatch) c.minibatch_rows = variants[v].minibatch;
-        if (variants[v].ring) c.ring_rows = variants[v].ring;
-        if (variants[v].turned) {
-            c.bwd_combine = MOK_PUSH; /* the scatter of x^, dy rows into the ring */
-            c.bwd_dispatch = MOK_PULL; /* the gather of dx parts */
-        }
-        if (variants[v].no_tma) setenv("MOK_CUDA_TMA", "0", 1);
+    /* the first variant twice: two runs of one configuration, then the others */
+    for (size_t n = 0; n <= sizeof variants / sizeof variants[0]; ++n) {
+        const size_t v = n ? n - 1 : 0;
+        mok_config c = gpu_variant_config(&variants[v], 1);
+        gpu_variant_env(&variants[v], 1);
         layer_result got = {0};
-        mok_status st = gpu_run(&L, &c, 0, 0, v == 0 ? &first : &got, message, sizeof message);
-        if (variants[v].no_tma) {
-            if (saved) setenv("MOK_CUDA_TMA", saved_value, 1);
-            else unsetenv("MOK_CUDA_TMA");
-        }
+        mok_status st = gpu_run(&L, &c, 0, 0, n == 0 ? &first : &got, message, sizeof message);
+        gpu_variant_env(&variants[v], 0);
         CHECK(st == MOK_OK, "variant %zu: %s", v, message);
-        if (st == MOK_OK && v > 0)
+        if (st == MOK_OK && n > 0)
             CHECK(layer_equal(&L, &first, &got, what, sizeof what), "variant %zu differs from the first run: %s", v,
                   what);
         layer_result_free(&got);

@@ -233,13 +233,7 @@ static __device__ int bwd_gemm(const pass_params &p, const mok_task_span &span, 
         return 2;
     }
     case MOK_TASK_WGRAD:
-    case MOK_TASK_SHARED_WGRAD: {
-        if (i > 0) return 0;
-        wgrad_job w;
-        wgrad_job_of(p, span, tp, &w);
-        *op = w.op;
-        return 4;
-    }
+    case MOK_TASK_SHARED_WGRAD: return wgrad_gemm(p, span, tp, i, op);
     default: return 0;
     }
 }
@@ -385,7 +379,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
     consumer_sync();
 }
 
-#include "cuda/megakernel/backward_fp8.cuh" /* the FP8 runner, on the helpers above */
+#include "cuda/megakernel/backward_fp8.cuh" /* the FP8 GEMMs and epilogues, on the helpers above */
 
 /* Comm CTAs run the transfers with every thread; compute CTAs are warp-specialised. */
 template <bool FP8>
@@ -403,15 +397,20 @@ struct backward_comm {
     }
 };
 
+/* The compute tasks, bf16 or FP8 (backward_fp8.cuh: its layouts are E4M3, E4M3 with B split along
+ * K, and the same bf16 weight gradients). */
+template <bool FP8_>
 struct backward_compute {
-    static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* K/K, K/N-major, M-major/N-major */
+    static constexpr bool FP8 = FP8_;
+    static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* bf16: K/K, K/N-major, M-major/N-major */
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long nt, task_prep *tp) {
         bwd_prepare(p, v, span, rt, nt, tp);
     }
     static __device__ int gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                const task_prep &tp, int i, tile_operands *op) {
-        return bwd_gemm(p, span, rt, nt, tp, i, op);
+        if constexpr (FP8) return bwd_gemm_fp8(p, span, rt, nt, tp, i, op);
+        else return bwd_gemm(p, span, rt, nt, tp, i, op);
     }
     template <int VAR>
     static __device__ void preset(const pass_params &p, const mok_task_span &span, long long, long long,
@@ -422,7 +421,8 @@ struct backward_compute {
     static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                     const task_prep &tp, int i, float (&acc)[TILE_ACC], uint16_t *c, float *,
                                     const CUtensorMap *maps) {
-        bwd_epilogue<VAR>(p, span, rt, nt, tp, i, acc, c, maps);
+        if constexpr (FP8) bwd_epilogue_fp8<VAR>(p, span, rt, nt, tp, i, acc, c, maps);
+        else bwd_epilogue<VAR>(p, span, rt, nt, tp, i, acc, c, maps);
     }
     static __device__ void plain(const pass_params &p, const mok_task_span &span, long long, long long,
                                  const task_prep &) {
@@ -438,8 +438,7 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) backward_kernel(pass_param
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
     if (blockIdx.x < comm) walk_tasks<backward_comm<FP8>>(p, v, (uint16_t *)smem_raw); /* comm_tile */
-    else if constexpr (FP8) walk_compute<backward_compute_fp8>(p, v, smem_raw, nullptr, maps.m);
-    else walk_compute<backward_compute>(p, v, smem_raw, nullptr, maps.m);
+    else walk_compute<backward_compute<FP8>>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
         if (threadIdx.x == 0) trace_resident(p, entry, comm);

@@ -119,13 +119,7 @@ static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
         return 2;
     }
     case MOK_TASK_WGRAD:
-    case MOK_TASK_SHARED_WGRAD: {
-        if (i > 0) return 0;
-        wgrad_job w;
-        wgrad_job_of(p, span, tp, &w);
-        *op = w.op;
-        return 4;
-    }
+    case MOK_TASK_SHARED_WGRAD: return wgrad_gemm(p, span, tp, i, op);
     default: return 0;
     }
 }
@@ -196,33 +190,5 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
     }
     consumer_sync();
 }
-
-struct backward_compute_fp8 {
-    static constexpr int VARIANTS = (1 << 0) | (1 << 1) | (1 << 3); /* E4M3, E4M3 split B, bf16 M/N-major */
-    static constexpr bool FP8 = true;
-    static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
-                                   long long rt, long long nt, task_prep *tp) {
-        bwd_prepare(p, v, span, rt, nt, tp);
-    }
-    static __device__ int gemm(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
-                               const task_prep &tp, int i, tile_operands *op) {
-        return bwd_gemm_fp8(p, span, rt, nt, tp, i, op);
-    }
-    template <int VAR>
-    static __device__ void preset(const pass_params &p, const mok_task_span &span, long long, long long,
-                                  const task_prep &tp, int, float (&acc)[TILE_ACC]) {
-        bwd_preset<VAR>(p, span, tp, acc);
-    }
-    template <int VAR>
-    static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
-                                    const task_prep &tp, int i, float (&acc)[TILE_ACC], uint16_t *c, float *,
-                                    const CUtensorMap *maps) {
-        bwd_epilogue_fp8<VAR>(p, span, rt, nt, tp, i, acc, c, maps);
-    }
-    static __device__ void plain(const pass_params &p, const mok_task_span &span, long long, long long,
-                                 const task_prep &) {
-        if (span.kind == MOK_TASK_WGRAD_ZERO) run_wgrad_zero(p, span.first_tile);
-    }
-};
 
 #endif

@@ -104,6 +104,20 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
     consumer_sync();
 }
 
+/* The router dot's partials of a warp's RPI rows rp + 8 k, one per lane, summed over the warp's
+ * lanes (xor 16 .. 1: a fixed order) and added to the rows' sums (rows < `rows`) by lane 0. */
+template <int RPI>
+static __device__ __forceinline__ void add_row_partials(float (&part)[RPI], int rp, int rows, float *rsum) {
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+        for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < RPI; ++k)
+            if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
+}
+
 /* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
  * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
  * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
@@ -191,14 +205,7 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
                 *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
                 *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
             }
-#pragma unroll
-            for (int m = 16; m >= 1; m >>= 1)
-#pragma unroll
-                for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
-            if (lane == 0)
-#pragma unroll
-                for (int k = 0; k < RPI; ++k)
-                    if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
+            add_row_partials(part, rp, rows, rsum);
         }
         consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }

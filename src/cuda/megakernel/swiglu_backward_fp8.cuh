@@ -21,6 +21,7 @@
 
 #include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/row_stores.cuh"
+#include "cuda/megakernel/swiglu.cuh" /* add_row_partials */
 
 /* The dh scratch's per-row padding (DH_SCRATCH_LD - 64 floats past the chunk's 64): the row's maxima. */
 #define FP8_AMAX_H 64
@@ -153,14 +154,7 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
                 part[k] += d.x * __uint_as_float(hq << 16);
                 part[k] += d.y * __uint_as_float(hq & 0xffff0000u);
             }
-#pragma unroll
-            for (int m = 16; m >= 1; m >>= 1)
-#pragma unroll
-                for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
-            if (lane == 0)
-#pragma unroll
-                for (int k = 0; k < RPI; ++k)
-                    if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
+            add_row_partials(part, rp, rows, rsum);
         }
         consumer_sync();
     }

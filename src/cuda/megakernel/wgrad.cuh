@@ -130,6 +130,16 @@ static __device__ __forceinline__ void ld_f32x2(const float *p, float *a, float 
     asm("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(*a), "=f"(*b) : "l"(p));
 }
 
+/* A weight-gradient task's one GEMM: 1 + its layout (bf16, M-major A, N-major B: 3), 0 past it. */
+static __device__ __forceinline__ int wgrad_gemm(const pass_params &p, const mok_task_span &span, const task_prep &tp,
+                                                 int i, tile_operands *op) {
+    if (i > 0) return 0;
+    wgrad_job w;
+    wgrad_job_of(p, span, tp, &w);
+    *op = w.op;
+    return 4;
+}
+
 /* Consumers, before GEMM i: weight-gradient tiles start from their fp32 init, the rest from zeros.
  * One path for both, every load predicated: an early branch to zeros, or starting the first
  * wgmma with scale-d 0 on the zero path, made ptxas serialise the wgmmas (C7515, which
