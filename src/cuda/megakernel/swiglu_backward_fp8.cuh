@@ -10,8 +10,8 @@
  * A quantization block is a row's 128 columns, so each needs its row's maximum over both 64-column
  * chunks before any code: the epilogue sweeps the chunks twice. Sweep 1 (per chunk, as the bf16
  * epilogue of swiglu.cuh: g|u into the staging tile, dh0 into the dh scratch, a warp per two rows
- * of 64 columns) computes h, dg, du, stores them in bf16 (h until sweep 2 replaces it by bf16(h^)) and folds each row's maxima of
- * |h|, |dg|, |du| into the dh scratch's padding columns. Sweep 2 reads its own bf16 values back,
+ * of 64 columns) computes h, dg, du, stores them in bf16 (h until sweep 2 puts bf16(h^) in its
+ * place) and folds each row's maxima of |h|, |dg|, |du| into the dh scratch's padding columns. Sweep 2 reads its own bf16 values back,
  * quantizes them with the rows' scales, replaces h by bf16(h^), writes the codes, and sums the
  * router dot over h^ in the bf16 epilogue's order (a lane's two columns, the warp's lanes by xor
  * 16 .. 1, the chunks in order). With a replay, g|u and dg|du share their columns (gu ==
