@@ -2,8 +2,8 @@
  * memory order, the global timer that bounds every wait, and fp32 -> bf16 packing.
  *
  * NOTE (memory order): within a GPU a producer CTA writes its rows, bar.syncs, and one thread
- * makes a gpu-scope release add on the counter; a consumer thread spins with gpu-scope acquire
- * loads, then bar.syncs before the CTA reads the rows (through L2: ld.global / cp.async.cg, never
+ * makes a gpu-scope release add on the counter; a consumer thread reads it with a gpu-scope
+ * acquire load (or spins relaxed and ends with a gpu-scope acquire fence), then bar.syncs before the CTA reads the rows (through L2: ld.global / cp.async.cg, never
  * the non-coherent path). Across GPUs the barrier kernel orders memory (system-scope release
  * stores of the epoch into every peer's flag, system-scope acquire loads of its own), and with a
  * turned transfer (mok_region_layout.turned) the pass's counters too: they live in the window,
@@ -27,6 +27,22 @@ static __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsign
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
+/* Relaxed loads, for spinning: unlike an acquire (a strong load and an invalidation of the SM's
+   whole L1), they leave the L1 that the SM's other warps are reading from. A spin that has seen
+   its value ends with fence_acq_rel_* instead (a relaxed read followed by the fence is an acquire
+   of what it read). */
+static __device__ __forceinline__ unsigned long long ld_relaxed_gpu(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+static __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 static __device__ __forceinline__ void st_release_sys(unsigned long long *p, unsigned long long v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

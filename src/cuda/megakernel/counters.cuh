@@ -1,7 +1,8 @@
-/* counters.cuh — the pass's counters as the megakernels use them: bounded waits (one thread spins
- * with acquire loads; a wait that outlives the timeout, or a peer's abort, stops the pass) and the
- * release of a finished task's counters, with its trace event. device.cuh's NOTE says which
- * memory order, and why system scope when the counters are in the window. */
+/* counters.cuh — the pass's counters as the megakernels use them: bounded waits (one thread reads
+ * with an acquire load, then spins relaxed and ends with an acquire fence; a wait that outlives the
+ * timeout, or a peer's abort, stops the pass) and the release of a finished task's counters, with
+ * its trace event. device.cuh's NOTE says which memory order, and why system scope when the
+ * counters are in the window. */
 #ifndef MOK_CUDA_MEGAKERNEL_COUNTERS_CUH
 #define MOK_CUDA_MEGAKERNEL_COUNTERS_CUH
 
@@ -15,11 +16,18 @@ static __device__ __forceinline__ unsigned long long *counters_of(const pass_par
 static __device__ __forceinline__ unsigned long long counter_acquire(const pass_params &p, const unsigned long long *c) {
     return p.turned ? ld_acquire_sys(c) : ld_acquire_gpu(c);
 }
+static __device__ __forceinline__ unsigned long long counter_relaxed(const pass_params &p, const unsigned long long *c) {
+    return p.turned ? ld_relaxed_sys(c) : ld_relaxed_gpu(c);
+}
 
 /* One thread: spins until counter c of rank `peer` (-1: this rank) is >= target (c < 0: no wait).
  * False if the pass was aborted, here or on that peer, or the wait outlived the timeout (then it
  * sets MOK_KERR_STALL and the abort flag; a peer whose pass aborted, whatever its cause, stops
- * this one the same way, so a rank never waits on a peer that has given up). */
+ * this one the same way, so a rank never waits on a peer that has given up).
+ * One acquire load first (a counter already met costs what it always did); the spin after it is
+ * relaxed and ends with one acquire fence. An acquire per spin would invalidate the SM's L1 every
+ * round trip, and a compute CTA's producer spins on the next task's counters while its consumers
+ * still run the current task, reading their scales, contexts and spilled registers through L1. */
 static __device__ bool wait_counter_thread(const pass_params &p, long long c, long long target, int peer = -1,
                                            long long *seen = nullptr) {
     if (c < 0) return true;
@@ -27,15 +35,19 @@ static __device__ bool wait_counter_thread(const pass_params &p, long long c, lo
     unsigned long long *abort = p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT;
     const unsigned long long *base = counters_of(p, peer);
     const volatile unsigned long long *peer_abort = base + p.counters_cap + MOK_COUNTER_SLOT_ABORT;
-    long long v;
-    while ((v = (long long)counter_acquire(p, base + c)) < target) {
-        if (*(volatile unsigned long long *)abort) return false;
-        const bool gave_up = peer >= 0 && *peer_abort;
-        if (gave_up || globaltimer_ns() - start > p.timeout_ns) {
-            set_error(p.error, MOK_KERR_STALL);
-            atomicExch(abort, 1ull);
-            return false;
+    long long v = (long long)counter_acquire(p, base + c);
+    if (v < target) {
+        while ((v = (long long)counter_relaxed(p, base + c)) < target) {
+            if (*(volatile unsigned long long *)abort) return false;
+            const bool gave_up = peer >= 0 && *peer_abort;
+            if (gave_up || globaltimer_ns() - start > p.timeout_ns) {
+                set_error(p.error, MOK_KERR_STALL);
+                atomicExch(abort, 1ull);
+                return false;
+            }
         }
+        if (p.turned) fence_acq_rel_sys();
+        else fence_acq_rel_gpu();
     }
     if (seen) *seen = v;
     return true;
