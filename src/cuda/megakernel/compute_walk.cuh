@@ -72,7 +72,8 @@ struct done_task { /* a finished task, for the completer */
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
  * SwiGLU-backward tile's fp32 dh, [TILE_BM][DH_SCRATCH_LD], then TILE_BM per-row sums and TILE_BM
  * router weights; backward.cu),
- * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues. */
+ * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues, the task preps, the
+ * schedule's experts, the stages' scale slots (FP8, gemm_tile.cuh). */
 #define SMEM_STAGING_OFF (RING_STAGES * STAGE_BYTES)
 #define SMEM_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
 #define DH_SCRATCH_LD 68 /* floats: 64 columns, padded */
@@ -92,7 +93,8 @@ static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SM
  * before it empties L1): a dependent L2 round trip per step, on its way to posting the task. */
 #define SMEM_EXPERTS_MAX 512
 #define SMEM_EXPERTS_OFF (SMEM_PREP_OFF + 2 * (int)sizeof(task_prep))
-#define COMPUTE_SMEM_BYTES (1024 + SMEM_EXPERTS_OFF + (2 * SMEM_EXPERTS_MAX + 1) * 8)
+#define SMEM_SCALES_OFF ((SMEM_EXPERTS_OFF + (2 * SMEM_EXPERTS_MAX + 1) * 8 + 15) / 16 * 16)
+#define COMPUTE_SMEM_BYTES (1024 + SMEM_SCALES_OFF + RING_STAGES * STAGE_SCALE_BYTES)
 static_assert(COMPUTE_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
@@ -208,10 +210,13 @@ static __device__ __forceinline__ bool variant_used(int variant) {
 
 template <typename Runner>
 static __device__ void produce(stage_ring &r, int variant, const tile_operands &op, int tid) {
-    constexpr bool FP8 = runner_fp8<Runner>::value; /* layouts 0 and 1 both K-major, B maybe split */
-    if (op.tma) produce_tma<FP8>(r, op, tid);
-    else if (FP8 && (variant_used<Runner, false, false>(variant) || variant_used<Runner, false, true>(variant)))
-        produce_gemm<false, false, true>(r, op, tid);
+    /* an FP8 runner's E4M3 GEMMs: layouts 0 and 1, both K-major, B maybe split along K; its
+       layout 3 (the weight gradients) is bf16 and carries no scales */
+    const bool e4m3 = runner_fp8<Runner>::value && (variant_used<Runner, false, false>(variant) ||
+                                                    variant_used<Runner, false, true>(variant));
+    if (op.tma && e4m3) produce_tma<true>(r, op, tid);
+    else if (op.tma) produce_tma<false>(r, op, tid);
+    else if (e4m3) produce_gemm<false, false, true>(r, op, tid);
     else if (variant_used<Runner, false, false>(variant)) produce_gemm<false, false>(r, op, tid);
     else if (variant_used<Runner, false, true>(variant)) produce_gemm<false, true>(r, op, tid);
     else if (variant_used<Runner, true, false>(variant)) produce_gemm<true, false>(r, op, tid);
@@ -229,7 +234,7 @@ static __device__ __forceinline__ void consume_phase(const pass_params &p, const
     const long long g0 = TRACE_ON(p) ? globaltimer_ns() : 0;
     /* an FP8 runner's K-major GEMMs are E4M3 (layout 1: B split along K); the backward's weight
        gradients stay bf16 (M/N-major) */
-    if constexpr (runner_fp8<Runner>::value && !A_MN) consume_gemm_fp8<B_MN>(r, op, acc);
+    if constexpr (runner_fp8<Runner>::value && !A_MN) consume_gemm_fp8(r, op, acc);
     else consume_gemm<A_MN, B_MN>(r, op, acc);
     if (TRACE_ON(p)) {
         clk.gemm_end = globaltimer_ns();
@@ -384,6 +389,7 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
     r.error = p.error;
     r.timeout_ns = p.timeout_ns;
     r.maps = maps;
+    r.scales = base + SMEM_SCALES_OFF;
     compute_shared sh;
     sh.qfull = r.empty + 8 * RING_STAGES;
     sh.qempty = sh.qfull + 16;

@@ -4,8 +4,8 @@
  * with the partial sums on the tensor cores and the promotion in fp32 (s_A · s_B is a power of two:
  * the product is exact, and the fma rounds once, as acc + partial · s would).
  *
- * The producer is the bf16 one unchanged: an E4M3 row of 128 codes is 128 bytes, one row of the
- * 128B swizzle, so a stage holds A's 128 rows and B's 256 rows of one K block in the very layout
+ * The producer is the bf16 one, plus the scales: an E4M3 row of 128 codes is 128 bytes, one row
+ * of the 128B swizzle, so a stage holds A's 128 rows and B's 256 rows of one K block in the very layout
  * (and bytes: 48 KB) of a bf16 stage of 64 K, and the loaders move it as pairs of codes
  * (tile_operands.cuh). Consumer warpgroup c owns rows 64c .. 64c + 63. Per stage it runs the tile's
  * columns in chunks of 128 (one when n_valid <= 128): four m64n128k32 wgmmas into 64 partial sums
@@ -14,10 +14,9 @@
  * so one's promotion overlaps the other's wgmmas (dev/fp8_tile_probe.cu: this "free" arrangement
  * measured fastest for the 128 x 256 tile). A whole n256 partial would need 256 registers.
  *
- * Scales come from global memory (a few floats per stage and thread: the weights' read-only, the
- * activations' written by earlier tasks of the pass), issued before the stage's wait so their
- * latency hides behind it. Rows past a_rows
- * promote with scale 0 (their outputs are discarded), so a stale scale past them is never read. */
+ * The scales travel with the stage (gemm_tile.cuh: load_scales): the consumers read four floats
+ * of shared memory per stage. Rows past a_rows promote with scale 0 (their outputs are
+ * discarded). */
 #ifndef MOK_CUDA_SM90_FP8_TILE_CUH
 #define MOK_CUDA_SM90_FP8_TILE_CUH
 
@@ -86,39 +85,26 @@ static __device__ __forceinline__ void fp8_b_scales_split(tile_operands *op, con
 }
 
 /* Consumer: acc += the block-scaled product over the GEMM's stages (acc holds the starting values,
- * written on every path before: gemm_tile.cuh's NOTE on consume_gemm). KSPLIT: B has a K split
- * (tile_operands.bk_split). Its scale switch is compiled only where a GEMM has one: the loop holds
- * 192 accumulators and partial sums of the 224 registers, and the switch's few more made ptxas
- * spill accumulators around every promotion (ncu: local memory in fp8_promote). */
-template <bool KSPLIT>
+ * written on every path before: gemm_tile.cuh's NOTE on consume_gemm). The scales come from the
+ * stage's slot (gemm_tile.cuh: load_scales), read before the stage is released. */
 static __device__ __forceinline__ void consume_gemm_fp8(stage_ring &r, const tile_operands &op, float (&acc)[TILE_ACC]) {
     const int kblocks = k_steps(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
     if (kblocks == 0) return;
     const int t = threadIdx.x - PRODUCER_THREADS, row0 = (t >> 5) * 16 + (lane >> 2);
-    const bool lo_real = row0 < op.a_rows, hi_real = row0 + 8 < op.a_rows, two = op.sb[1] != nullptr;
-    const float *sa = op.sa + (lo_real ? row0 * op.sa_ld : 0), *sb0 = op.sb[0], *sb1 = op.sb[1];
-    const int hi_step = 8 * (int)op.sa_ld, kb_split = KSPLIT ? (int)(op.bk_split / TILE_BK) : 0;
+    const bool two = op.sb[1] != nullptr;
     float part[WGMMA_N128_ACC];
     for (int kb = 0; kb < kblocks; ++kb) {
-        if (KSPLIT && kb == kb_split) { /* B's second matrix along K (tile_operands.bk_split) */
-            sb0 = op.sb2[0] - kb;
-            sb1 = op.sb2[1] - kb;
-        }
-        /* activation scales were written by earlier tasks of the pass, so plain loads (not .nc): the
-           producer's counter acquire that let this task start emptied the SM's L1, as for every
-           operand an epilogue reads that way; a row's scales then come from L1, 8 blocks a sector */
-        const float s_lo = lo_real ? sa[kb] : 0.0f, s_hi = hi_real ? sa[hi_step + kb] : 0.0f;
-        const float w0 = __ldg(sb0 + kb);
         mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
         __syncwarp();
         if (!op.tma) fence_proxy_async(); /* TMA writes through the async proxy already */
         const uint32_t a = r.stages + r.stage * STAGE_BYTES, b = a + STAGE_A_BYTES;
-        const uint32_t a_half = a + consumer * SWIZZLE_BLOCK_BYTES;
+        const uint32_t a_half = a + consumer * SWIZZLE_BLOCK_BYTES, sc = r.scales + r.stage * STAGE_SCALE_BYTES;
+        const float s_lo = lds_f32(sc + 4 * row0), s_hi = lds_f32(sc + 4 * (row0 + 8));
+        const float w0 = lds_f32(sc + 4 * TILE_BM), w1 = lds_f32(sc + 4 * (TILE_BM + 1));
         fp8_chunk(part, a_half, b);
         if (!two && lane == 0) mbar_arrive(r.empty + 8 * r.stage);
         fp8_promote<0>(acc, part, s_lo, s_hi, w0);
         if (two) {
-            const float w1 = __ldg(sb1 + kb);
             fp8_chunk(part, a_half, b + 2 * SWIZZLE_BLOCK_BYTES);
             if (lane == 0) mbar_arrive(r.empty + 8 * r.stage);
             fp8_promote<1>(acc, part, s_lo, s_hi, w1);

@@ -88,6 +88,7 @@ struct stage_ring {
     int *error;
     long long timeout_ns;
     const CUtensorMap *maps; /* the pass's tensor maps (parameter space), or NULL */
+    uint32_t scales; /* FP8: shared address of stage 0's scale slot (STAGE_SCALE_BYTES each) */
 };
 
 static __device__ __forceinline__ void ring_advance(stage_ring &r) {
@@ -98,6 +99,40 @@ static __device__ __forceinline__ void ring_advance(stage_ring &r) {
 }
 
 static __device__ __forceinline__ int k_steps(const tile_operands &op) { return (int)((op.k + TILE_BK - 1) / TILE_BK); }
+
+/* FP8: each stage carries its K block's scales beside its codes, a slot of STAGE_SCALES floats:
+ * A's row scales (row m at m, 0 for rows past a_rows), then B's per 128-column chunk c (at
+ * TILE_BM + c, 0 for a chunk past n_valid). Loader threads 1.. copy them with cp.async, which
+ * their arrival on full[s] waits for (thread 0 arms the TMA barrier), so the consumers read
+ * them from shared memory after the full wait: no global load, and none of the operands'
+ * pointers, on their loop's path. */
+#define STAGE_SCALES (TILE_BM + TILE_BN / 128 + 2)
+#define STAGE_SCALE_BYTES (STAGE_SCALES * 4)
+#define SCALE_LOADERS (LOADER_THREADS - 1)
+static_assert(2 * SCALE_LOADERS >= TILE_BM + TILE_BN / 128, "two scales per loader thread fill a slot");
+
+template <bool FP8>
+static __device__ __forceinline__ void load_scales(const stage_ring &r, const tile_operands &op, int kb, int tid) {
+    if (!FP8 || tid == 0) return;
+    const uint32_t slot = r.scales + r.stage * STAGE_SCALE_BYTES;
+    const int ks = (int)(op.bk_split / TILE_BK);
+    const bool after = op.bk_split > 0 && kb >= ks; /* B's K blocks past its K split */
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int idx = tid - 1 + i * SCALE_LOADERS;
+        const float *src = nullptr;
+        if (idx < TILE_BM) {
+            if (idx < op.a_rows) src = op.sa + idx * op.sa_ld + kb;
+        } else if (idx < TILE_BM + TILE_BN / 128) { /* (selects, not an index: op stays in registers) */
+            const bool c0 = idx == TILE_BM;
+            const float *b = after ? (c0 ? op.sb2[0] : op.sb2[1]) : (c0 ? op.sb[0] : op.sb[1]);
+            if (b) src = b + (after ? kb - ks : kb);
+        } else {
+            break;
+        }
+        cp_async_4(slot + idx * 4, src ? src : op.sa, src != nullptr);
+    }
+}
 
 /* Producer, one stage: the LOADER_THREADS threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's
  * layout): 1024 16-byte chunks of A, 2048 of B. KSPLIT: K-major B may have a K split (bk_split,
@@ -160,21 +195,24 @@ static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_op
     }
 }
 
-/* Producer: every stage of one GEMM, in ring order. */
-template <bool A_MN, bool B_MN, bool KSPLIT = false>
+/* Producer: every stage of one GEMM, in ring order. FP8: its operands are E4M3 (tile_operands.cuh),
+ * K-major B may have a K split, and each stage carries its scales. */
+template <bool A_MN, bool B_MN, bool FP8 = false>
 static __device__ void produce_gemm(stage_ring &r, const tile_operands &op, int tid) {
     const int ktiles = k_steps(op);
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
-        load_stage<A_MN, B_MN, KSPLIT>(r.stages + r.stage * STAGE_BYTES, op, (long long)kt * TILE_BK, tid);
+        load_stage<A_MN, B_MN, FP8>(r.stages + r.stage * STAGE_BYTES, op, (long long)kt * TILE_BK, tid);
+        load_scales<FP8>(r, op, kt, tid);
         cp_async_arrive(r.full + 8 * r.stage);
         ring_advance(r);
     }
 }
 
 /* Producer, TMA: thread 0 arms full[s] with the stage's byte count and issues the boxes; the
- * other loaders arrive plainly, so full[s] keeps its count of LOADER_THREADS on both paths. */
-template <bool KSPLIT = false>
+ * other loaders arrive plainly (FP8: once their scale copies have landed), so full[s] keeps its
+ * count of LOADER_THREADS on both paths. */
+template <bool FP8 = false>
 static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int tid) {
     const int ktiles = k_steps(op);
     const uint32_t bytes = (op.a_halves + op.b_halves) * SWIZZLE_BLOCK_BYTES;
@@ -194,7 +232,7 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
             const bool second = k0 >= op.k_split;
             const int map_n = second ? op.b_map[1] : op.b_map[0];
             const int krow = second ? op.b_row[1] + k0 - (int)op.k_split : op.b_row[0] + k0;
-            const bool ks = KSPLIT && op.bk_split > 0 && k0 >= op.bk_split; /* K-major B past its K split */
+            const bool ks = FP8 && op.bk_split > 0 && k0 >= op.bk_split; /* K-major B past its K split */
 #pragma unroll
             for (int h = 0; h < STAGE_B_BLOCKS; ++h) {
                 if (h >= op.b_halves) break;
@@ -205,6 +243,9 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
                                 lo ? op.b_row[0] + 64 * h : op.b_row[1] + 64 * (ks ? h : h - op.b_split), full);
                 else tma_load_2d(dst, r.maps + map_n, op.b_col + 64 * h, krow, full);
             }
+        } else if (FP8) {
+            load_scales<FP8>(r, op, kt, tid);
+            cp_async_arrive(full);
         } else {
             mbar_arrive(full);
         }

@@ -48,6 +48,16 @@ static __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src
     int bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
+/* One fp32 (4 bytes, through L1: cp.async's .cg takes only 16); zeros where !valid. */
+static __device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool valid) {
+    int bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ float lds_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 /* ---- TMA: tensor loads and stores (the maps: tma.cuh) ---------------------------------------- */
