@@ -47,29 +47,33 @@ MOK_TEST(tuning_comm_ctas_scaled) {
 /* The comm CTAs a pass gets when the config leaves them to the backend. */
 MOK_TEST(tuning_comm_ctas) {
     /* DeepSeek-V3 (I = 2048, I_s = 2048, k = 8: I_eff 2304, 12288 / 2304 -> 6) on 132 SMs */
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 0, 0, 132) == 8, "DeepSeek EP1 forward: the one-rank floor");
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 1, 0, 132) == 12, "DeepSeek EP1 backward: the one-rank backward's floor");
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 132) == 10, "DeepSeek EP2 forward: %d",
-          mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 132));
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 132) == 16, "DeepSeek EP2 backward");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 0, 0, 0, 132) == 8, "DeepSeek EP1 forward: the one-rank floor");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 1, 0, 0, 132) == 12, "DeepSeek EP1 backward: the one-rank backward's floor");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 0, 132) == 10, "DeepSeek EP2 forward: %d",
+          mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 0, 132));
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 132) == 16, "DeepSeek EP2 backward");
     /* one rank whose down / dx tiles store their own rows: the floors 4 and 8 */
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 0, 1, 132) == 4, "DeepSeek EP1 direct forward");
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 1, 1, 132) == 8, "DeepSeek EP1 direct backward");
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 1, 132) == 16, "direct means nothing across ranks");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 0, 1, 0, 132) == 4, "DeepSeek EP1 direct forward");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 1, 1, 0, 132) == 8, "DeepSeek EP1 direct backward");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 1, 0, 132) == 16, "direct means nothing across ranks");
     /* Qwen3-30B-A3B (I = 768, no shared expert): ceil(12288 / 768) = 16, but ceil(15360 / 768) =
        20 in the one-rank backward; direct: ceil(6144 / 768) = 8 and ceil(12288 / 768) = 16 */
-    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 0, 0, 132) == 16, "Qwen EP1 forward");
-    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 1, 0, 132) == 20, "Qwen EP1 backward");
-    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 132) == 8, "Qwen EP1 direct forward");
-    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 132) == 16, "Qwen EP1 direct backward");
-    CHECK(mok__cuda_comm_ctas(768, 0, 8, 2, 0, 0, 132) == 16, "Qwen EP2 forward");
-    CHECK(mok__cuda_comm_ctas(768, 0, 8, 2, 1, 0, 132) == 16, "Qwen EP2 backward");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 0, 0, 0, 132) == 16, "Qwen EP1 forward");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 1, 0, 0, 132) == 20, "Qwen EP1 backward");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 0, 132) == 8, "Qwen EP1 direct forward");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 0, 132) == 16, "Qwen EP1 direct backward");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 2, 0, 0, 0, 132) == 16, "Qwen EP2 forward");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 2, 1, 0, 0, 132) == 16, "Qwen EP2 backward");
     /* narrow experts: by bytes, capped at a quarter of the SMs */
-    CHECK(mok__cuda_comm_ctas(128, 0, 8, 2, 0, 0, 132) == 33, "I = 128: capped at 132 / 4");
+    CHECK(mok__cuda_comm_ctas(128, 0, 8, 2, 0, 0, 0, 132) == 33, "I = 128: capped at 132 / 4");
     /* small GPUs: the cap, and at least one SM left to compute */
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 8) == 2, "8 SMs: a quarter");
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 2) == 1, "2 SMs: one each");
-    CHECK(mok__cuda_comm_ctas(2048, 2048, 0, 2, 1, 0, 132) == 16, "k = 0 does not divide by zero");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 8) == 2, "8 SMs: a quarter");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 2) == 1, "2 SMs: one each");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 0, 2, 1, 0, 0, 132) == 16, "k = 0 does not divide by zero");
+    /* FP8: the backward's pulls take about twice a bf16 pull's time per row, so twice the CTAs */
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 1, 1, 1, 132) == 16, "DeepSeek EP1 direct FP8 backward");
+    CHECK(mok__cuda_comm_ctas(2048, 2048, 8, 1, 0, 1, 1, 132) == 4, "the FP8 forward's as bf16's");
+    CHECK(mok__cuda_comm_ctas(768, 0, 8, 1, 1, 0, 1, 132) == 33, "Qwen EP1 FP8 backward: 40, capped");
 }
 
 /* A stand-in for getenv: the variables of one case, "NAME=VALUE" each. */
@@ -103,15 +107,15 @@ MOK_TEST(tuning_resolve) {
     mok_cuda_tuning t = resolve(&dsv3, &config, 2, 1, NULL);
     CHECK(t.tma == 1 && t.raster == 16 && t.cols_gateup == 128 && t.cols_dh == 256 && t.cols_h == 256,
           "DeepSeek-V3: tma %d raster %d cols %d / %d / %d", t.tma, t.raster, t.cols_gateup, t.cols_dh, t.cols_h);
-    CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 132) &&
-              t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 132),
+    CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 0, 132) &&
+              t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 132),
           "DeepSeek-V3 EP2 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
     t = resolve(&qwen, &config, 1, 1, NULL);
     CHECK(t.raster == 1 && t.cols_gateup == 128 && t.cols_dh == 128 && t.cols_h == 256,
           "Qwen3: raster %d cols %d / %d / %d", t.raster, t.cols_gateup, t.cols_dh, t.cols_h);
     /* one rank with the default directions: the down / dx tiles store their rows (direct) */
-    CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 132) &&
-              t.bwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 132),
+    CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 0, 132) &&
+              t.bwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 0, 132),
           "Qwen3 EP1 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
     t = resolve(&odd, &config, 1, 1, NULL);
     CHECK(t.cols_gateup == 64 && t.cols_dh == 64 && t.cols_h == 64, "H 320, I 192: cols %d / %d / %d",

@@ -13,13 +13,14 @@
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
-                        int direct, int num_sms) {
+                        int direct, int fp8, int num_sms) {
     const int64_t i_eff = intermediate + (topk > 0 ? shared_intermediate / topk : 0);
     direct = direct && nranks == 1;
     const int64_t bytes_term = direct ? (backward ? 12288 : 6144) : nranks == 1 && backward ? 15360 : 12288;
     int comm = i_eff > 0 ? (int)ceil_div(bytes_term, i_eff) : 1;
     const int floor = direct ? (backward ? 8 : 4) : nranks == 1 ? (backward ? 12 : 8) : backward ? 16 : 10;
     if (comm < floor) comm = floor;
+    if (fp8 && backward) comm *= 2;
     const int cap = num_sms / 4 > 1 ? num_sms / 4 : 1;
     if (comm > cap) comm = cap;
     return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;
@@ -53,7 +54,7 @@ static int comm_ctas(const mok_shape *s, const mok_config *c, int nranks, int nu
     if (configured > 0) return configured < num_sms - 1 ? configured : num_sms - 1;
     const int direct = backward ? c->bwd_dispatch == MOK_PUSH : c->fwd_combine == MOK_PUSH;
     return mok__cuda_comm_ctas(s->intermediate, s->shared_intermediate, (int)s->topk, nranks, backward, direct,
-                               num_sms);
+                               s->precision == MOK_PRECISION_FP8, num_sms);
 }
 
 void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_config *c, int nranks, int num_sms,

@@ -72,10 +72,12 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
  *   one rank, direct (its down / dx tiles store their rows into the (token, slot) rows
  *                    themselves, so the comm tasks move rows one way only): 6144, floor 4
  *                    forward; 12288, floor 8 backward.
+ * An FP8 backward (fp8) takes twice that: its pulls quantize dy and widen x^ as they copy, about
+ * twice a bf16 pull's time per row, and its dh tiles waited on them with the bf16 count.
  * At most a quarter of the SMs, and at least one SM left to compute. The floors and terms are the
  * counts that ran fastest on the measured layers (docs/log.md). */
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
-                        int direct, int num_sms);
+                        int direct, int fp8, int num_sms);
 
 /* Tiles per run of the GEMM spans' walk (mok__span_tile), from the bytes each wave of tiles brings
  * from memory. A 128 x 256 tile reads 128 activation rows and 256 weight rows of K values. Walking
