@@ -20,7 +20,8 @@
  * producer waits on empty with the opposite parity (a fresh barrier passes at once). cp.async
  * writes are generic-proxy writes and wgmma reads through the async proxy, so consumers fence
  * the proxies after each full wait. A TMA stage (tma.cuh) keeps the count: thread 0 arms the
- * barrier with the byte count, the other loaders arrive plainly.
+ * barrier with the byte count, the other loaders arrive plainly, or (FP8) through
+ * cp.async.mbarrier.arrive.noinc once their copies of the stage's scales have landed.
  *
  * NOTE (faults): every mbarrier wait is bounded. A wait that outlives the pass's timeout sets
  * MOK_KERR_STALL and the abort flag; once the flag is up every wait returns at once, so all
