@@ -232,14 +232,15 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
     return row
 
 
-def fp8_row(group, ranks, name, experts, tokens, skew, config, reps, bf16_row):
-    """The FP8 row of a case beside its bf16 row (whose baseline times it shares), with the ratios
-    of their times; printed as it comes, or its reason when the backend has no FP8 path."""
+def fp8_row(group, ranks, name, experts, tokens, skew, config, reps, bf16_row, label=""):
+    """The FP8 row of a case beside its bf16 row of the same settings (whose baseline times it
+    shares), with the ratios of their times; printed as it comes, or its reason when the backend
+    has no FP8 path. `label`: the variant's (--compare-env / --compare-config), "" for the defaults."""
     t0 = time.time()
     row = run_case(group, ranks, name, experts, tokens, skew, config, reps, check=True, baseline=bf16_row,
                    precision="fp8")
     row["wall_s"] = time.time() - t0
-    row["env"] = "fp8"
+    row["env"] = f"fp8 {label}".strip()
     if "skipped" in row:
         print(f"{name} E {experts} T {tokens} EP{ranks} fp8: skipped: {row['skipped']}", flush=True)
     else:
@@ -533,7 +534,8 @@ def main():
                     help="LigerCute installed in SITE (bench/liger-setup.sh): one-GPU cases also run it as a peer "
                          "(routed experts only), in a process of its own per case (bench/liger_peer.py)")
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
-                    help="fp8: each case also runs in FP8 (include/mok.h, FP8), a row beside its bf16 row, or a "
+                    help="fp8: each case (and each --compare-env / --compare-config variant of it) also runs in "
+                         "FP8 (include/mok.h, FP8), a row beside its bf16 row, or a "
                          "'skipped' row saying why where the backend has no FP8 path")
     ap.add_argument("--host", action="store_true",
                     help="per case, mok's and PyTorch's host time per call and GPU time per call queued back to "
@@ -577,19 +579,19 @@ def main():
                                baseline=first)
                 row["wall_s"] = time.time() - t0
                 row["env"] = label
+                rows.append(row)
+                if first is None and a.ranks == 1 and not SMOKE:
+                    peer_rows(group, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
+                first = first or row
+                print(json.dumps(row), flush=True)
+                if a.precision == "fp8":  # each variant's FP8 row beside its bf16 row, same settings
+                    rows.append(fp8_row(group, a.ranks, name, experts, tokens, skew, cfg, a.reps, row, label))
             finally:
                 for var, value in saved.items():
                     if value is None:
                         del os.environ[var]
                     else:
                         os.environ[var] = value
-            rows.append(row)
-            if first is None and a.ranks == 1 and not SMOKE:
-                peer_rows(group, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
-            first = first or row
-            print(json.dumps(row), flush=True)
-        if a.precision == "fp8":
-            rows.append(fp8_row(group, a.ranks, name, experts, tokens, skew, base, a.reps, first))
     hosts = []
     if a.host:
         for name, experts, tokens, skew in cases:
@@ -653,7 +655,8 @@ def main():
             print(f"  {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} skew {r['skew']}: forward "
                   f"{r['fp8_vs_bf16_forward']:.2f}x, forward+backward "
                   f"{r.get('fp8_vs_bf16_forward_backward', float('nan')):.2f}x; "
-                  f"quantize {r['quantize_ms']:.3f} ms; FP8 weights {r['fp8_weight_bytes'] / 2**20:.1f} MiB per rank")
+                  f"quantize {r['quantize_ms']:.3f} ms; FP8 weights {r['fp8_weight_bytes'] / 2**20:.1f} MiB per rank"
+                  f"{' (' + r['env'][4:] + ')' if r['env'] != 'fp8' else ''}")
     peered = [r for r in rows if "ligercute" in r]
     if peered:
         print("\nrouted experts only, beside LigerCute (ms; ratio = mok / LigerCute; memory GiB held beyond the inputs)")

@@ -42,6 +42,23 @@ def test_bench_fp8_rows(tmp_path, ranks):
     assert "FP8 beside bf16" in r.stdout and "quantize" in r.stdout
 
 
+def test_bench_fp8_rows_per_variant(tmp_path):
+    """--compare-config: every variant gets its FP8 row beside its own bf16 row, with its settings."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, MOK_BENCH_SMOKE="1")
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--ranks", "1", "--out", str(out), "--reps", "2",
+           "--no-sweep", "--only", "deepseek-v3", "--precision", "fp8", "--compare-config", "minibatch_rows=128"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((out / "bench_ep1.json").read_text())["cases"]
+    assert [(row["precision"], row["env"]) for row in rows] == [
+        ("bf16", ""), ("fp8", "fp8"), ("bf16", "minibatch_rows=128"), ("fp8", "fp8 minibatch_rows=128")]
+    assert rows[1]["minibatch"] != 128 and rows[3]["minibatch"] == 128  # the variant's settings
+    assert rows[3]["fp8_vs_bf16_forward"] == pytest.approx(rows[2]["forward_ms"] / rows[3]["forward_ms"])
+    assert "(minibatch_rows=128)" in r.stdout  # its line of the FP8 summary says which variant
+
+
 def test_bench_fp8_skipped_where_the_backend_refuses(monkeypatch, tmp_path, capsys):
     pytest.importorskip("torch")
     monkeypatch.setenv("MOK_BENCH_SMOKE", "1")
