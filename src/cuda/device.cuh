@@ -17,30 +17,21 @@
 #include "core/portable.h"
 
 #ifdef __CUDACC__
-static __device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-static __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-/* Relaxed loads, for spinning: unlike an acquire (a strong load and an invalidation of the SM's
-   whole L1), they leave the L1 that the SM's other warps are reading from. A spin that has seen
-   its value ends with fence_acq_rel_* instead (a relaxed read followed by the fence is an acquire
-   of what it read). */
-static __device__ __forceinline__ unsigned long long ld_relaxed_gpu(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-static __device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
+/* 64-bit loads with a memory order. Acquire loads read counters and flags; relaxed ones are for
+   spinning: unlike an acquire (a strong load and an invalidation of the SM's whole L1), they leave
+   the L1 that the SM's other warps are reading from. A spin that has seen its value ends with
+   fence_acq_rel_* instead (a relaxed read followed by the fence is an acquire of what it read). */
+#define MOK_LD_U64(name, order)                                                                    \
+    static __device__ __forceinline__ unsigned long long name(const unsigned long long *p) {       \
+        unsigned long long v;                                                                      \
+        asm volatile("ld." order ".global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");          \
+        return v;                                                                                  \
+    }
+MOK_LD_U64(ld_acquire_gpu, "acquire.gpu")
+MOK_LD_U64(ld_acquire_sys, "acquire.sys")
+MOK_LD_U64(ld_relaxed_gpu, "relaxed.gpu")
+MOK_LD_U64(ld_relaxed_sys, "relaxed.sys")
+#undef MOK_LD_U64
 static __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 static __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 static __device__ __forceinline__ void st_release_sys(unsigned long long *p, unsigned long long v) {
