@@ -40,6 +40,7 @@ dump() {
                 mangled = $3
                 cmd = "c++filt \"" mangled "\""; cmd | getline name; close(cmd)
                 sub(/\(.*/, "", name)
+                sub(/^void /, "", name) # a template kernel demangles with its return type
                 if (name in map) name = map[name]
                 file = out "/" name ".from." tag
                 printf "" > file
@@ -55,7 +56,7 @@ dump() {
         if [ -f "$obj.ptxas" ]; then
             awk -v out="$out/regs" -v renames="$renames" '
                 BEGIN { n = split(renames, pairs, " "); for (i = 1; i <= n; ++i) { split(pairs[i], kv, "="); map[kv[1]] = kv[2] } }
-                /Function properties for / { cmd = "c++filt \"" $NF "\""; cmd | getline name; close(cmd); sub(/\(.*/, "", name)
+                /Function properties for / { cmd = "c++filt \"" $NF "\""; cmd | getline name; close(cmd); sub(/\(.*/, "", name); sub(/^void /, "", name)
                                             if (name in map) name = map[name]; frame = ""; next }
                 name != "" && /bytes stack frame/ { sub(/^ +/, ""); frame = $0; next }
                 name != "" && /Used [0-9]+ registers/ { sub(/^ptxas info *: */, ""); print frame "; " $0 > (out "/" name); name = "" }
