@@ -218,6 +218,136 @@ mok_status gpu_fp8_forward(gpu_fp8 *G, const layer *L, int recompute) {
 
 static uint16_t scaled(uint16_t v, int e) { return mok_bf16_from_float((float)ldexp(mok_bf16_to_float(v), e)); }
 
+/* ---- exact layers: no element at a tie of its bf16 rounding that E4M3 would see ----------------
+ * An exact layer's g, u and dh = w · (dy^ · W^_down) are the same bits on every backend, but h, dg
+ * and du come through the sigmoid, which the backends evaluate in fp32 and the reference in fp64.
+ * Exact values make ties of their bf16 rounding common: where the sigmoid saturates in fp32
+ * (g > 16.6), h = g · u exactly there, a product of short mantissas, and a bf16 midpoint often;
+ * the fp64 value sits just inside it and rounds the other way. When the two bf16 neighbours then
+ * quantize to different E4M3 values (or the block's scale changes), the element moves by an E4M3
+ * step, 2^-3 of it, which the cpu's rows rightly call an error where it dominates a sum. So token
+ * rows whose h, dg or du has such an element are redrawn. */
+
+#define TIE_WINDOW 0x1.0p-18 /* relative distance to a bf16 midpoint an fp32 evaluation may cross */
+
+/* The bf16 value nearest to v (one step from fp64, ties to even) in *near, and in *other the
+ * neighbour on the midpoint's other side when v lies within TIE_WINDOW of a midpoint (else *near). */
+static void bf16_candidates(double v, double *near, double *other) {
+    *near = *other = v;
+    if (v == 0.0 || !isfinite(v)) return;
+    int exponent;
+    frexp(fabs(v), &exponent);
+    const int spacing = exponent - 8 < -133 ? -133 : exponent - 8;
+    const double m = ldexp(fabs(v), -spacing), below = floor(m);
+    *near = *other = copysign(ldexp(rint(m), spacing), v);
+    const double off = fabs(m - below - 0.5);
+    if (off > 0.0 && off < m * TIE_WINDOW)
+        *other = copysign(ldexp(rint(m) == below ? below + 1.0 : below, spacing), v);
+}
+
+static int fp8_exponent(double amax) {
+    if (amax == 0.0) return 0;
+    int e = -124;
+    while (amax > ldexp(448.0, e)) ++e;
+    return e;
+}
+
+static double e4m3_at(double v, int e) { return mok_e4m3_to_float(mok_e4m3_from_float((float)ldexp(v, -e))); }
+
+/* Whether one 1 x 128 block of values before their bf16 rounding can quantize two ways. */
+static int block_can_flip(const double *v) {
+    double near[MOK_FP8_BLOCK], other[MOK_FP8_BLOCK], amax = 0.0, amax_lo = 0.0, amax_hi = 0.0;
+    for (int i = 0; i < MOK_FP8_BLOCK; ++i) {
+        bf16_candidates(v[i], &near[i], &other[i]);
+        const double a = fabs(near[i]), b = fabs(other[i]);
+        amax = fmax(amax, a);
+        amax_lo = fmax(amax_lo, fmin(a, b));
+        amax_hi = fmax(amax_hi, fmax(a, b));
+    }
+    const int e = fp8_exponent(amax);
+    if (fp8_exponent(amax_lo) != e || fp8_exponent(amax_hi) != e) return 1;
+    for (int i = 0; i < MOK_FP8_BLOCK; ++i)
+        if (near[i] != other[i] && e4m3_at(near[i], e) != e4m3_at(other[i], e)) return 1;
+    return 0;
+}
+
+static double bf16_value(uint16_t v) { return mok_bf16_to_float(v); }
+
+/* Whether token row x [H] through one expert (gate, up [inter, H], down [H, inter], router weight w;
+ * dy [H] or NULL) has an h, dg or du block that can quantize two ways. Exact layers: every operand
+ * is its own quantization, and the sums below are exact in fp64. scratch: 3 inter doubles. */
+static int expert_can_flip(const double *x, const double *dy, double w, const uint16_t *gate, const uint16_t *up,
+                           const uint16_t *down, int64_t inter, int64_t H, double limit, double *scratch) {
+    double *h = scratch, *dg = scratch + inter, *du = scratch + 2 * inter, other;
+    for (int64_t i = 0; i < inter; ++i) {
+        double g = 0.0, u = 0.0;
+        for (int64_t c = 0; c < H; ++c) {
+            g += bf16_value(gate[i * H + c]) * x[c];
+            u += bf16_value(up[i * H + c]) * x[c];
+        }
+        bf16_candidates(g, &g, &other);
+        bf16_candidates(u, &u, &other);
+        const double gc = limit > 0.0 && g > limit ? limit : g;
+        const double uc = limit > 0.0 ? fmin(fmax(u, -limit), limit) : u;
+        const double s = 1.0 / (1.0 + exp(-gc));
+        h[i] = gc * s * uc;
+        if (!dy) continue;
+        double dh = 0.0;
+        for (int64_t o = 0; o < H; ++o) dh += bf16_value(down[o * inter + i]) * dy[o];
+        dh *= w;
+        dg[i] = limit > 0.0 && g > limit ? 0.0 : dh * uc * s * (1.0 + gc * (1.0 - s));
+        du[i] = limit > 0.0 && fabs(u) > limit ? 0.0 : dh * gc * s;
+    }
+    for (int64_t b = 0; b < inter; b += MOK_FP8_BLOCK)
+        if (block_can_flip(h + b) || (dy && (block_can_flip(dg + b) || block_can_flip(du + b)))) return 1;
+    return 0;
+}
+
+/* Redraws (with exact values, exponents from xlo on) every token row of an exact layer that has an
+ * element expert_can_flip finds, up to 64 times a row. Returns how many rows were left so. */
+static int64_t avoid_fp8_flips(layer *L, int xlo, int xspan, uint64_t seed) {
+    const int64_t H = L->shape.hidden, I = L->shape.intermediate, Is = L->shape.shared_intermediate;
+    const int64_t El = L->shape.num_experts / L->nranks, k = L->shape.topk, B = MOK_FP8_BLOCK;
+    const int64_t wide = Is > I ? Is : I;
+    double *x = malloc((size_t)(2 * H + 3 * wide) * sizeof(double));
+    if (!x) return -1;
+    double *dy = x + H, *scratch = dy + H;
+    int64_t left = 0;
+    uint64_t rng = seed ^ 0x7469657300000000ull;
+    for (int p = 0; p < L->nranks; ++p)
+        for (int64_t t = 0; t < L->num_tokens[p]; ++t) {
+            uint16_t *row = L->x[p] + t * H;
+            int flips = 1;
+            for (int attempt = 0; attempt < 64 && flips; ++attempt) {
+                if (attempt > 0)
+                    for (int64_t b = 0; b < H / B; ++b) {
+                        const int e = xlo + (int)(matrix_pick(&rng) % (uint64_t)xspan);
+                        for (int64_t c = b * B; c < b * B + B; ++c)
+                            row[c] = mok_bf16_from_float((float)ldexp(
+                                (matrix_pick(&rng) & 1 ? -1.0 : 1.0) * (matrix_pick(&rng) & 1 ? 1.0 : 0.5), e));
+                    }
+                for (int64_t c = 0; c < H; ++c) {
+                    x[c] = bf16_value(row[c]);
+                    if (L->dy[p]) dy[c] = bf16_value(L->dy[p][t * H + c]);
+                }
+                const double *dyt = L->dy[p] ? dy : NULL;
+                flips = Is && expert_can_flip(x, dyt, 1.0, L->s[LAYER_GATE], L->s[LAYER_UP], L->s[LAYER_DOWN], Is, H,
+                                              L->swiglu_limit, scratch);
+                for (int64_t j = 0; j < k && !flips; ++j) {
+                    const int32_t e = L->topk_ids[p][t * k + j];
+                    if (e < 0) continue;
+                    const int64_t off = (e % El) * I * H;
+                    flips = expert_can_flip(x, dyt, L->router_w[p][t * k + j], L->w[LAYER_GATE][e / El] + off,
+                                            L->w[LAYER_UP][e / El] + off, L->w[LAYER_DOWN][e / El] + off, I, H,
+                                            L->swiglu_limit, scratch);
+                }
+            }
+            left += flips;
+        }
+    free(x);
+    return left;
+}
+
 void gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
     const int64_t H = L->shape.hidden, I = L->shape.intermediate, Is = L->shape.shared_intermediate;
     const int64_t El = L->shape.num_experts / L->nranks, B = MOK_FP8_BLOCK;
@@ -268,6 +398,8 @@ void gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
                         }
                 }
 #undef VALUE
+    if (mode == GPU_FP8_EXACT && avoid_fp8_flips(L, xlo, xspan, seed) != 0)
+        printf("    (gpu_fp8_reshape: token rows left with an h, dg or du that can quantize two ways)\n");
 }
 
 mok_config gpu_variant_config(const gpu_variant *v, int backward) {
