@@ -348,7 +348,7 @@ static int64_t avoid_fp8_flips(layer *L, int xlo, int xspan, uint64_t seed) {
     return left;
 }
 
-void gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
+int64_t gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
     const int64_t H = L->shape.hidden, I = L->shape.intermediate, Is = L->shape.shared_intermediate;
     const int64_t El = L->shape.num_experts / L->nranks, B = MOK_FP8_BLOCK;
     uint64_t rng = seed;
@@ -398,8 +398,7 @@ void gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
                         }
                 }
 #undef VALUE
-    if (mode == GPU_FP8_EXACT && avoid_fp8_flips(L, xlo, xspan, seed) != 0)
-        printf("    (gpu_fp8_reshape: token rows left with an h, dg or du that can quantize two ways)\n");
+    return mode == GPU_FP8_EXACT ? avoid_fp8_flips(L, xlo, xspan, seed) : 0;
 }
 
 mok_config gpu_variant_config(const gpu_variant *v, int backward) {

@@ -83,10 +83,11 @@ mok_status gpu_fp8_forward(gpu_fp8 *G, const layer *L, int recompute);
  * fp32, so g, u and dy^ · W^_down are the same bits on every backend (mok.h: only the block
  * sums are the backend's). h, dg and du come through the sigmoid (fp32 on the backends, fp64 in
  * the reference); token rows where one of them sits so near a tie of its bf16 rounding that the
- * two could round apart, and E4M3 would see it, are redrawn (gpu_layer.c). Spread layers keep the random values and scale the same blocks by 2^-20 .. 2^4 (x)
+ * two could round apart, and E4M3 would see it, are redrawn (gpu_layer.c). Returns how many
+ * token rows could not be steered so (0 for spread layers; -1 out of memory). Spread layers keep the random values and scale the same blocks by 2^-20 .. 2^4 (x)
  * and 2^-12 .. 2^4 (weights): blocks far apart in magnitude, many E4M3 subnormals. */
 enum { GPU_FP8_EXACT = 1, GPU_FP8_SPREAD = 2 };
-void gpu_fp8_reshape(layer *L, int mode, uint64_t seed);
+int64_t gpu_fp8_reshape(layer *L, int mode, uint64_t seed);
 
 /* The workspace variants of the FP8 determinism tests: comm CTAs, minibatch and ring rows (0: the
  * defaults), the pass's transfers turned, the cp.async path (no_tma: MOK_CUDA_TMA=0 while its

@@ -3,8 +3,8 @@
  * router weights <= 0, uneven and zero tokens, several macrobatches, replay, the clamp, encoded
  * rows, 1 to 4 ranks, turned transfers), bitwise determinism across runs, threads, comm workers,
  * minibatch and ring sizes; inputs whose 128-blocks span a wide range; NaN and Inf; the recomputed
- * context; the memory rule; every new argument rule; and that the function computed is the FP8
- * one, not the bf16 one (the backend is far closer to the FP8 reference than to the bf16 one).
+ * context; the memory rule; every new argument rule; the GPU tests' exact layers; and that the
+ * function computed is the FP8 one, not the bf16 one (the backend is far closer to the FP8 reference than to the bf16 one).
  *
  * Layer seeds derive from MOK_TEST_SEED and the case's name (`MOK_TEST_SEED=N ./build/mok_tests
  * cpu_fp8` replays a run); MOK_TEST_QUICK=1 shrinks the matrix. */
@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "determinism.h"
+#include "gpu_layer.h"
 #include "layer.h"
 #include "matrix.h"
 #include "test.h"
@@ -228,6 +229,34 @@ static void spread_blocks(layer *L, uint64_t seed) {
             L->s[LAYER_UP][i * H + h] = scaled_bf16(L->s[LAYER_UP][i * H + h], ds[i / B] - c[h / B]);
             L->s[LAYER_DOWN][h * Is + i] = scaled_bf16(L->s[LAYER_DOWN][h * Is + i], -ds[i / B] - a[h / B]);
         }
+}
+
+/* The layers the cuda tests call exact (gpu_layer.h: every GEMM's block sums exact in fp32, token
+ * rows steered off the bf16 ties of h, dg, du that E4M3 would see) hold the cpu's rows on the cpu
+ * backend too: the steering is checked where CI runs, and a row it missed shows as an error here. */
+static void exact_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
+                       float limit) {
+    layer L;
+    if (layer_make(&L, shape, P, tokens, case_seed(name), routing) != 0) {
+        CHECK(0, "%s: layer_make failed", name);
+        layer_free(&L);
+        return;
+    }
+    L.swiglu_limit = limit;
+    CHECK(gpu_fp8_reshape(&L, GPU_FP8_EXACT, L.seed ^ 0x5eedull) == 0, "%s: exact rows left at a tie", name);
+    const mok_config config = matrix_config();
+    check_layer(name, &L, &config, MATRIX_BF16_GRADS);
+    layer_free(&L);
+}
+
+MOK_TEST(cpu_fp8_exact_layers) {
+    const int quick = mok_test_quick();
+    const int64_t t1[1] = {quick ? 96 : 300}, t2[2] = {quick ? 40 : 120, quick ? 17 : 61};
+    const mok_shape wide_shared = fp8_shape(128, 128, 4, 1, 384);
+    exact_case("fp8 exact k = 1, wide shared expert", &wide_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f);
+    const mok_shape s = fp8_shape(256, 256, 8, 2, 128);
+    exact_case("fp8 exact skewed, 2 ranks", &s, 2, t2, LAYER_ROUTE_SKEWED, 0.0f);
+    exact_case("fp8 exact clamp, -1 slots, weights <= 0", &s, 2, t2, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.5f);
 }
 
 MOK_TEST(cpu_fp8_outliers) {
