@@ -401,6 +401,16 @@ int64_t gpu_fp8_reshape(layer *L, int mode, uint64_t seed) {
     return mode == GPU_FP8_EXACT ? avoid_fp8_flips(L, xlo, xspan, seed) : 0;
 }
 
+int gpu_fp8_layer(layer *L, const mok_shape *shape, int P, const int64_t *tokens, uint64_t seed, int routing,
+                  float limit, int mode) {
+    if (layer_make(L, shape, P, tokens, seed, routing) != 0) {
+        layer_free(L);
+        return -1;
+    }
+    L->swiglu_limit = limit;
+    return mode && gpu_fp8_reshape(L, mode, L->seed ^ 0x5eedull) != 0 ? 1 : 0;
+}
+
 mok_config gpu_variant_config(const gpu_variant *v, int backward) {
     mok_config c = mok_config_default();
     if (v->comm) *(backward ? &c.bwd_comm_sms : &c.fwd_comm_sms) = v->comm;

@@ -88,6 +88,10 @@ mok_status gpu_fp8_forward(gpu_fp8 *G, const layer *L, int recompute);
  * and 2^-12 .. 2^4 (weights): blocks far apart in magnitude, many E4M3 subnormals. */
 enum { GPU_FP8_EXACT = 1, GPU_FP8_SPREAD = 2 };
 int64_t gpu_fp8_reshape(layer *L, int mode, uint64_t seed);
+/* layer_make with the SwiGLU limit set, then gpu_fp8_reshape in mode (0: none) from the layer's
+ * seed: 0; -1 when layer_make failed (L freed); 1 when rows were left at a tie. */
+int gpu_fp8_layer(layer *L, const mok_shape *shape, int P, const int64_t *tokens, uint64_t seed, int routing,
+                  float limit, int mode);
 
 /* The workspace variants of the FP8 determinism tests: comm CTAs, minibatch and ring rows (0: the
  * defaults), the pass's transfers turned, the cp.async path (no_tma: MOK_CUDA_TMA=0 while its

@@ -237,13 +237,9 @@ static void spread_blocks(layer *L, uint64_t seed) {
 static void exact_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
                        float limit) {
     layer L;
-    if (layer_make(&L, shape, P, tokens, case_seed(name), routing) != 0) {
-        CHECK(0, "%s: layer_make failed", name);
-        layer_free(&L);
-        return;
-    }
-    L.swiglu_limit = limit;
-    CHECK(gpu_fp8_reshape(&L, GPU_FP8_EXACT, L.seed ^ 0x5eedull) == 0, "%s: exact rows left at a tie", name);
+    const int made = gpu_fp8_layer(&L, shape, P, tokens, case_seed(name), routing, limit, GPU_FP8_EXACT);
+    CHECK(made == 0, "%s: %s", name, made < 0 ? "layer_make failed" : "exact rows left at a tie");
+    if (made < 0) return;
     const mok_config config = matrix_config();
     check_layer(name, &L, &config, MATRIX_BF16_GRADS);
     layer_free(&L);

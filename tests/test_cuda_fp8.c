@@ -84,15 +84,11 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
         return;
     }
     layer L;
-    if (layer_make(&L, shape, P, tokens, case_seed(name), routing) != 0) {
-        CHECK(0, "%s: layer_make failed", name);
-        layer_free(&L);
-        return;
-    }
-    L.swiglu_limit = limit;
+    const int made = gpu_fp8_layer(&L, shape, P, tokens, case_seed(name), routing, limit,
+                                   mode == CASE_EXACT || mode == CASE_SPREAD ? mode : 0);
+    CHECK(made == 0, "%s: %s", name, made < 0 ? "layer_make failed" : "exact rows left at a tie");
+    if (made < 0) return;
     L.tensor_core_sums = 1;
-    if (mode == CASE_EXACT || mode == CASE_SPREAD)
-        CHECK(gpu_fp8_reshape(&L, mode, L.seed ^ 0x5eedull) == 0, "%s: exact rows left at a tie", name);
     if (mode == CASE_NONFINITE) poison_tokens(&L);
     if (limit > 0.0f) layer_avoid_clamp_flips(&L);
     char tag[256];
