@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # dev_build.sh — every kernel experiment of dev/ still compiles for sm_90a (dev/README.md's
 # command line: -Isrc -Iinclude for the probes that include the library's headers), so that a change to
-# dev/gemm_common.cuh or to src/ does not leave one of them broken until the next GPU session.
+# dev/gemm_common.cuh or to src/ does not leave one of them broken unseen until it runs on a GPU.
 # Compiles in parallel; one PASS/FAIL line per file; skipped where nvcc is missing. Ends with
 # `N passed, N failed`.
 set -u
