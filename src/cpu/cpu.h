@@ -36,6 +36,9 @@ typedef struct cpu_grave {
 } cpu_grave;
 
 enum { CPU_POISON_TIMEOUT = 1, CPU_POISON_DESTROY = 2 };
+#define CPU_POISON_WORD(rank, reason) ((rank) + 1 + ((reason) << 16))
+#define CPU_POISON_RANK(word) (((word) & 0xffff) - 1)
+#define CPU_POISON_REASON(word) ((word) >> 16)
 
 typedef struct cpu_domain {
     mok_unique_id id;
@@ -51,8 +54,9 @@ typedef struct cpu_domain {
        the rank can reach epoch e + 2 (this slot again) only once every peer has arrived at e + 1,
        after it read the slot of e. */
     mok_call calls[2][MOK_MAX_RANKS];
-    _Atomic int poisoned;                        /* 0, or 1 + the rank that poisoned the domain */
-    _Atomic int poison_reason;                   /* CPU_POISON_* */
+    /* 0, or who poisoned the domain and why in one word, CPU_POISON_WORD(rank, reason): set once
+       (compare-and-swap from 0), so a peer that sees it nonzero reads the reason with it */
+    _Atomic int poisoned;
     cpu_grave *graveyard;                        /* regions kept until the domain goes (registry lock) */
     _Atomic(char *) regions[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
     mok_shape shapes[CPU_MAX_WORKSPACES][MOK_MAX_RANKS];
@@ -118,8 +122,8 @@ typedef struct cpu_workspace {
 /* domain.c */
 int64_t mok__cpu_now_ns(void);
 /* The cross-rank barrier: carries `call` to the peers and compares theirs (ok = 0:
- * this rank rejected its arguments). mok__cpu_poisoned: the rank (+ 1) whose failure made the
- * group unusable, or 0. */
+ * this rank rejected its arguments). mok__cpu_poisoned: nonzero (CPU_POISON_WORD of the rank whose
+ * failure made the group unusable, and why) or 0. */
 mok_status mok__cpu_barrier(mok_group *group, int local_rank, const mok_call *call, int ok);
 int mok__cpu_poisoned(const mok_group *group);
 /* The MOK_ERR_STATE a call gets in a poisoned group, naming who poisoned it and why. */

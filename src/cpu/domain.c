@@ -145,7 +145,7 @@ void mok__cpu_group_destroy(mok_group *g) {
 void mok__cpu_poison(mok_group *g, int rank, int reason) {
     cpu_domain *d = ((cpu_group *)g->impl)->domain;
     int none = 0;
-    if (atomic_compare_exchange_strong(&d->poisoned, &none, rank + 1)) atomic_store(&d->poison_reason, reason);
+    atomic_compare_exchange_strong(&d->poisoned, &none, CPU_POISON_WORD(rank, reason));
     g->failed = 1;
 }
 
@@ -156,8 +156,7 @@ int mok__cpu_poisoned(const mok_group *g) {
 
 mok_status mok__cpu_poisoned_error(const mok_group *g, int rank) {
     cpu_domain *d = ((cpu_group *)g->impl)->domain;
-    const int by = atomic_load(&d->poisoned) - 1;
-    const int reason = atomic_load(&d->poison_reason);
+    const int word = atomic_load(&d->poisoned), by = CPU_POISON_RANK(word), reason = CPU_POISON_REASON(word);
     ((mok_group *)g)->failed = 1;
     if (by == rank)
         return mok__fail(MOK_ERR_STATE, "rank %d: the group is unusable after this rank's earlier %s; destroy its "
