@@ -426,18 +426,25 @@ mok_config gpu_variant_config(const gpu_variant *v, int backward) {
     return c;
 }
 
-void gpu_variant_env(const gpu_variant *v, int on) {
-    static char saved[64];
-    static int had;
-    if (!v->no_tma) return;
-    if (on) {
-        const char *now = getenv("MOK_CUDA_TMA");
-        had = now != NULL;
-        if (had) snprintf(saved, sizeof saved, "%s", now);
-        setenv("MOK_CUDA_TMA", "0", 1);
-    } else if (had) {
-        setenv("MOK_CUDA_TMA", saved, 1);
+/* Sets name to value (non-NULL), or puts back what slot's last set found (NULL). */
+static void env_swap(int slot, const char *name, const char *value) {
+    static char saved[2][64];
+    static int had[2];
+    if (value) {
+        const char *now = getenv(name);
+        had[slot] = now != NULL;
+        if (had[slot]) snprintf(saved[slot], sizeof saved[slot], "%s", now);
+        setenv(name, value, 1);
+    } else if (had[slot]) {
+        setenv(name, saved[slot], 1);
     } else {
-        unsetenv("MOK_CUDA_TMA");
+        unsetenv(name);
     }
+}
+
+void gpu_variant_env(const gpu_variant *v, int on) {
+    char cols[16];
+    snprintf(cols, sizeof cols, "%d", v->cols_dh);
+    if (v->no_tma) env_swap(0, "MOK_CUDA_TMA", on ? "0" : NULL);
+    if (v->cols_dh) env_swap(1, "MOK_CUDA_COLS_DH", on ? cols : NULL);
 }

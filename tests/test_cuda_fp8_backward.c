@@ -4,7 +4,8 @@
  * experts, -1 slots, router weights <= 0, the clamp, no shared expert, several macrobatches with
  * the replay of g|u past the context); the replay and mok_recompute_context giving the bits of a
  * backward from the forward's context; and bitwise determinism across runs, comm CTAs, minibatch
- * and ring sizes, turned transfers and the cp.async path.
+ * and ring sizes, turned transfers, the cp.async path and the dh tiles' width (128 or 256 columns,
+ * MOK_CUDA_COLS_DH).
  *
  * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums) on random
  * layers, and the cpu's FP8 rows on exact ones (gpu_layer.h: x, dy and the weights such that every
@@ -66,7 +67,7 @@ static mok_status gpu_run(const layer *L, const mok_config *config, int accumula
 /* One layer (exact: gpu_fp8_reshape's exact values): the FP8 reference, then the GPU's
  * backward, compared. */
 static void check_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
-                       float limit, const mok_config *gpu_cfg, int accumulate, int exact) {
+                       float limit, const mok_config *gpu_cfg, int accumulate, int exact, int cols_dh) {
     if (mok_backend_available(MOK_BACKEND_CUDA) < P) {
         printf("    (%s: skipped, needs %d GPUs)\n", name, P);
         return;
@@ -83,7 +84,10 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     mok_status st = layer_run_reference(&L, &ref);
     CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
     if (st == MOK_OK) {
+        const gpu_variant width = {0, 0, 0, 0, 0, cols_dh};
+        gpu_variant_env(&width, 1);
         st = gpu_run(&L, gpu_cfg, accumulate, 0, &got, message, sizeof message);
+        gpu_variant_env(&width, 0);
         CHECK(st == MOK_OK, "%s: gpu: %s", tag, message);
     }
     if (st == MOK_OK) {
@@ -102,48 +106,62 @@ MOK_TEST(cuda_fp8_backward_routings) {
     if (skip("cuda_fp8_backward_routings")) return;
     const int64_t t1[1] = {300}, one[1] = {1};
     const mok_shape a = fp8_shape(256, 256, 8, 2, 128);
-    check_case("fp8 bwd ep1 uniform", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
-    check_case("fp8 bwd ep1 skewed accumulate", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1, 0);
-    check_case("fp8 bwd ep1 exact skewed", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1);
-    check_case("fp8 bwd ep1 exact one expert", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 0, 1);
-    check_case("fp8 bwd ep1 exact empty experts", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 1, 1);
+    check_case("fp8 bwd ep1 uniform", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0, 0);
+    check_case("fp8 bwd ep1 skewed accumulate", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1, 0, 0);
+    check_case("fp8 bwd ep1 exact skewed", &a, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1, 0);
+    check_case("fp8 bwd ep1 exact one expert", &a, 1, t1, LAYER_ROUTE_ONE_EXPERT, 0.0f, NULL, 0, 1, 0);
+    check_case("fp8 bwd ep1 exact empty experts", &a, 1, t1, LAYER_ROUTE_EVEN, 0.0f, NULL, 1, 1, 0);
     check_case("fp8 bwd ep1 exact -1 slots, weights <= 0", &a, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS, 0.0f,
-               NULL, 0, 1);
+               NULL, 0, 1, 0);
     /* the clamp on exact layers only: g and u are the reference's bits there, so no element's clamp
        mask can differ (layer_avoid_clamp_flips steers by the reference's g and u; the tensor cores'
        block sums move them by more than its window) */
-    check_case("fp8 bwd ep1 exact clamp", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 0, 1);
-    check_case("fp8 bwd ep1 exact one token", &a, 1, one, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 exact clamp", &a, 1, t1, LAYER_ROUTE_UNIFORM, 0.5f, NULL, 0, 1, 0);
+    check_case("fp8 bwd ep1 exact one token", &a, 1, one, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 1, 0);
     const mok_shape wide = fp8_shape(384, 384, 4, 3, 0); /* no shared expert; 256 + 128 column dx tiles */
-    check_case("fp8 bwd ep1 no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0);
-    check_case("fp8 bwd ep1 exact no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1);
+    check_case("fp8 bwd ep1 no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0, 0);
+    check_case("fp8 bwd ep1 exact no shared, k = 3", &wide, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 1, 0);
     const mok_shape big_shared = fp8_shape(128, 128, 4, 1, 384); /* k = 1: the shared dg^|du^ rows of their own */
-    check_case("fp8 bwd ep1 k = 1, wide shared expert", &big_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep1 k = 1, wide shared expert", &big_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0, 0);
     check_case("fp8 bwd ep1 exact k = 1, wide shared expert", &big_shared, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0,
-               1);
+               1, 0);
     mok_config ring = mok_config_default();
     ring.minibatch_rows = 128;
     ring.ring_rows = 256;
     ring.context_rows = 128;
     ring.bwd_comm_sms = 3;
     const int64_t t777[1] = {777};
-    check_case("fp8 bwd ep1 macrobatches, replay", &a, 1, t777, LAYER_ROUTE_SKEWED, 0.0f, &ring, 0, 0);
+    check_case("fp8 bwd ep1 macrobatches, replay", &a, 1, t777, LAYER_ROUTE_SKEWED, 0.0f, &ring, 0, 0, 0);
     check_case("fp8 bwd ep1 exact macrobatches, replay, accumulate", &a, 1, t777, LAYER_ROUTE_ONE_EXPERT, 0.0f, &ring,
-               1, 1);
+               1, 1, 0);
     const int64_t t2[2] = {300, 0}, t2b[2] = {17, 411};
     const mok_shape b = fp8_shape(256, 128, 8, 4, 128);
-    check_case("fp8 bwd ep2 uneven", &b, 2, t2, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0);
+    check_case("fp8 bwd ep2 uneven", &b, 2, t2, LAYER_ROUTE_SKEWED, 0.0f, NULL, 0, 0, 0);
     check_case("fp8 bwd ep2 exact holes, macrobatches, replay", &b, 2, t2b, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS,
-               0.0f, &ring, 0, 1);
+               0.0f, &ring, 0, 1, 0);
+    /* dh tiles of two 128-blocks (the rule gives them to I >= 2048): a replay runs the forward's
+       gate|up tile once per block, the SwiGLU backward quantizes block by block */
+    const mok_shape w2 = fp8_shape(256, 512, 8, 2, 256);
+    check_case("fp8 bwd ep1 256-col dh uniform", &w2, 1, t1, LAYER_ROUTE_UNIFORM, 0.0f, NULL, 0, 0, 256);
+    check_case("fp8 bwd ep1 256-col dh exact skewed, accumulate", &w2, 1, t1, LAYER_ROUTE_SKEWED, 0.0f, NULL, 1, 1,
+               256);
+    check_case("fp8 bwd ep1 256-col dh exact clamp, -1 slots", &w2, 1, t1, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS,
+               0.5f, NULL, 0, 1, 256);
+    check_case("fp8 bwd ep1 256-col dh exact macrobatches, replay", &w2, 1, t777, LAYER_ROUTE_SKEWED, 0.0f, &ring, 0,
+               1, 256);
+    const mok_shape b2 = fp8_shape(256, 256, 8, 4, 256);
+    check_case("fp8 bwd ep2 256-col dh exact holes, replay", &b2, 2, t2b, LAYER_ROUTE_HOLES | LAYER_SIGNED_WEIGHTS,
+               0.0f, &ring, 0, 1, 256);
 }
 
 /* The replay of g|u past the context (config.context_rows) and mok_recompute_context give the
  * bits of a backward from the forward's whole context: the replay's x^ and weights are the
- * forward's, so are its g and u. */
+ * forward's, so are its g and u. The whole context's run has 128-column dh tiles (the rule's for
+ * I < 2048), the replay's 256 (two replayed blocks per tile): the same bits at either width. */
 MOK_TEST(cuda_fp8_backward_replay) {
     if (skip("cuda_fp8_backward_replay")) return;
     const int64_t t1[1] = {700};
-    const mok_shape s = fp8_shape(384, 256, 8, 4, 128);
+    const mok_shape s = fp8_shape(384, 256, 8, 4, 256);
     layer L;
     if (make_layer(&L, "fp8 bwd replay", &s, 1, t1, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f) != 0) return;
     char message[1024] = "", what[256] = "";
@@ -152,13 +170,16 @@ MOK_TEST(cuda_fp8_backward_replay) {
     mok_status st = gpu_run(&L, &c, 0, 0, &whole, message, sizeof message);
     CHECK(st == MOK_OK, "whole context: %s", message);
     c.context_rows = 128;
+    const gpu_variant wide = {0, 0, 0, 0, 0, 256};
     if (st == MOK_OK) {
+        gpu_variant_env(&wide, 1);
         st = gpu_run(&L, &c, 0, 0, &replayed, message, sizeof message);
-        CHECK(st == MOK_OK, "context of 128 rows: %s", message);
+        gpu_variant_env(&wide, 0);
+        CHECK(st == MOK_OK, "context of 128 rows, 256-column dh tiles: %s", message);
     }
     if (st == MOK_OK)
-        CHECK(layer_equal(&L, &whole, &replayed, what, sizeof what), "the replay past 128 context rows differs: %s",
-              what);
+        CHECK(layer_equal(&L, &whole, &replayed, what, sizeof what),
+              "the replay past 128 context rows (256-column dh tiles) differs: %s", what);
     c = mok_config_default();
     if (st == MOK_OK) {
         st = gpu_run(&L, &c, 0, 1, &recomputed, message, sizeof message);
@@ -174,12 +195,12 @@ MOK_TEST(cuda_fp8_backward_replay) {
 }
 
 /* dx, d_router_w and the gradients bitwise equal across two runs and across workspaces with other
- * comm CTA counts, minibatch and ring sizes, turned transfers and the cp.async path
- * (MOK_CUDA_TMA=0). */
+ * comm CTA counts, minibatch and ring sizes, turned transfers, the cp.async path
+ * (MOK_CUDA_TMA=0) and 256-column dh tiles. */
 MOK_TEST(cuda_fp8_backward_determinism) {
     if (skip("cuda_fp8_backward_determinism")) return;
     const int64_t t1[1] = {700};
-    const mok_shape s = fp8_shape(256, 256, 8, 4, 128);
+    const mok_shape s = fp8_shape(256, 256, 8, 4, 256);
     layer L;
     if (make_layer(&L, "fp8 bwd determinism", &s, 1, t1, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f) != 0) return;
     const gpu_variant variants[] = GPU_VARIANTS;

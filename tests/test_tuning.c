@@ -131,6 +131,10 @@ MOK_TEST(tuning_resolve) {
     t = resolve(&dsv3, &config, 2, 1, junk);
     CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256, "values outside the table's: raster %d cols %d / %d",
           t.raster, t.cols_h, t.cols_dh);
+    const char *const wide[] = {"MOK_CUDA_COLS_DH=256", "MOK_CUDA_COLS_H=256", NULL};
+    t = resolve(&qwen, &config, 1, 1, wide);
+    CHECK(t.cols_dh == 256 && t.cols_h == 256, "Qwen3, 256 named: cols_dh %d cols_h %d", t.cols_dh, t.cols_h);
+    CHECK(resolve(&odd, &config, 1, 1, wide).cols_dh == 64, "I 192 with 256 named: halved until it divides");
     const char *const zero[] = {"MOK_CUDA_RASTER=0", NULL};
     CHECK(resolve(&qwen, &config, 1, 1, zero).raster == 1, "raster 0: the default");
 

@@ -39,11 +39,11 @@ int mok__cuda_cols(int64_t a, int64_t b, int widest) {
     return w;
 }
 
-/* A column cap from the environment: 128 or 64 when the variable names one, else 256 (none). */
-static int cols_cap(const char *(*env)(const char *), const char *name) {
+/* A column width from the environment: 256, 128 or 64 when the variable names one, else the rule's. */
+static int cols_env(const char *(*env)(const char *), const char *name, int rule) {
     const char *v = env(name);
-    const int cap = v ? atoi(v) : 256;
-    return cap == 128 || cap == 64 ? cap : 256;
+    const int cols = v ? atoi(v) : 0;
+    return cols == 256 || cols == 128 || cols == 64 ? cols : rule;
 }
 
 /* The configured comm CTAs (at most all SMs but one), or the rule's for 0. With one rank and the
@@ -68,9 +68,9 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
     if (t->raster < 1 || t->raster > 64)
         t->raster = mok__cuda_raster(s->hidden, s->intermediate, num_sms - t->fwd_comm_ctas, l2_bytes);
     t->cols_gateup = mok__cuda_cols(s->intermediate, s->shared_intermediate, 128);
-    const int dh_cap = cols_cap(env, "MOK_CUDA_COLS_DH"), dh_widest = s->intermediate >= 2048 ? 256 : 128;
-    t->cols_dh = mok__cuda_cols(s->intermediate, s->shared_intermediate, dh_cap < dh_widest ? dh_cap : dh_widest);
-    t->cols_h = mok__cuda_cols(s->hidden, 0, cols_cap(env, "MOK_CUDA_COLS_H"));
+    t->cols_dh = mok__cuda_cols(s->intermediate, s->shared_intermediate,
+                                cols_env(env, "MOK_CUDA_COLS_DH", s->intermediate >= 2048 ? 256 : 128));
+    t->cols_h = mok__cuda_cols(s->hidden, 0, cols_env(env, "MOK_CUDA_COLS_H", 256));
 }
 
 size_t mok__cuda_tuning_format(const mok_cuda_tuning *t, char *text, size_t size) {

@@ -63,7 +63,7 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
 static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
     if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
-    const long long nI = p.inter / p.n_tile, ring0 = rt * MOK_ROW_TILE % p.ring_rows;
+    const long long nI = p.inter / p.rdot_cols, ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const int peer = ct->peer[r];
         if (peer < 0) break; /* padding: the rest of the tile */
@@ -86,7 +86,7 @@ static __device__ void run_gather(const pass_params &p, int q, long long rt, com
     const float *rdot = (const float *)(p.peers[q] + p.off_ring_rdot);
     uint16_t *dxbuf = (uint16_t *)(p.peers[p.rank] + p.off_dxbuf);
     float *drw = (float *)(p.peers[p.rank] + p.off_drw);
-    const long long nI = p.inter / p.n_tile;
+    const long long nI = p.inter / p.rdot_cols;
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
         const long long ring = ring0 + r;
@@ -312,7 +312,7 @@ static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long lo
         if (nt == 0 && tid < t.nreal) {
             const float *rdot = p.ring_rdot + (t.ring0 + tid) * (I / 64);
             float sum = 0.0f;
-            for (long long j = 0; j < I / p.n_tile; ++j) sum += rdot[j];
+            for (long long j = 0; j < I / p.rdot_cols; ++j) sum += rdot[j];
             ((float *)(p.peers[p.rank] + p.off_drw))[slots[tid]] = sum;
         }
         return;
@@ -516,7 +516,9 @@ static mok_status backward_fp8_setup(mok_workspace *ws, cuda_rank *R, pass_param
     const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
     const long long H = p->hidden, T = a->num_tokens;
     pass_params_fp8_weights(p, ws, a->fp8_weights);
-    p->n_tile = MOK_FP8_BLOCK; /* a dh tile quantizes whole 128-blocks of h, dg and du */
+    /* a dh tile quantizes whole 128-blocks of h, dg and du (cols_dh is 256, 128 or 64) */
+    p->n_tile = p->n_tile < MOK_FP8_BLOCK ? MOK_FP8_BLOCK : p->n_tile;
+    p->rdot_cols = MOK_FP8_BLOCK;
     p->off_xs = cw->sym.x + (size_t)ws->shape.max_tokens * (size_t)H;
     uint8_t *xq = (uint8_t *)(R->sym + cw->sym.x);
     float *xs = (float *)(R->sym + p->off_xs);
@@ -553,7 +555,7 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, MOK_PASS_BACKWARD);
         p.accumulate = a->accumulate;
         /* SwiGLU-backward tasks: n_tile columns of I (and of I_s) */
-        p.n_tile = R->tuning.cols_dh;
+        p.n_tile = p.rdot_cols = R->tuning.cols_dh;
         pass_params_comm(&p, R, ws->config.bwd_comm_sms, 1);
         pass_params_layer(&p, ws, a->x, a->w_gate, a->w_up, a->w_down, a->s_gate, a->s_up, a->s_down, a->context);
         p.dy = (const uint16_t *)a->dy;

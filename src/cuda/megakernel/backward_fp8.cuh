@@ -18,10 +18,13 @@
  * writes dg|du there (swiglu_backward_fp8.cuh).
  *
  * GEMMs (all K-major, FP8 tiles of fp8_tile.cuh): the replay x^ · [W^_gate; W^_up] (128 columns
- * of each: the forward's gate|up tile, so g and u are the forward's bits); dh0 = dy^ · W^_down
- * against its transposed copy [I, H]; the dx part [dg^ | du^] · [W^_gate ; W^_up] against the
- * transposed copies [H, I], one K loop split between them (tile_operands.bk_split). The dh tiles
- * are one 128-column block wide (pass_params.n_tile = MOK_FP8_BLOCK). */
+ * of each: the forward's gate|up tile, so g and u are the forward's bits; one per 128-block of the
+ * dh tile); dh0 = dy^ · W^_down against its transposed copy [I, H]; the dx part [dg^ | du^] ·
+ * [W^_gate ; W^_up] against the transposed copies [H, I], one K loop split between them
+ * (tile_operands.bk_split). The dh tiles are whole 128-blocks wide (pass_params.n_tile: the
+ * tuning's cols_dh, 256 or 128); every column's dh0 is the same sum at either width, and the
+ * router dot keeps a partial per 128-block (pass_params.rdot_cols), so the pass gives the same
+ * bits at either. */
 #ifndef MOK_CUDA_MEGAKERNEL_BACKWARD_FP8_CUH
 #define MOK_CUDA_MEGAKERNEL_BACKWARD_FP8_CUH
 
@@ -53,37 +56,39 @@ static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
     case MOK_TASK_DH: {
         const tile_info t = tp.tile;
         if (t.nreal == 0) return 0;
-        const bool replay = tile_replays(p, rt);
-        const long long n0 = nt * MOK_FP8_BLOCK, w_row = t.expert * I + n0;
-        if (replay && i == 0) { /* g|u of the tile's columns: the forward's gate|up tile */
+        /* a replaying tile first runs the forward's gate|up tile on each of its 128-blocks */
+        const int replays = tile_replays(p, rt) ? p.n_tile / MOK_FP8_BLOCK : 0;
+        const long long n0 = nt * p.n_tile, w_row = t.expert * I + n0;
+        if (i < replays) { /* g|u of block i: 128 columns of each */
+            const long long b_row = w_row + MOK_FP8_BLOCK * i;
             code_row_a(op, p.ring_y, t.ring0, 2 * H, H, t.nreal);
-            op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_W_GATE] + w_row * H);
-            op->b_hi = (const uint16_t *)(p.wq[MOK_FP8_W_UP] + w_row * H);
+            op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_W_GATE] + b_row * H);
+            op->b_hi = (const uint16_t *)(p.wq[MOK_FP8_W_UP] + b_row * H);
             op->ldb = H / 2;
             op->n_valid = 2 * MOK_FP8_BLOCK;
             op->b_split = MOK_FP8_BLOCK / 64;
-            fp8_b_scales(op, p.wqs[MOK_FP8_W_GATE], w_row, p.wqs[MOK_FP8_W_UP], w_row, KB);
-            use_tma_k(p, op, MAP_RING_XQ, t.ring0, MAP_W_GATE, w_row, MAP_W_UP, w_row);
+            fp8_b_scales(op, p.wqs[MOK_FP8_W_GATE], b_row, p.wqs[MOK_FP8_W_UP], b_row, KB);
+            use_tma_k(p, op, MAP_RING_XQ, t.ring0, MAP_W_GATE, b_row, MAP_W_UP, b_row);
             return 1;
         }
-        if (i != (replay ? 1 : 0)) return 0;
+        if (i != replays) return 0;
         code_row_a(op, p.ring_dy, t.ring0, 2 * H, H, t.nreal);
         op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_W_DOWN_T] + w_row * H);
         op->ldb = H / 2;
-        op->n_valid = MOK_FP8_BLOCK;
-        op->b_split = MOK_FP8_BLOCK / 64;
+        op->n_valid = p.n_tile;
+        op->b_split = p.n_tile / 64;
         fp8_b_scales(op, p.wqs[MOK_FP8_W_DOWN_T], w_row, nullptr, 0, KB);
         use_tma_k(p, op, MAP_RING_DY, t.ring0, MAP_W_DOWN, w_row);
         return 1;
     }
     case MOK_TASK_SHARED_DH: {
         if (i > 0) return 0;
-        const long long t0 = rt * MOK_ROW_TILE, n0 = nt * MOK_FP8_BLOCK;
+        const long long t0 = rt * MOK_ROW_TILE, n0 = nt * p.n_tile;
         code_row_a(op, p.sh_out, t0, 2 * H, H, token_rows(p, t0));
         op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_S_DOWN_T] + n0 * H);
         op->ldb = H / 2;
-        op->n_valid = MOK_FP8_BLOCK;
-        op->b_split = MOK_FP8_BLOCK / 64;
+        op->n_valid = p.n_tile;
+        op->b_split = p.n_tile / 64;
         fp8_b_scales(op, p.wqs[MOK_FP8_S_DOWN_T], n0, nullptr, 0, KB);
         use_tma_k(p, op, MAP_SH_DYQ, t0, MAP_S_DOWN, n0);
         return 1;
@@ -126,11 +131,11 @@ static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
 
 /* ---- epilogues ---------------------------------------------------------------------------- */
 
-/* A replay's g (accumulator columns 0..127) and u (128..255) in bf16 into the tile's columns of
- * ring_dgu, through the staging tile. */
+/* A replay's g (accumulator columns 0..127) and u (128..255) of the tile's 128-block i in bf16 into
+ * its columns of ring_dgu, through the staging tile. */
 static __device__ __forceinline__ void replay_epilogue_fp8(const pass_params &p, long long nt, const task_prep &tp,
-                                                           float (&acc)[TILE_ACC], uint16_t *c) {
-    const long long I = p.inter, n0 = nt * MOK_FP8_BLOCK;
+                                                           int i, float (&acc)[TILE_ACC], uint16_t *c) {
+    const long long I = p.inter, n0 = nt * p.n_tile + MOK_FP8_BLOCK * i;
     const tile_info t = tp.tile;
     const int w16 = ((threadIdx.x - PRODUCER_THREADS) >> 5) * 16;
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
@@ -150,17 +155,18 @@ static __device__ __forceinline__ void replay_epilogue_fp8(const pass_params &p,
 static __device__ __forceinline__ void dh_epilogue_fp8(const pass_params &p, const mok_task_span &span, long long rt,
                                                        long long nt, const task_prep &tp, float (&acc)[TILE_ACC],
                                                        uint16_t *c) {
-    const long long I = p.inter, Is = p.shared_inter, n0 = nt * MOK_FP8_BLOCK;
+    const long long I = p.inter, Is = p.shared_inter, n0 = nt * p.n_tile;
     if (span.kind == MOK_TASK_DH) {
         const tile_info t = tp.tile;
         const uint16_t *gu = tile_replays(p, rt) ? p.ring_dgu + t.ring0 * 2 * I : p.context + t.row0 * 2 * I;
-        swiglu_backward_fp8(acc, t.nreal, gu, 2 * I, I, n0, p.ring_w + t.ring0, p.limit, p.ring_h + t.ring0 * I, I,
-                            p.ring_dgu + t.ring0 * 2 * I, 2 * I, (uint8_t *)(p.ring_gu + t.ring0 * 2 * I), 4 * I,
-                            p.ring_rdot + t.ring0 * (I / 64) + nt, I / 64, c, true);
+        swiglu_backward_fp8(acc, t.nreal, p.n_tile, gu, 2 * I, I, n0, p.ring_w + t.ring0, p.limit,
+                            p.ring_h + t.ring0 * I, I, p.ring_dgu + t.ring0 * 2 * I, 2 * I,
+                            (uint8_t *)(p.ring_gu + t.ring0 * 2 * I), 4 * I,
+                            p.ring_rdot + t.ring0 * (I / 64) + n0 / MOK_FP8_BLOCK, I / 64, c, true);
     } else {
         const long long t0 = rt * MOK_ROW_TILE;
-        swiglu_backward_fp8(acc, token_rows(p, t0), p.context_shared + t0 * 2 * Is, 2 * Is, Is, n0, nullptr, p.limit,
-                            p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is, p.sh_gq + t0 * p.sh_gq_ld,
+        swiglu_backward_fp8(acc, token_rows(p, t0), p.n_tile, p.context_shared + t0 * 2 * Is, 2 * Is, Is, n0, nullptr,
+                            p.limit, p.sh_h + t0 * Is, Is, p.sh_dgu + t0 * 2 * Is, 2 * Is, p.sh_gq + t0 * p.sh_gq_ld,
                             p.sh_gq_ld, nullptr, 0, c, false);
     }
 }
@@ -173,7 +179,8 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
     if (tid == 0) bulk_wait_read(); /* as bwd_epilogue: the last TMA stores have read the staging region */
     consumer_sync();
     if (VAR == 0) { /* replay, dh */
-        if (span.kind == MOK_TASK_DH && i == 0 && tile_replays(p, rt)) replay_epilogue_fp8(p, nt, tp, acc, c);
+        if (span.kind == MOK_TASK_DH && tile_replays(p, rt) && i < p.n_tile / MOK_FP8_BLOCK)
+            replay_epilogue_fp8(p, nt, tp, i, acc, c);
         else dh_epilogue_fp8(p, span, rt, nt, tp, acc, c);
     } else if (VAR == 1) { /* dx */
         switch (span.kind) {

@@ -15,6 +15,10 @@ struct pass_params {
     mok_sched_layout layout;
     const void *schedule;
     int num_local_experts, topk, rank, recompute, backward, accumulate, n_tile, n_tile_h;
+    /* backward: columns of I per router-dot partial (ring_rdot, I / 64 floats a row): a dh tile
+       writes n_tile / rdot_cols of them, the dx side sums I / rdot_cols in column order. n_tile,
+       or 128 in FP8 (a partial per 128-block at either dh width) */
+    int rdot_cols;
     /* comm CTAs: the tuning's count; with comm_auto (config 0) spans_kernel scales it by the rows
        this rank's comm tasks move per FLOP of its compute (mok__cuda_comm_ctas_scaled), up to
        comm_max, and every CTA reads the pass's count from comm_dev at its start (pass_start) */
