@@ -9,28 +9,32 @@
  * the dx tiles read. A partial per 128-block, whatever the tile's width, gives d_router_w the same
  * bits at either width (the dx side sums inter / 128 of them in column order).
  *
- * A quantization block is a row's 128 columns, so each needs its row's maximum over both 64-column
- * chunks before any code: the epilogue sweeps a block's chunks twice, block by block. Sweep 1 (per
- * chunk, as the bf16 epilogue of swiglu.cuh: g|u into the staging tile, dh0 into the dh scratch, a
- * warp per row of 64 columns) computes h, dg, du, stores them in bf16 (h until sweep 2 puts
- * bf16(h^) in its place) and folds each row's maxima of |h|, |dg|, |du| into the dh scratch's
- * padding columns. Sweep 2 reads its own bf16 values back, quantizes them with the rows' scales,
- * replaces h by bf16(h^), writes the codes, and sums the router dot over h^ in the bf16
- * epilogue's order (a lane's two columns, the warp's lanes by xor 16 .. 1, the chunks in order).
- * With a replay, g|u and dg|du share their columns (gu == dgu_out): a chunk's g|u are in shared
- * memory before any of its dg|du are written. */
+ * A quantization block is a row's 128 columns, so a warp takes whole rows of a block: a lane holds
+ * columns 2·lane, 2·lane + 1 of both 64-column halves, the row's maxima are warp maxima, and every
+ * value is quantized in the registers it was computed in, in one pass (a pass per half block that
+ * stored h, dg, du and read them back for their codes spent half the epilogue waiting on those
+ * reads: docs/log.md). A block's g|u and dh0 for all 128 rows do not fit the staging region, so it
+ * runs in two phases of 64 rows, each consumer warpgroup's own (its accumulator rows): phase h
+ * loads g|u of rows 64h .. 64h + 63 (16-byte cp.async), warpgroup h puts its dh0 of the block in
+ * the scratch, and all eight warps take the phase's rows, RPI at a time: the values and the
+ * lanes' maxima of every row first, then the warp maxima, then codes, stores and the router dot.
+ * The router dot sums a lane's two columns, the warp's lanes by xor 16 .. 1, then the block's two
+ * halves in order. With a replay, g|u and dg|du share their columns (gu == dgu_out): a phase's g|u
+ * are in shared memory before any of its dg|du are written. */
 #ifndef MOK_CUDA_MEGAKERNEL_SWIGLU_BACKWARD_FP8_CUH
 #define MOK_CUDA_MEGAKERNEL_SWIGLU_BACKWARD_FP8_CUH
 
 #include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/row_stores.cuh"
-#include "cuda/megakernel/swiglu.cuh" /* add_row_partials */
+#include "cuda/megakernel/swiglu.cuh"
 
-/* The dh scratch's per-row padding (DH_SCRATCH_LD - 64 floats past the chunk's 64): the row's maxima. */
-#define FP8_AMAX_H 64
-#define FP8_AMAX_DG 65
-#define FP8_AMAX_DU 66
-static_assert(DH_SCRATCH_LD >= 67, "the rows' maxima fit the dh scratch's padding");
+/* The phase's tiles in the staging region (compute_walk.cuh): g|u of 64 rows (a row's 128 g, then
+ * its 128 u, bf16) in the staging tile, then dh0 of those rows (fp32) and the 128 rows' router
+ * weights in the dh scratch. */
+#define FP8_GU_LD (2 * MOK_FP8_BLOCK + 8)
+#define FP8_DH_LD (MOK_FP8_BLOCK + 4)
+static_assert(64 * FP8_GU_LD * 2 <= SMEM_STAGING_BYTES, "a phase's g|u fit the staging tile");
+static_assert((64 * FP8_DH_LD + TILE_BM) * 4 <= DH_SCRATCH_BYTES, "a phase's dh0 and the weights fit the dh scratch");
 
 /* The maximum of a finite-magnitude over a warp (order-free, so every run gets the same). */
 static __device__ __forceinline__ float warp_max(float v) {
@@ -51,135 +55,135 @@ static __device__ __forceinline__ uint32_t fp8_pair(uint32_t pair, int e, uint32
 }
 
 static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TILE_ACC], int rows, int cols,
-                                                           const uint16_t *gu, long long gu_ld, long long inter, long long n0,
-                                                           const float *w, float limit, uint16_t *h_out,
+                                                           const uint16_t *gu, long long gu_ld, long long inter,
+                                                           long long n0, const float *w, float limit, uint16_t *h_out,
                                                            long long h_ld, uint16_t *dgu_out, long long dgu_ld,
                                                            uint8_t *gq_out, long long gq_ld, float *rdot,
                                                            long long rdot_ld, uint16_t *c, bool zero_pad) {
     const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
-    const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
-    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * DH_SCRATCH_LD, *wsm = rsum + TILE_BM;
-    constexpr int RPI = 4; /* rows per iteration, as swiglu.cuh's */
-    if (t < TILE_BM) {
-        rsum[t] = 0.0f;
-        wsm[t] = w && t < rows ? w[t] : 1.0f;
-    }
-    /* this thread's dh0 of chunk hc into the scratch's 64 columns */
-    auto scratch_chunk = [&](int hc) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int a = 4 * (8 * hc + j) + 2 * half;
-                *(float2 *)(dsm + (row0 + 8 * half) * DH_SCRATCH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
-            }
-    };
+    const int frow = (warp & 3) * 16 + (lane >> 2), col0 = 2 * (lane & 3); /* the fragment's rows in its half */
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *wsm = dsm + 64 * FP8_DH_LD;
+    constexpr int RPI = 2; /* rows per iteration */
+    if (t < TILE_BM) wsm[t] = w && t < rows ? w[t] : 1.0f;
 #pragma unroll
     for (int b = 0; b < TILE_BN / MOK_FP8_BLOCK; ++b) {
         if (b * MOK_FP8_BLOCK >= cols) break;
-        /* sweep 1: h, dg, du in bf16 and the rows' maxima */
-#pragma unroll
-        for (int bc = 0; bc < MOK_FP8_BLOCK / 64; ++bc) {
-            const int hc = b * (MOK_FP8_BLOCK / 64) + bc;
-            for (int idx = t; idx < rows * 16; idx += CONSUMER_THREADS) {
-                const int r = idx >> 4, c8 = (idx & 15) * 8;
-                const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
-                cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
+        const long long cb = n0 + MOK_FP8_BLOCK * b;
+#pragma unroll 1
+        for (int half = 0; half < 2; ++half) {
+            const int r0 = 64 * half, nr = rows - r0 < 0 ? 0 : (rows - r0 < 64 ? rows - r0 : 64);
+            for (int idx = t; idx < nr * 32; idx += CONSUMER_THREADS) {
+                const int r = idx >> 5, c8 = (idx & 31) * 8;
+                const uint16_t *src =
+                    gu + (r0 + r) * gu_ld + (c8 < MOK_FP8_BLOCK ? cb + c8 : inter + cb + c8 - MOK_FP8_BLOCK);
+                cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * FP8_GU_LD + c8), src, true);
             }
-            scratch_chunk(hc);
+            if ((warp >> 2) == half) /* warp-uniform: this warpgroup's accumulators are the phase's rows */
+#pragma unroll
+                for (int bc = 0; bc < 2; ++bc)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            const int a = 4 * (8 * (2 * b + bc) + j) + 2 * hf;
+                            *(float2 *)(dsm + (frow + 8 * hf) * FP8_DH_LD + 64 * bc + 8 * j + col0) =
+                                make_float2(acc[a], acc[a + 1]);
+                        }
             cp_async_wait_all();
             consumer_sync();
-            const long long col = n0 + 64 * hc + 2 * lane;
 #pragma unroll 1
-            for (int rp = warp; rp < TILE_BM; rp += RPI * (CONSUMER_THREADS / 32)) {
+            for (int rp = warp; rp < 64; rp += RPI * (CONSUMER_THREADS / 32)) {
+                uint32_t hb[RPI][2], gb[RPI][2], ub[RPI][2];
+                float2 d[RPI][2];
+                float m[RPI][3];
 #pragma unroll
-                for (int k = 0; k < RPI; ++k) {
-                    const int row = rp + 8 * k;
+                for (int k = 0; k < RPI; ++k) { /* values and the lanes' maxima */
+                    const int lr = rp + 8 * k;
+                    m[k][0] = m[k][1] = m[k][2] = 0.0f;
+#pragma unroll
+                    for (int hc = 0; hc < 2; ++hc) {
+                        hb[k][hc] = gb[k][hc] = ub[k][hc] = 0u;
+                        d[k][hc] = make_float2(0.0f, 0.0f);
+                        if (r0 + lr >= rows) continue; /* warp-uniform */
+                        const uint32_t gpair = *(const uint32_t *)(c + lr * FP8_GU_LD + 64 * hc + 2 * lane);
+                        const uint32_t upair =
+                            *(const uint32_t *)(c + lr * FP8_GU_LD + MOK_FP8_BLOCK + 64 * hc + 2 * lane);
+                        d[k][hc] = *(const float2 *)(dsm + lr * FP8_DH_LD + 64 * hc + 2 * lane);
+                        const float wr = wsm[r0 + lr];
+                        float h[2], dg[2], du[2];
+#pragma unroll
+                        for (int q = 0; q < 2; ++q)
+                            mok__swiglu_with_backward(wr * (q ? d[k][hc].y : d[k][hc].x),
+                                                      __uint_as_float(q ? gpair & 0xffff0000u : gpair << 16),
+                                                      __uint_as_float(q ? upair & 0xffff0000u : upair << 16), limit,
+                                                      &h[q], &dg[q], &du[q]);
+                        hb[k][hc] = bf16x2_from_f32(h[0], h[1]);
+                        gb[k][hc] = bf16x2_from_f32(dg[0], dg[1]);
+                        ub[k][hc] = bf16x2_from_f32(du[0], du[1]);
+                        const uint32_t v[3] = {hb[k][hc], gb[k][hc], ub[k][hc]};
+#pragma unroll
+                        for (int i = 0; i < 3; ++i) {
+                            m[k][i] = mok__fp8_amax(m[k][i], __uint_as_float(v[i] << 16));
+                            m[k][i] = mok__fp8_amax(m[k][i], __uint_as_float(v[i] & 0xffff0000u));
+                        }
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < RPI; ++k)
+#pragma unroll
+                    for (int i = 0; i < 3; ++i) m[k][i] = warp_max(m[k][i]);
+                float part[RPI][2];
+#pragma unroll
+                for (int k = 0; k < RPI; ++k) { /* codes, stores, the router dot's lane partials */
+                    const int row = r0 + rp + 8 * k;
+                    part[k][0] = part[k][1] = 0.0f;
+                    const long long col = cb + 2 * lane;
                     uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
                     if (row >= rows) { /* warp-uniform */
-                        if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
+                        if (zero_pad)
+#pragma unroll
+                            for (int hc = 0; hc < 2; ++hc)
+                                *(uint32_t *)(hp + 64 * hc) = *(uint32_t *)(gp + 64 * hc) = *(uint32_t *)(up + 64 * hc) = 0u;
                         continue;
                     }
-                    const uint32_t gpair = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
-                    const uint32_t upair = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
-                    const float2 d = *(const float2 *)(dsm + row * DH_SCRATCH_LD + 2 * lane);
-                    const float wr = wsm[row];
-                    float h[2], dg[2], du[2];
+                    const int eh = mok__fp8_scale_exp(m[k][0]), eg = mok__fp8_scale_exp(m[k][1]);
+                    const int eu = mok__fp8_scale_exp(m[k][2]);
+                    uint8_t *q = gq_out + row * gq_ld + col; /* dg^'s code; du^'s inter further */
 #pragma unroll
-                    for (int q = 0; q < 2; ++q)
-                        mok__swiglu_with_backward(wr * (q ? d.y : d.x),
-                                                  __uint_as_float(q ? gpair & 0xffff0000u : gpair << 16),
-                                                  __uint_as_float(q ? upair & 0xffff0000u : upair << 16), limit,
-                                                  &h[q], &dg[q], &du[q]);
-                    const uint32_t hb = bf16x2_from_f32(h[0], h[1]), gb = bf16x2_from_f32(dg[0], dg[1]);
-                    const uint32_t ub = bf16x2_from_f32(du[0], du[1]);
-                    *(uint32_t *)hp = hb;
-                    *(uint32_t *)gp = gb;
-                    *(uint32_t *)up = ub;
-                    float m[3] = {0.0f, 0.0f, 0.0f};
-                    const uint32_t v[3] = {hb, gb, ub};
-#pragma unroll
-                    for (int i = 0; i < 3; ++i) {
-                        m[i] = mok__fp8_amax(m[i], __uint_as_float(v[i] << 16));
-                        m[i] = warp_max(mok__fp8_amax(m[i], __uint_as_float(v[i] & 0xffff0000u)));
+                    for (int hc = 0; hc < 2; ++hc) {
+                        uint32_t hq, unused;
+                        fp8_pair(hb[k][hc], eh, &hq);
+                        const uint32_t gcodes = fp8_pair(gb[k][hc], eg, &unused);
+                        const uint32_t ucodes = fp8_pair(ub[k][hc], eu, &unused);
+                        *(uint32_t *)(hp + 64 * hc) = hq;
+                        *(uint32_t *)(gp + 64 * hc) = gb[k][hc];
+                        *(uint32_t *)(up + 64 * hc) = ub[k][hc];
+                        *(uint16_t *)(q + 64 * hc) = (uint16_t)gcodes;
+                        *(uint16_t *)(q + inter + 64 * hc) = (uint16_t)ucodes;
+                        part[k][hc] += d[k][hc].x * __uint_as_float(hq << 16);
+                        part[k][hc] += d[k][hc].y * __uint_as_float(hq & 0xffff0000u);
                     }
                     if (lane == 0) {
-                        float *pad = dsm + row * DH_SCRATCH_LD;
-                        pad[FP8_AMAX_H] = bc ? fmaxf(pad[FP8_AMAX_H], m[0]) : m[0];
-                        pad[FP8_AMAX_DG] = bc ? fmaxf(pad[FP8_AMAX_DG], m[1]) : m[1];
-                        pad[FP8_AMAX_DU] = bc ? fmaxf(pad[FP8_AMAX_DU], m[2]) : m[2];
+                        float *scales = (float *)(gq_out + row * gq_ld + 2 * inter);
+                        scales[cb / MOK_FP8_BLOCK] = mok__fp8_pow2(eg);
+                        scales[(inter + cb) / MOK_FP8_BLOCK] = mok__fp8_pow2(eu);
                     }
                 }
-            }
-            consumer_sync(); /* c and the scratch are read; the next chunk may write them */
-        }
-        /* sweep 2: h^ in place of h, the codes of dg and du, the router dot over h^ */
 #pragma unroll
-        for (int bc = 0; bc < MOK_FP8_BLOCK / 64; ++bc) {
-            const int hc = b * (MOK_FP8_BLOCK / 64) + bc;
-            scratch_chunk(hc);
-            consumer_sync();
-            const long long col = n0 + 64 * hc + 2 * lane;
-#pragma unroll 1
-            for (int rp = warp; rp < TILE_BM; rp += RPI * (CONSUMER_THREADS / 32)) {
-                float part[RPI];
+                for (int mm = 16; mm >= 1; mm >>= 1)
 #pragma unroll
-                for (int k = 0; k < RPI; ++k) {
-                    part[k] = 0.0f;
-                    const int row = rp + 8 * k;
-                    if (row >= rows) continue;
-                    const float *pad = dsm + row * DH_SCRATCH_LD;
-                    const float2 d = *(const float2 *)(pad + 2 * lane);
-                    uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
-                    uint32_t hq, unused;
-                    fp8_pair(*(const uint32_t *)hp, mok__fp8_scale_exp(pad[FP8_AMAX_H]), &hq);
-                    const uint32_t gcodes =
-                        fp8_pair(*(const uint32_t *)gp, mok__fp8_scale_exp(pad[FP8_AMAX_DG]), &unused);
-                    const uint32_t ucodes =
-                        fp8_pair(*(const uint32_t *)up, mok__fp8_scale_exp(pad[FP8_AMAX_DU]), &unused);
-                    *(uint32_t *)hp = hq;
-                    uint8_t *q = gq_out + row * gq_ld + col; /* dg^'s code; du^'s inter further */
-                    *(uint16_t *)q = (uint16_t)gcodes;
-                    *(uint16_t *)(q + inter) = (uint16_t)ucodes;
-                    part[k] += d.x * __uint_as_float(hq << 16);
-                    part[k] += d.y * __uint_as_float(hq & 0xffff0000u);
-                }
-                add_row_partials(part, rp, rows, rsum);
+                    for (int k = 0; k < RPI; ++k)
+#pragma unroll
+                        for (int hc = 0; hc < 2; ++hc) part[k][hc] += __shfl_xor_sync(0xffffffffu, part[k][hc], mm);
+                if (rdot && lane == 0)
+#pragma unroll
+                    for (int k = 0; k < RPI; ++k) {
+                        const int row = r0 + rp + 8 * k;
+                        if (row < rows) rdot[row * rdot_ld + b] = (0.0f + part[k][0]) + part[k][1];
+                    }
             }
-            consumer_sync();
+            consumer_sync(); /* the phase's tiles are read: the next phase may write them */
         }
-        /* the block's scales and router partial, from the maxima the next block overwrites (the
-           barrier above orders these reads before them) */
-        if (t < rows) {
-            const float *pad = dsm + t * DH_SCRATCH_LD;
-            float *scales = (float *)(gq_out + t * gq_ld + 2 * inter);
-            const long long blk = n0 / MOK_FP8_BLOCK + b;
-            scales[blk] = mok__fp8_pow2(mok__fp8_scale_exp(pad[FP8_AMAX_DG]));
-            scales[inter / MOK_FP8_BLOCK + blk] = mok__fp8_pow2(mok__fp8_scale_exp(pad[FP8_AMAX_DU]));
-            if (rdot) rdot[t * rdot_ld + b] = rsum[t];
-            rsum[t] = 0.0f;
-        }
-        consumer_sync(); /* the maxima and rsum are read before the next block writes them */
     }
 }
 
