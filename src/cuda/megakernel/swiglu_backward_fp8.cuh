@@ -63,7 +63,7 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
     const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
     const int frow = (warp & 3) * 16 + (lane >> 2), col0 = 2 * (lane & 3); /* the fragment's rows in its half */
     float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *wsm = dsm + 64 * FP8_DH_LD;
-    constexpr int RPI = 2; /* rows per iteration */
+    constexpr int RPI = 2; /* rows per iteration (four spilled more and ran slower: docs/log.md) */
     if (t < TILE_BM) wsm[t] = w && t < rows ? w[t] : 1.0f;
 #pragma unroll
     for (int b = 0; b < TILE_BN / MOK_FP8_BLOCK; ++b) {
