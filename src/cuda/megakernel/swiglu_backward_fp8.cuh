@@ -179,6 +179,7 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
 #pragma unroll
                     for (int k = 0; k < RPI; ++k) {
                         const int row = r0 + rp + 8 * k;
+                        /* from 0.0f, as a sum over the halves would start: -0 becomes +0 */
                         if (row < rows) rdot[row * rdot_ld + b] = (0.0f + part[k][0]) + part[k][1];
                     }
             }
