@@ -108,40 +108,61 @@ static __device__ __forceinline__ void pull_row(uint16_t *x_out, uint16_t *dy_ou
 /* One warp, a ring row of the FP8 backward (the pull's, or the combine_push's into a peer's ring):
  * bf16(x^) of the token's x^ codes and scales into x_out, its codes and scales also into the code
  * row xq_out when the tile replays (else NULL), bf16(w · dy) into dyw_out, dy^ into the code row
- * dyq_out. Four 128-blocks a step, every load of the step issued before the first store (the
- * blocks' maxima are warp reductions): a lane's 16 codes of x (in block lane / 8) and its 4 values
- * of dy in each block, as fp8_quantize_blocks lays them. */
+ * dyq_out. PULL_FP8_BLOCKS 128-blocks a step, every load of the step issued before the first store
+ * (the blocks' maxima are warp reductions, so a step waits for its loads once): a lane's 16 codes
+ * of x in each quarter of the step's x (block lane / 8 of four) and its 4 values of dy in each
+ * block, as fp8_quantize_blocks lays them. A row is latency-bound (a comm CTA's warps each hold one
+ * row's step in flight), so the step is as wide as the registers allow: four blocks a step took
+ * twice the bf16 pull's time per row. */
+#define PULL_FP8_BLOCKS 8
 static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq_out, uint16_t *dyw_out,
                                                     uint8_t *dyq_out, const uint8_t *xq, const float *xs,
                                                     const uint16_t *dy, float w, long long H) {
+    static_assert(PULL_FP8_BLOCKS % 4 == 0, "x moves in quarters of four blocks: 16 codes a lane");
+    constexpr int XQ = PULL_FP8_BLOCKS / 4;
     const int lane = threadIdx.x & 31;
     const long long nb = H / MOK_FP8_BLOCK;
     float *dy_scales = (float *)(dyq_out + H);
-    for (long long b0 = 0; b0 < nb; b0 += FP8_ROWS_ILP) {
-        static_assert(FP8_ROWS_ILP == 4, "a lane's 16 codes of x lie in block lane / 8 of four");
-        uint2 d[FP8_ROWS_ILP];
+    for (long long b0 = 0; b0 < nb; b0 += PULL_FP8_BLOCKS) {
+        uint2 d[PULL_FP8_BLOCKS];
+        uint4 codes[XQ];
+        float s[XQ];
 #pragma unroll
-        for (int i = 0; i < FP8_ROWS_ILP; ++i)
+        for (int i = 0; i < PULL_FP8_BLOCKS; ++i)
             d[i] = b0 + i < nb ? *(const uint2 *)(dy + (b0 + i) * MOK_FP8_BLOCK + 4 * lane) : make_uint2(0u, 0u);
-        const long long xb = b0 + lane / 8, at = b0 * MOK_FP8_BLOCK + 16 * lane;
-        const bool x_here = xb < nb;
-        const uint4 codes = x_here ? *(const uint4 *)(xq + at) : make_uint4(0u, 0u, 0u, 0u);
-        const float s = x_here ? xs[xb] : 0.0f;
-        if (x_here) {
-            *(int4 *)(x_out + at) = bf16x8_from_e4m3x8(make_uint2(codes.x, codes.y), s);
-            *(int4 *)(x_out + at + 8) = bf16x8_from_e4m3x8(make_uint2(codes.z, codes.w), s);
-            if (xq_out) *(uint4 *)(xq_out + at) = codes;
+#pragma unroll
+        for (int j = 0; j < XQ; ++j) {
+            const long long xb = b0 + 4 * j + lane / 8, at = (b0 + 4 * j) * MOK_FP8_BLOCK + 16 * lane;
+            codes[j] = xb < nb ? *(const uint4 *)(xq + at) : make_uint4(0u, 0u, 0u, 0u);
+            s[j] = xb < nb ? xs[xb] : 0.0f;
         }
 #pragma unroll
-        for (int i = 0; i < FP8_ROWS_ILP; ++i) {
-            const float v[4] = {mok__bf16_to_f32((uint16_t)(d[i].x & 0xffffu)), mok__bf16_to_f32((uint16_t)(d[i].x >> 16)),
-                                mok__bf16_to_f32((uint16_t)(d[i].y & 0xffffu)), mok__bf16_to_f32((uint16_t)(d[i].y >> 16))};
-            const int e = fp8_warp_scale_exp(v); /* every lane: a warp reduction */
+        for (int j = 0; j < XQ; ++j) {
+            const long long xb = b0 + 4 * j + lane / 8, at = (b0 + 4 * j) * MOK_FP8_BLOCK + 16 * lane;
+            if (xb >= nb) continue;
+            *(int4 *)(x_out + at) = bf16x8_from_e4m3x8(make_uint2(codes[j].x, codes[j].y), s[j]);
+            *(int4 *)(x_out + at + 8) = bf16x8_from_e4m3x8(make_uint2(codes[j].z, codes[j].w), s[j]);
+            if (xq_out) *(uint4 *)(xq_out + at) = codes[j];
+        }
+        float v[PULL_FP8_BLOCKS][4];
+        int e[PULL_FP8_BLOCKS];
+#pragma unroll
+        for (int i = 0; i < PULL_FP8_BLOCKS; ++i) {
+            v[i][0] = mok__bf16_to_f32((uint16_t)(d[i].x & 0xffffu));
+            v[i][1] = mok__bf16_to_f32((uint16_t)(d[i].x >> 16));
+            v[i][2] = mok__bf16_to_f32((uint16_t)(d[i].y & 0xffffu));
+            v[i][3] = mok__bf16_to_f32((uint16_t)(d[i].y >> 16));
+        }
+#pragma unroll
+        for (int i = 0; i < PULL_FP8_BLOCKS; ++i) e[i] = fp8_warp_scale_exp(v[i]); /* every lane: warp reductions */
+#pragma unroll
+        for (int i = 0; i < PULL_FP8_BLOCKS; ++i) {
             if (b0 + i >= nb) continue;
             const long long col = (b0 + i) * MOK_FP8_BLOCK + 4 * lane;
-            *(uint32_t *)(dyq_out + col) = fp8_codes4(v, e);
-            *(uint2 *)(dyw_out + col) = make_uint2(bf16x2_from_f32(w * v[0], w * v[1]), bf16x2_from_f32(w * v[2], w * v[3]));
-            if (lane == 0) dy_scales[b0 + i] = mok__fp8_pow2(e);
+            *(uint32_t *)(dyq_out + col) = fp8_codes4(v[i], e[i]);
+            *(uint2 *)(dyw_out + col) =
+                make_uint2(bf16x2_from_f32(w * v[i][0], w * v[i][1]), bf16x2_from_f32(w * v[i][2], w * v[i][3]));
+            if (lane == 0) dy_scales[b0 + i] = mok__fp8_pow2(e[i]);
         }
     }
     if (xq_out)
