@@ -41,19 +41,40 @@ static __device__ __forceinline__ void stsm_blocks(const float (&acc)[TILE_ACC],
                        bf16x2_from_f32(acc[4 * j + 6], acc[4 * j + 7]));
 }
 
+/* A consumer thread's 16-byte chunks of the staging tile: chunk i is row chunk_row(i), columns
+ * chunk_col(i) .. + 7, so that each warp's store covers whole chunks of one row. */
+#define STAGED_CHUNKS (TILE_BM * (TILE_C_COLS / 8) / CONSUMER_THREADS)
+static_assert(TILE_BM * (TILE_C_COLS / 8) % CONSUMER_THREADS == 0, "the consumers share the tile's chunks evenly");
+static __device__ __forceinline__ int chunk_row(int i) {
+    return ((threadIdx.x - PRODUCER_THREADS) + i * CONSUMER_THREADS) / (TILE_C_COLS / 8);
+}
+static __device__ __forceinline__ int chunk_col(int i) {
+    return ((threadIdx.x - PRODUCER_THREADS) + i * CONSUMER_THREADS) % (TILE_C_COLS / 8) * 8;
+}
+
+/* The output rows of a thread's chunks under a row map (row r goes to rowmap[r]), read once per
+ * tile with every load in flight together: read beside each chunk's store, a load the compiler
+ * may not move above the stores before it (they might alias the map), each chunk waited a
+ * global load's latency. Rows >= rows get 0 (their chunks are not stored). */
+static __device__ __forceinline__ void load_row_map(const int32_t *rowmap, int rows, long long (&orow)[STAGED_CHUNKS]) {
+#pragma unroll
+    for (int i = 0; i < STAGED_CHUNKS; ++i) orow[i] = chunk_row(i) < rows ? (long long)rowmap[chunk_row(i)] : 0;
+}
+
 /* Rows < rows, columns < cols (a multiple of 8) of the staging tile c[128][TILE_C_LD] to out
  * (row stride ld; out and ld 16-byte aligned), in 16-byte chunks: each warp's store covers whole
- * chunks of one row. With a row map, row r goes to row rowmap[r] of out instead of row r. */
+ * chunks of one row. With a row map (load_row_map's orow), row r goes to row rowmap[r] of out
+ * instead of row r. */
 template <bool MAPPED = false>
 static __device__ __forceinline__ void copy_staged(const uint16_t *c, int rows, int cols, uint16_t *out, long long ld,
-                                                   const int32_t *rowmap = nullptr) {
-    const int t = threadIdx.x - PRODUCER_THREADS;
-    for (int idx = t; idx < TILE_BM * (TILE_C_COLS / 8); idx += CONSUMER_THREADS) {
-        const int r = idx / (TILE_C_COLS / 8), c8 = (idx % (TILE_C_COLS / 8)) * 8;
-        if (r < rows && c8 < cols) {
-            const long long orow = MAPPED ? (long long)rowmap[r] : r;
-            *(int4 *)(out + orow * ld + c8) = *(const int4 *)(c + r * TILE_C_LD + c8);
-        }
+                                                   const long long *orow = nullptr) {
+    int4 v[STAGED_CHUNKS]; /* every load before the first store, which they might alias */
+#pragma unroll
+    for (int i = 0; i < STAGED_CHUNKS; ++i) v[i] = *(const int4 *)(c + chunk_row(i) * TILE_C_LD + chunk_col(i));
+#pragma unroll
+    for (int i = 0; i < STAGED_CHUNKS; ++i) {
+        const int r = chunk_row(i), c8 = chunk_col(i);
+        if (r < rows && c8 < cols) *(int4 *)(out + (MAPPED ? orow[i] : r) * ld + c8) = v[i];
     }
 }
 
@@ -78,6 +99,8 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[TILE_ACC]
                                                     const int32_t *rowmap = nullptr) {
     const int t = threadIdx.x - PRODUCER_THREADS;
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
+    long long orow[STAGED_CHUNKS];
+    if constexpr (MAPPED) load_row_map(rowmap, rows, orow); /* the same rows for every round */
 #pragma unroll
     for (int h = 0; h < TILE_ACC / 4 / (TILE_C_COLS / 8); ++h) {
         if (h * TILE_C_COLS >= cols) break;
@@ -85,7 +108,7 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[TILE_ACC]
         for (int j = 0; j < TILE_C_COLS / 8; j += 2)
             stsm_blocks<STSM_PADDED>(acc, j + h * (TILE_C_COLS / 8), base, (t >> 5) * 16, h * (TILE_C_COLS / 8));
         consumer_sync();
-        copy_staged<MAPPED>(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld, rowmap);
+        copy_staged<MAPPED>(c, rows, cols - h * TILE_C_COLS, out + n0 + h * TILE_C_COLS, ld, orow);
         consumer_sync();
     }
 }
