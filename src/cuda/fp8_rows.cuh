@@ -10,14 +10,20 @@
 #include "core/fp8.h"
 #include "cuda/device.cuh"
 
+/* The maximum over a warp of the lanes' amax values (mok__fp8_amax's: finite and >= +0). For such
+ * floats the order of the bit patterns as unsigned integers is the order of the values, so one
+ * integer reduction (redux.sync) gives the maximum: exact and order-free, as a butterfly of
+ * shuffles and fmaxf would be, in one instruction instead of ten. */
+static __device__ __forceinline__ float warp_amax(float amax) {
+    return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
+}
+
 /* The scale exponent of the block whose lanes hold these four values each (every lane gets it). */
 static __device__ __forceinline__ int fp8_warp_scale_exp(const float (&v)[4]) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) amax = mok__fp8_amax(amax, v[i]);
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    return mok__fp8_scale_exp(amax);
+    return mok__fp8_scale_exp(warp_amax(amax));
 }
 
 /* The codes mok__e4m3_from_f32 gives two fp32 values, lo in the low byte: one

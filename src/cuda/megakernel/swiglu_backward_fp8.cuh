@@ -36,13 +36,6 @@
 static_assert(64 * FP8_GU_LD * 2 <= SMEM_STAGING_BYTES, "a phase's g|u fit the staging tile");
 static_assert((64 * FP8_DH_LD + TILE_BM) * 4 <= DH_SCRATCH_BYTES, "a phase's dh0 and the weights fit the dh scratch");
 
-/* The maximum of a finite-magnitude over a warp (order-free, so every run gets the same). */
-static __device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
-    return v;
-}
-
 /* Two bf16 values (a packed pair) quantized with scale 2^e: their codes, and bf16 of v^. */
 static __device__ __forceinline__ uint32_t fp8_pair(uint32_t pair, int e, uint32_t *dequantized) {
     const float inverse = mok__fp8_pow2(-e), scale = mok__fp8_pow2(e);
@@ -131,7 +124,7 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
 #pragma unroll
                 for (int k = 0; k < RPI; ++k)
 #pragma unroll
-                    for (int i = 0; i < 3; ++i) m[k][i] = warp_max(m[k][i]);
+                    for (int i = 0; i < 3; ++i) m[k][i] = warp_amax(m[k][i]);
                 float part[RPI][2];
 #pragma unroll
                 for (int k = 0; k < RPI; ++k) { /* codes, stores, the router dot's lane partials */
