@@ -16,11 +16,11 @@ int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int t
                         int direct, int fp8, int num_sms) {
     const int64_t i_eff = intermediate + (topk > 0 ? shared_intermediate / topk : 0);
     direct = direct && nranks == 1;
-    const int64_t bytes_term = direct ? (backward ? 12288 : 6144) : nranks == 1 && backward ? 15360 : 12288;
+    const int64_t bytes_term = direct ? (backward ? 12288 : 9216) : nranks == 1 && backward ? 15360 : 12288;
     int comm = i_eff > 0 ? (int)ceil_div(bytes_term, i_eff) : 1;
     const int floor = direct ? (backward ? 8 : 4) : nranks == 1 ? (backward ? 12 : 8) : backward ? 16 : 10;
     if (comm < floor) comm = floor;
-    if (fp8 && backward) comm *= 2;
+    if (fp8 && backward) comm = comm * 3 / 2 > 2 * floor ? comm * 3 / 2 : 2 * floor;
     const int cap = num_sms / 4 > 1 ? num_sms / 4 : 1;
     if (comm > cap) comm = cap;
     return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;

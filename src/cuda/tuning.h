@@ -71,10 +71,14 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
  *                    rows in, its push takes dx rows out, and its dh / dx tasks are shorter than
  *                    the forward's, so its comm tasks bound those phases);
  *   one rank, direct (its down / dx tiles store their rows into the (token, slot) rows
- *                    themselves, so the comm tasks move rows one way only): 6144, floor 4
- *                    forward; 12288, floor 8 backward.
- * An FP8 backward (fp8) takes twice that: its pulls quantize dy and widen x^ as they copy, about
- * twice a bf16 pull's time per row, and its dh tiles waited on them with the bf16 count.
+ *                    themselves, so the comm tasks move rows one way only): 9216, floor 4
+ *                    forward (Qwen3's 12 beat 8 and 16 by 13-18%: with 8 its compute CTAs
+ *                    idled 16-20% waiting for dispatched rows); 12288, floor 8 backward.
+ * An FP8 backward (fp8) takes 1.5 times that, and at least twice the floor: its pulls quantize dy
+ * and widen x^ as they copy, about 1.7 times a bf16 pull's time per row. Where the bf16 count is
+ * the floor, the bursts of pulls at each minibatch's start set it rather than their average rate,
+ * and those bursts take twice the floor (DeepSeek-V3: 16 against 12 and 20; Qwen3, 16 by the
+ * term: 20-24 against 16 and 32).
  * At most a quarter of the SMs, and at least one SM left to compute. The floors and terms are the
  * counts that ran fastest on the measured layers (docs/log.md). */
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
