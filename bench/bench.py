@@ -514,7 +514,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated layer names: run only their cases")
     ap.add_argument("--compare-env", action="append", default=[],
                     help="VAR=VALUE[,VAR=VALUE...] (repeatable): each case runs again with this in the environment (the library "
-                         "reads its MOK_CUDA_* switches at every pass), an A/B in one process; the table shows a "
+                         "reads its MOK_CUDA_* switches when a workspace is created, and each variant creates "
+                         "its own), an A/B in one process; the table shows a "
                          "row per variant, and the variants reuse the first row's baseline times")
     ap.add_argument("--compare-config", action="append", default=[],
                     help="FIELD=VALUE[,...] of the config (e.g. fwd_dispatch=push,fwd_combine=pull): a row per "
