@@ -44,13 +44,6 @@ struct StoreConfig {
     static_assert(SMEM_BYTES <= 227 * 1024, "ring and staging fit in shared memory");
 };
 
-static __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-
-static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-
 /* A warp's 16 rows from row0 of 8-column blocks j and j + 1 of the accumulators by one stmatrix:
  * matrix m is block j + m / 2, rows 8 (m % 2) ..; `addr(row, block)` is a row's 16 bytes. */
 template <class Addr>
@@ -70,12 +63,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     using Cfg = StoreConfig;
     constexpr int STAGES = Cfg::STAGES;
     extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = smem_addr(smem_raw);
-    const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
-    const uint32_t staging = ring + STAGES * Cfg::STAGE_BYTES; /* 1024-aligned: the boxes' swizzle */
-    const uint32_t full_bar = staging + Cfg::STAGING_BYTES;
-    const uint32_t empty_bar = full_bar + STAGES * 8;
-    uint8_t *staging_ptr = smem_raw + (staging - raw);
+    const StagedSmem sm = staged_smem<Cfg>(smem_raw); /* staging: 1024-aligned, the boxes' swizzle */
+    const uint32_t ring = sm.ring, staging = sm.staging, full_bar = sm.full_bar, empty_bar = sm.empty_bar;
+    uint8_t *staging_ptr = sm.staging_ptr;
 
     const int num_m = (M + BM - 1) / BM, num_n = (N + Cfg::BN - 1) / Cfg::BN, num_k = (K + BK - 1) / BK;
     const int warpgroup = threadIdx.x / WG_THREADS;
@@ -83,20 +73,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
         prefetch_tensormap(&map_c);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar + 8 * s, 1);
-            mbar_init(empty_bar + 8 * s, 8);
-        }
-        fence_barrier_init();
     }
-    __syncthreads();
-    if (warpgroup == 0) {
-        setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0)
-            produce_tiles<Cfg, 0, 0>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
-        return;
-    }
-    setmaxnreg_inc<CONSUMER_REGS>();
+    ring_barriers_init<STAGES>(full_bar, empty_bar, 1);
+    if (!consumer_role<Cfg>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err)) return;
     const int ctid = threadIdx.x - WG_THREADS, consumer = warpgroup - 1;
     const int row0 = (ctid >> 5) * 16; /* this warp's 16 rows of the tile */
     const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128), desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
@@ -113,23 +92,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         busy_epilogue(*reinterpret_cast<const float(*)[64]>(acc), *reinterpret_cast<const float(*)[64]>(acc + 64), iters,
                       sink);
         if (MODE == MODE_STAGED) {
-            const bf16 *tile_c = reinterpret_cast<const bf16 *>(staging_ptr);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int j = 16 * h; j < 16 * h + 16; j += 2)
-                    stsm_blocks(acc, j, row0, [&](int r, int b) {
-                        return staging + r * (Cfg::STAGED_LD * 2) + (b - 16 * h) * 16;
-                    });
-                consumer_bar();
-                for (int idx = ctid; idx < BM * 16; idx += 256) {
-                    const int r = idx >> 4, c8 = (idx & 15) * 8, row = pos.m0 + r, col = pos.n0 + 128 * h + c8;
-                    if (row < M && col < N)
-                        *reinterpret_cast<int4 *>(C + (size_t)row * N + col) =
-                            *reinterpret_cast<const int4 *>(tile_c + r * Cfg::STAGED_LD + c8);
-                }
-                consumer_bar();
-            }
+            store_c_staged<Cfg::STAGED_LD>(acc, staging, reinterpret_cast<const bf16 *>(staging_ptr), C, M, N, pos.m0,
+                                           pos.n0);
         } else {
             if (ctid == 0) bulk_wait_read(); /* the last tile's stores have read the boxes */
             consumer_bar();
@@ -161,17 +125,10 @@ static const char *const mode_names[NUM_MODES] = {"staged", "tma", "tma+wait"};
 
 template <int MODE>
 static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
-    static bool attribute_set = false;
-    if (!attribute_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(store_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        StoreConfig::SMEM_BYTES));
-        attribute_set = true;
-    }
+    const int grid = persistent_grid<StoreConfig, store_kernel<MODE>>(s);
     const CUtensorMap map_a = make_kmajor_map(o.A, s.M, s.K, BM, "A");
     const CUtensorMap map_b = make_kmajor_map(o.B, s.N, s.K, StoreConfig::BN, "B");
     const CUtensorMap map_c = make_kmajor_map(C, s.M, s.N, BM, "C"); /* boxes of 128 rows x 64 columns */
-    const long long tiles = (long long)((s.M + BM - 1) / BM) * ((s.N + StoreConfig::BN - 1) / StoreConfig::BN);
-    const int grid = (int)std::min<long long>(tiles, g_num_sms);
     store_kernel<MODE><<<grid, THREADS, StoreConfig::SMEM_BYTES>>>(map_a, map_b, map_c, C, s.M, s.N, s.K, iters,
                                                                   r.stats, r.sink, r.err);
     CUDA_CHECK(cudaGetLastError());
@@ -195,42 +152,13 @@ static bool time_one(int mode, const ProbeBuffers &b, const Shape &s, int iters,
 }
 
 int main(int argc, char **argv) {
-    CUDA_CHECK(cudaSetDevice(0));
-    cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    CHECK(prop.major == 9 && prop.minor == 0, "%s is sm_%d%d; this program is built for sm_90a only", prop.name,
-          prop.major, prop.minor);
-    CHECK((size_t)StoreConfig::SMEM_BYTES <= prop.sharedMemPerBlockOptin, "not enough shared memory per block (%zu)",
-          prop.sharedMemPerBlockOptin);
-    g_num_sms = prop.multiProcessorCount;
-    load_driver_entry_points();
-    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
-    printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+    const uint64_t seed = probe_start(argc, argv, StoreConfig::SMEM_BYTES);
 
-    /* self-test shapes: edges (M not a multiple of 128, N not of 256, K not of 64, one row, more
-       tiles than SMs so that the boxes are reused) and one large */
-    const Shape tests[] = {{1, 256, 64}, {77, 136, 72}, {300, 520, 1000}, {1000, 768, 2048}, {4096, 8192, 512},
-                           {4096, 2048, 7168}};
-    /* the forward's GEMMs of the benchmark's layers (routed rows: 16384) */
-    struct Timed {
-        const char *name;
-        Shape s;
-    } timed[] = {{"dsv3 gate|up", {16384, 4096, 7168}}, {"dsv3 down", {16384, 7168, 2048}},
-                 {"qwen3 gate|up", {16384, 1536, 2048}}, {"qwen3 down", {16384, 2048, 768}},
-                 {"mixtral gate|up", {16384, 28672, 4096}}, {"mixtral down", {16384, 4096, 14336}}};
     const int iters[] = {0, 16};
 
-    std::vector<Shape> shapes(std::begin(tests), std::end(tests));
-    for (const Timed &t : timed) shapes.push_back(t.s);
-    const ProbeBuffers buf = probe_buffers(shapes, seed);
-
+    const ProbeBuffers buf = epilogue_probe_buffers(seed);
     int passed = 0, failed = 0;
-    printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
-    for (const Shape &s : tests) {
-        run_reference(buf.dev, buf.ref, s);
-        for (int mode = 0; mode < NUM_MODES; ++mode)
-            for (int it : {0, 16}) (self_test(mode, buf, s, it) ? passed : failed)++;
-    }
+    epilogue_self_tests(buf, NUM_MODES, self_test, passed, failed);
     if (failed) { /* timings of a wrong kernel mean nothing */
         printf("\n%d passed, %d failed\n", passed, failed);
         return 1;
@@ -241,7 +169,7 @@ int main(int argc, char **argv) {
     printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
     for (int mode = 0; mode < NUM_MODES; ++mode) printf(" %9s ms  TF/s epi µs |", mode_names[mode]);
     printf(" tma vs staged\n");
-    for (const Timed &t : timed) {
+    for (const NamedShape &t : FORWARD_SHAPES) {
         const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
         for (int it : iters) {
             double ms[NUM_MODES], epi[NUM_MODES];

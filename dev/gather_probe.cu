@@ -49,21 +49,6 @@ struct GatherConfig {
 constexpr int GATHER_PRODUCER_REGS = 80, GATHER_CONSUMER_REGS = 208;
 static_assert(WG_THREADS * GATHER_PRODUCER_REGS + 2 * WG_THREADS * GATHER_CONSUMER_REGS <= 65536, "register split");
 
-static __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-
-static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-
-static __device__ __forceinline__ void stsm_blocks(const float (&acc)[128], int j, uint32_t base, int row0, int block0) {
-    const int lane = threadIdx.x & 31, m = lane >> 3;
-    const int r = row0 + 8 * (m & 1) + (lane & 7), b = j + (m >> 1) - block0;
-    stsm_x4(base + r * (GatherConfig::LD * 2) + b * 16, pack_bf16(acc[4 * j], acc[4 * j + 1]),
-            pack_bf16(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16(acc[4 * j + 4], acc[4 * j + 5]),
-            pack_bf16(acc[4 * j + 6], acc[4 * j + 7]));
-}
-
 /* The gather producer (all 128 threads of warpgroup 0): per stage, thread 0 arms full[s] with B's
  * bytes and issues B's box; then every thread cp.asyncs its 8 chunks of A (rows past M as zeros)
  * and arrives on full[s] when they land. full[s] counts 1 + 128 arrivals. */
@@ -106,40 +91,6 @@ static __device__ __forceinline__ void produce_gather(const CUtensorMap *map_b, 
     cp_async_wait_all();
 }
 
-/* coop_k_loop (gemm_common.cuh) with a proxy fence after each full-barrier wait: the gathered rows
- * land through cp.async, the generic proxy, and the wgmmas read them through the async proxy. */
-static __device__ __forceinline__ bool k_loop_fenced(float (&acc)[128], RingCursor &cur, uint32_t full_bar,
-                                                     uint32_t empty_bar, uint64_t desc_a0, uint64_t desc_b0, int num_k,
-                                                     int *err) {
-    constexpr int STAGES = GatherConfig::STAGES, STAGE_BYTES = GatherConfig::STAGE_BYTES;
-    const int lane = threadIdx.x % 32;
-    for (int kb = 0; kb < num_k; ++kb) {
-        if (!mbar_wait(full_bar + 8 * cur.stage, cur.phase, err, KERNEL_FULL_TIMEOUT)) {
-            wgmma_wait<0>();
-            return false;
-        }
-        __syncwarp();
-        fence_proxy_async();
-        const uint64_t off = (uint64_t)((cur.stage * STAGE_BYTES) >> 4);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BK / 16; ++k)
-            wgmma_tile<128, 0, 0>(acc, desc_a0 + off + 2 * k, desc_b0 + off + 2 * k, (kb | k) != 0);
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
-        cur.prev = cur.stage;
-        if (++cur.stage == STAGES) {
-            cur.stage = 0;
-            cur.phase ^= 1;
-        }
-    }
-    wgmma_wait<0>();
-    pin_accumulators(acc);
-    if (lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
-    return true;
-}
-
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     gather_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -148,25 +99,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     using Cfg = GatherConfig;
     constexpr int STAGES = Cfg::STAGES;
     extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = smem_addr(smem_raw);
-    const uint32_t ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
-    const uint32_t staging = ring + STAGES * Cfg::STAGE_BYTES;
-    const uint32_t full_bar = staging + Cfg::STAGING_BYTES;
-    const uint32_t empty_bar = full_bar + STAGES * 8;
-    const bf16 *staging_ptr = reinterpret_cast<const bf16 *>(smem_raw + (staging - raw));
+    const StagedSmem sm = staged_smem<Cfg>(smem_raw);
+    const uint32_t ring = sm.ring, staging = sm.staging, full_bar = sm.full_bar, empty_bar = sm.empty_bar;
+    const bf16 *staging_ptr = reinterpret_cast<const bf16 *>(sm.staging_ptr);
 
     const int num_m = (M + BM - 1) / BM, num_n = (N + Cfg::BN - 1) / Cfg::BN, num_k = (K + BK - 1) / BK;
     const int warpgroup = threadIdx.x / WG_THREADS;
     if (threadIdx.x == 0) {
         if (MODE == MODE_TMA) prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar + 8 * s, MODE == MODE_TMA ? 1 : 1 + WG_THREADS);
-            mbar_init(empty_bar + 8 * s, 8);
-        }
-        fence_barrier_init();
     }
-    __syncthreads();
+    ring_barriers_init<STAGES>(full_bar, empty_bar, MODE == MODE_TMA ? 1 : 1 + WG_THREADS);
     if (warpgroup == 0) {
         setmaxnreg_dec<GATHER_PRODUCER_REGS>();
         if (MODE == MODE_GATHER)
@@ -176,31 +119,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         return;
     }
     setmaxnreg_inc<GATHER_CONSUMER_REGS>();
-    const int ctid = threadIdx.x - WG_THREADS, consumer = warpgroup - 1;
-    const int row0 = (ctid >> 5) * 16;
+    const int consumer = warpgroup - 1;
     const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128), desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
     float acc[128];
     RingCursor cur;
     for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
         const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-        const bool ok = MODE == MODE_GATHER
-                            ? k_loop_fenced(acc, cur, full_bar, empty_bar, desc_a0, desc_b0, num_k, err)
-                            : coop_k_loop<STAGES, Cfg::STAGE_BYTES, 128, 0, 0>(acc, cur, full_bar, empty_bar, desc_a0,
-                                                                               desc_b0, 2, 2, num_k, err);
+        /* the gathered rows land through cp.async (the generic proxy): a fence before the wgmmas */
+        const bool ok = coop_k_loop<STAGES, Cfg::STAGE_BYTES, 128, 0, 0, MODE == MODE_GATHER>(
+            acc, cur, full_bar, empty_bar, desc_a0, desc_b0, 2, 2, num_k, err);
         if (!ok) return;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int j = 16 * h; j < 16 * h + 16; j += 2) stsm_blocks(acc, j, staging, row0, 16 * h);
-            consumer_bar();
-            for (int i = ctid; i < BM * 16; i += 256) {
-                const int r = i >> 4, c8 = (i & 15) * 8, row = pos.m0 + r, col = pos.n0 + 128 * h + c8;
-                if (row < M && col < N)
-                    *reinterpret_cast<int4 *>(C + (size_t)row * N + col) =
-                        *reinterpret_cast<const int4 *>(staging_ptr + r * Cfg::LD + c8);
-            }
-            consumer_bar();
-        }
+        store_c_staged<Cfg::LD>(acc, staging, staging_ptr, C, M, N, pos.m0, pos.n0);
     }
 }
 
@@ -237,16 +166,9 @@ struct GatherBuffers {
 
 template <int MODE>
 static void launch(const GatherBuffers &g, const Shape &s, int *err) {
-    static bool attribute_set = false;
-    if (!attribute_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(gather_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        GatherConfig::SMEM_BYTES));
-        attribute_set = true;
-    }
+    const int grid = persistent_grid<GatherConfig, gather_kernel<MODE>>(s);
     const CUtensorMap map_a = make_kmajor_map(g.probe.dev.At, s.M, s.K, BM, "Xg");
     const CUtensorMap map_b = make_kmajor_map(g.probe.dev.B, s.N, s.K, GatherConfig::BN, "B");
-    const long long tiles = (long long)((s.M + BM - 1) / BM) * ((s.N + GatherConfig::BN - 1) / GatherConfig::BN);
-    const int grid = (int)std::min<long long>(tiles, g_num_sms);
     gather_kernel<MODE><<<grid, THREADS, GatherConfig::SMEM_BYTES>>>(map_a, map_b, g.probe.dev.A, g.idx, g.probe.C, s.M,
                                                                      s.N, s.K, err);
     CUDA_CHECK(cudaGetLastError());
@@ -271,17 +193,7 @@ static void prepare(const GatherBuffers &g, const Shape &s, int tokens, uint64_t
 }
 
 int main(int argc, char **argv) {
-    CUDA_CHECK(cudaSetDevice(0));
-    cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    CHECK(prop.major == 9 && prop.minor == 0, "%s is sm_%d%d; this program is built for sm_90a only", prop.name,
-          prop.major, prop.minor);
-    CHECK((size_t)GatherConfig::SMEM_BYTES <= prop.sharedMemPerBlockOptin, "not enough shared memory per block (%zu)",
-          prop.sharedMemPerBlockOptin);
-    g_num_sms = prop.multiProcessorCount;
-    load_driver_entry_points();
-    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
-    printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+    const uint64_t seed = probe_start(argc, argv, GatherConfig::SMEM_BYTES);
 
     struct Case {
         const char *name;

@@ -175,6 +175,46 @@ static __device__ __forceinline__ void busy_epilogue(const float (&lo)[64], cons
     if (x0 + x1 + x2 + x3 == -12345.0f) *sink = x0;
 }
 
+/* The two consumer warpgroups' named barrier (1; the producer never joins it). */
+static __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+/* A warp's 16 rows from row0 of 8-column blocks j and j + 1 of the accumulators by one stmatrix,
+ * into a padded bf16 tile at `base` (row stride ld bf16): block j lands at block j - block0. */
+static __device__ __forceinline__ void stsm_padded(const float (&acc)[128], int j, uint32_t base, int ld, int row0,
+                                                   int block0) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    const int r = row0 + 8 * (m & 1) + (lane & 7), b = j + (m >> 1) - block0;
+    stsm_x4(base + r * (ld * 2) + b * 16, pack_bf16(acc[4 * j], acc[4 * j + 1]), pack_bf16(acc[4 * j + 2], acc[4 * j + 3]),
+            pack_bf16(acc[4 * j + 4], acc[4 * j + 5]), pack_bf16(acc[4 * j + 6], acc[4 * j + 7]));
+}
+
+/* C's 128 x 256 tile at (m0, n0) out as the library's epilogues store it: rounded to bf16 into a
+ * padded staging tile (row stride LD bf16, at least 128 + 8) by stmatrix, a consumer sync, then
+ * 16-byte chunks out, each warp's store whole chunks of one row, a sync; one 128-column half at a
+ * time. Rows and columns past M, N are not stored. */
+template <int LD>
+static __device__ __forceinline__ void store_c_staged(const float (&acc)[128], uint32_t staging, const bf16 *staging_ptr,
+                                                      bf16 *C, int M, int N, int m0, int n0) {
+    const int ctid = threadIdx.x - WG_THREADS, row0 = (ctid >> 5) * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 16 * h; j < 16 * h + 16; j += 2) stsm_padded(acc, j, staging, LD, row0, 16 * h);
+        consumer_bar();
+        for (int idx = ctid; idx < BM * 16; idx += 256) {
+            const int r = idx >> 4, c8 = (idx & 15) * 8, row = m0 + r, col = n0 + 128 * h + c8;
+            if (row < M && col < N)
+                *reinterpret_cast<int4 *>(C + (size_t)row * N + col) = *reinterpret_cast<const int4 *>(staging_ptr + r * LD + c8);
+        }
+        consumer_bar();
+    }
+}
+
 /* Where the cooperative consumers stand in the ring: the next stage to read, its parity, and the
  * stage whose release is pending. It carries from tile to tile. */
 struct RingCursor {
@@ -182,15 +222,24 @@ struct RingCursor {
     uint32_t phase = 0;
 };
 
+/* What coop_k_loop runs between committing a stage's wgmmas and waiting for the group before:
+ * nothing, or a probe's work that keeps off the accumulators. */
+struct NoHook {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 /* The cooperative consumers' K loop over one tile: num_k stages from the cursor, BK / 16 wgmmas
  * each into acc (the first with scale-d 0), one group kept in flight; stage s is released (lane 0
  * of every warp arrives on empty[s]) once the group that read it is done, the last one after the
  * final wait. desc_a0 / desc_b0 address stage 0, step_a / step_b are 16 more k in descriptor
- * units. Returns false, the wgmmas drained, when a full-barrier wait gave up (*err says why). */
-template <int STAGES, int STAGE_BYTES, int ACC, int TA, int TB>
+ * units. FENCE: a proxy fence after each full wait (a stage written by cp.async, the generic proxy,
+ * is read by the wgmmas through the async one). hook() runs after each stage's commit. Returns
+ * false, the wgmmas drained, when a full-barrier wait gave up (*err says why). */
+template <int STAGES, int STAGE_BYTES, int ACC, int TA, int TB, bool FENCE = false, class Hook = NoHook>
 static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor &cur, uint32_t full_bar,
                                                    uint32_t empty_bar, uint64_t desc_a0, uint64_t desc_b0,
-                                                   uint64_t step_a, uint64_t step_b, int num_k, int *err) {
+                                                   uint64_t step_a, uint64_t step_b, int num_k, int *err,
+                                                   Hook hook = Hook()) {
     const int lane = threadIdx.x % 32;
     for (int kb = 0; kb < num_k; ++kb) {
         if (!mbar_wait(full_bar + 8 * cur.stage, cur.phase, err, KERNEL_FULL_TIMEOUT)) {
@@ -200,12 +249,14 @@ static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor
         // Threads leave the spin loop one by one; the wgmma instructions are .sync.aligned and
         // need the whole warp converged.
         __syncwarp();
+        if (FENCE) fence_proxy_async();
         const uint64_t off = (uint64_t)((cur.stage * STAGE_BYTES) >> 4);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k)
             wgmma_tile<ACC, TA, TB>(acc, desc_a0 + off + step_a * k, desc_b0 + off + step_b * k, (kb | k) != 0);
         wgmma_commit();
+        hook();
         // Keep one wgmma group in flight: when this returns, the group that read the previous
         // slot is complete and that slot can be refilled.
         wgmma_wait<1>();
@@ -220,6 +271,40 @@ static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor
     pin_accumulators(acc);
     if (lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
     return true;
+}
+
+/* The shared memory of a cooperative tile with a staging region (Cfg: STAGES, STAGE_BYTES,
+ * STAGING_BYTES): the ring from the first 1024-byte boundary (the 128B swizzle's atom), the staging
+ * region after it, then STAGES full and STAGES empty barriers. Cfg::SMEM_BYTES counts them all and
+ * the alignment. */
+struct StagedSmem {
+    uint32_t ring, staging, full_bar, empty_bar;
+    uint8_t *staging_ptr;
+};
+template <class Cfg>
+static __device__ __forceinline__ StagedSmem staged_smem(uint8_t *smem_raw) {
+    StagedSmem s;
+    const uint32_t raw = smem_addr(smem_raw);
+    s.ring = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(uint32_t)(SWIZZLE_ATOM_BYTES - 1);
+    s.staging = s.ring + Cfg::STAGES * Cfg::STAGE_BYTES;
+    s.full_bar = s.staging + Cfg::STAGING_BYTES;
+    s.empty_bar = s.full_bar + Cfg::STAGES * 8;
+    s.staging_ptr = smem_raw + (s.staging - raw);
+    return s;
+}
+
+/* Thread 0 initialises the ring's barriers (full: full_count arrivals; empty: one per consumer
+ * warp) for the async proxy too; then the whole CTA syncs. */
+template <int STAGES>
+static __device__ __forceinline__ void ring_barriers_init(uint32_t full_bar, uint32_t empty_bar, uint32_t full_count) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, full_count);
+            mbar_init(empty_bar + 8 * s, 8);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -282,6 +367,22 @@ static __device__ __forceinline__ void produce_tiles(const CUtensorMap *map_a, c
             }
         }
     }
+}
+
+/* The roles of a cooperative CTA whose producer is produce_tiles (K-major A and B): warpgroup 0
+ * gives registers back and its thread 0 streams every stage of the CTA's tiles, then returns
+ * false; the consumer warpgroups take their registers and get true. */
+template <class Cfg>
+static __device__ __forceinline__ bool consumer_role(const CUtensorMap *map_a, const CUtensorMap *map_b, uint32_t ring,
+                                                     uint32_t full_bar, uint32_t empty_bar, int num_m, int num_n,
+                                                     int num_k, int *err) {
+    if (threadIdx.x / WG_THREADS == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce_tiles<Cfg, 0, 0>(map_a, map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
+        return false;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+    return true;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -460,6 +561,17 @@ struct Shape {
     int M, N, K;
 };
 
+/* The forward's GEMMs of the benchmark's layers, with 16384 routed rows, which the epilogue probes
+ * time. */
+struct NamedShape {
+    const char *name;
+    Shape s;
+};
+static const NamedShape FORWARD_SHAPES[] = {
+    {"dsv3 gate|up", {16384, 4096, 7168}},   {"dsv3 down", {16384, 7168, 2048}},
+    {"qwen3 gate|up", {16384, 1536, 2048}},  {"qwen3 down", {16384, 2048, 768}},
+    {"mixtral gate|up", {16384, 28672, 4096}}, {"mixtral down", {16384, 4096, 14336}}};
+
 /* The operands' device buffers: A and B random (never zero, a pure function of the seed), room
  * for a_elems / b_elems, and At / Bt, which transpose_operands fills for one shape. */
 struct DeviceOperands {
@@ -535,6 +647,23 @@ static double time_median_ms(F run) {
     return median(ms);
 }
 
+/* A probe's start: device 0 must be sm_90 with smem_bytes of shared memory per block; sets
+ * g_num_sms and the driver's tensor-map encoder; the seed is argv[1] or the time, printed. */
+static uint64_t probe_start(int argc, char **argv, size_t smem_bytes) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    CHECK(prop.major == 9 && prop.minor == 0, "%s is sm_%d%d; this program is built for sm_90a only", prop.name,
+          prop.major, prop.minor);
+    CHECK(smem_bytes <= prop.sharedMemPerBlockOptin, "not enough shared memory per block (%zu)",
+          prop.sharedMemPerBlockOptin);
+    g_num_sms = prop.multiProcessorCount;
+    load_driver_entry_points();
+    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
+    printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+    return seed;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* What the epilogue probes (pingpong_probe.cu, async_store_probe.cu) share on the host.      */
 
@@ -603,6 +732,43 @@ static bool probe_self_test(const ProbeBuffers &b, const Shape &s, const char *w
     printf("%s  %-56s max rel %.3e  bad %zu  unwritten %zu  past-end %zu\n", ok ? "ok  " : "FAIL", what, c.max_rel,
            c.bad, c.unwritten, c.guard_broken);
     return ok;
+}
+
+/* The grid of a persistent Cfg kernel (KERNEL) on s: a CTA per tile of 128 x Cfg::BN, at most one
+ * per SM; the kernel's Cfg::SMEM_BYTES of shared memory allowed at its first launch. */
+template <class Cfg, auto KERNEL>
+static int persistent_grid(const Shape &s) {
+    static bool attribute_set = false;
+    if (!attribute_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES));
+        attribute_set = true;
+    }
+    const long long tiles = (long long)((s.M + BM - 1) / BM) * ((s.N + Cfg::BN - 1) / Cfg::BN);
+    return (int)std::min<long long>(tiles, g_num_sms);
+}
+
+/* The epilogue probes' self-test shapes: edges (M not a multiple of 128, N not of 256, K not of
+ * 64, one row, more tiles than SMs so that a staging region is reused) and one large. */
+static const Shape EPILOGUE_TEST_SHAPES[] = {{1, 256, 64},       {77, 136, 72},     {300, 520, 1000},
+                                             {1000, 768, 2048},  {4096, 8192, 512}, {4096, 2048, 7168}};
+
+/* The buffers for those and FORWARD_SHAPES. */
+static ProbeBuffers epilogue_probe_buffers(uint64_t seed) {
+    std::vector<Shape> shapes(std::begin(EPILOGUE_TEST_SHAPES), std::end(EPILOGUE_TEST_SHAPES));
+    for (const NamedShape &t : FORWARD_SHAPES) shapes.push_back(t.s);
+    return probe_buffers(shapes, seed);
+}
+
+/* self_test(mode, buffers, shape, iters) for every mode on every test shape, with iters 0 and 16,
+ * after its reference; adds to passed / failed. */
+template <class SelfTest>
+static void epilogue_self_tests(const ProbeBuffers &b, int modes, SelfTest self_test, int &passed, int &failed) {
+    printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
+    for (const Shape &s : EPILOGUE_TEST_SHAPES) {
+        run_reference(b.dev, b.ref, s);
+        for (int mode = 0; mode < modes; ++mode)
+            for (int it : {0, 16}) (self_test(mode, b, s, it) ? passed : failed)++;
+    }
 }
 
 /* The median ms of launch(), then one more launch's mean µs per epilogue (the stats). */

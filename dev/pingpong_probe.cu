@@ -262,18 +262,8 @@ static bool time_case(const ProbeBuffers &b, const Timed &t, const int *iters, i
 }
 
 int main(int argc, char **argv) {
-    CUDA_CHECK(cudaSetDevice(0));
-    cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    CHECK(prop.major == 9 && prop.minor == 0, "%s is sm_%d%d; this program is built for sm_90a only", prop.name,
-          prop.major, prop.minor);
-    g_num_sms = prop.multiProcessorCount;
-    CHECK((size_t)ProbeConfig<MODE_COOP>::SMEM_BYTES <= prop.sharedMemPerBlockOptin &&
-              (size_t)ProbeConfig<MODE_PING>::SMEM_BYTES <= prop.sharedMemPerBlockOptin,
-          "not enough shared memory per block (%zu)", prop.sharedMemPerBlockOptin);
-    load_driver_entry_points();
-    const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 0) : (uint64_t)time(nullptr);
-    printf("device %s, %d SMs, seed %llu\n", prop.name, g_num_sms, (unsigned long long)seed);
+    const uint64_t seed = probe_start(argc, argv,
+                                      std::max<size_t>(ProbeConfig<MODE_COOP>::SMEM_BYTES, ProbeConfig<MODE_PING>::SMEM_BYTES));
 
     /* self-test shapes: edges (M not a multiple of 128, N not of the tile, K not of 64, one row,
        an odd number of tiles per CTA) and one large */
