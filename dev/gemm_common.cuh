@@ -1,9 +1,10 @@
-/* gemm_common.cuh — what the dev GEMM experiments share (dev/gemm_wgmma_v1.cu,
- * dev/pingpong_probe.cu): error checks, the CTA's thread layout (one producer warpgroup, two
- * consumer warpgroups), the experiments' own PTX helpers beside the library's wrappers
- * (src/cuda/sm90/ptx.cuh; here: a bounded mbarrier wait that reports a code, the m64n128 wgmma),
- * the fp32 reference GEMM, random inputs, tensor maps, the comparison against the reference and
- * the event timer. Included by exactly one translation unit per program. Build with -Isrc. */
+/* gemm_common.cuh — what the dev GEMM experiments share (gemm_wgmma_v1, the pingpong, async-store,
+ * deferred-epilogue and gather probes, fp8_tile_probe): error checks, the CTA's thread layout (one
+ * producer warpgroup, two consumer warpgroups) and its shared memory, the experiments' own PTX
+ * helpers beside the library's wrappers (src/cuda/sm90/ptx.cuh; here: a bounded mbarrier wait that
+ * reports a code, the m64n128 wgmma), the cooperative K loop and the TMA producer, the staged C
+ * store, the fp32 reference GEMM, random inputs, tensor maps, the comparison against the reference
+ * and the event timer. Included by exactly one translation unit per program. Build with -Isrc. */
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums only: the driver entry point comes through cudart
 #include <cudaTypedefs.h>
