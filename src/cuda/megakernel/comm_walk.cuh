@@ -112,8 +112,8 @@ static __device__ __forceinline__ void pull_row(uint16_t *x_out, uint16_t *dy_ou
  * (the blocks' maxima are warp reductions, so a step waits for its loads once): a lane's 16 codes
  * of x in each quarter of the step's x (block lane / 8 of four) and its 4 values of dy in each
  * block, as fp8_quantize_blocks lays them. A row is latency-bound (a comm CTA's warps each hold one
- * row's step in flight), so the step is as wide as the registers allow: four blocks a step took
- * twice the bf16 pull's time per row. */
+ * row's step in flight, and a step waits for all its loads before its maxima), so the step is as
+ * wide as the registers allow (docs/log.md: eight blocks against four). */
 #define PULL_FP8_BLOCKS 8
 static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq_out, uint16_t *dyw_out,
                                                     uint8_t *dyq_out, const uint8_t *xq, const float *xs,

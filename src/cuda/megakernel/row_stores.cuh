@@ -53,9 +53,9 @@ static __device__ __forceinline__ int chunk_col(int i) {
 }
 
 /* The output rows of a thread's chunks under a row map (row r goes to rowmap[r]), read once per
- * tile with every load in flight together: read beside each chunk's store, a load the compiler
- * may not move above the stores before it (they might alias the map), each chunk waited a
- * global load's latency. Rows >= rows get 0 (their chunks are not stored). */
+ * tile with every load in flight together: a map entry read beside its chunk's store is a load
+ * the compiler may not move above the stores before it (they might alias the map), so each chunk
+ * would wait a global load's latency. Rows >= rows get 0 (their chunks are not stored). */
 static __device__ __forceinline__ void load_row_map(const int32_t *rowmap, int rows, long long (&orow)[STAGED_CHUNKS]) {
 #pragma unroll
     for (int i = 0; i < STAGED_CHUNKS; ++i) orow[i] = chunk_row(i) < rows ? (long long)rowmap[chunk_row(i)] : 0;
