@@ -146,16 +146,8 @@ static bool self_test(int mode, const ProbeBuffers &b, const Shape &s, int iters
     return probe_self_test(b, s, what, [&] { launch_mode(mode, b.ops, b.C, s, iters, b.run); });
 }
 
-/* Median ms of the mode on the shape, and the mean µs per epilogue of one warpgroup. */
-static bool time_one(int mode, const ProbeBuffers &b, const Shape &s, int iters, double *ms, double *epi_us) {
-    return probe_time(b, mode_names[mode], [&] { launch_mode(mode, b.ops, b.C, s, iters, b.run); }, ms, epi_us);
-}
-
 int main(int argc, char **argv) {
     const uint64_t seed = probe_start(argc, argv, StoreConfig::SMEM_BYTES);
-
-    const int iters[] = {0, 16};
-
     const ProbeBuffers buf = epilogue_probe_buffers(seed);
     int passed = 0, failed = 0;
     epilogue_self_tests(buf, NUM_MODES, self_test, passed, failed);
@@ -164,24 +156,9 @@ int main(int argc, char **argv) {
         return 1;
     }
 
-    printf("\ntiming: median of %d runs after %d warm-up runs; epi µs: mean per tile epilogue of one warpgroup\n",
-           TIMED_RUNS, WARMUP_RUNS);
-    printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
-    for (int mode = 0; mode < NUM_MODES; ++mode) printf(" %9s ms  TF/s epi µs |", mode_names[mode]);
-    printf(" tma vs staged\n");
-    for (const NamedShape &t : FORWARD_SHAPES) {
-        const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
-        for (int it : iters) {
-            double ms[NUM_MODES], epi[NUM_MODES];
-            bool ok = true;
-            for (int mode = 0; mode < NUM_MODES; ++mode) ok = time_one(mode, buf, t.s, it, &ms[mode], &epi[mode]) && ok;
-            (ok ? passed : failed)++;
-            printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
-            for (int mode = 0; mode < NUM_MODES; ++mode)
-                printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, epi[mode]);
-            printf(" %+6.1f%%\n", 100.0 * (ms[MODE_TMA] - ms[MODE_STAGED]) / ms[MODE_STAGED]);
-        }
-    }
+    epilogue_timing(buf, mode_names, NUM_MODES, {0, 16}, "epi µs", MODE_TMA,
+                    [&](int mode, const Shape &sh, int it) { launch_mode(mode, buf.ops, buf.C, sh, it, buf.run); },
+                    passed, failed);
     probe_buffers_free(buf);
     printf("\n%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;

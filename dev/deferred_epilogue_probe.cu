@@ -164,9 +164,6 @@ static bool self_test(int mode, const ProbeBuffers &b, const Shape &s, int iters
 
 int main(int argc, char **argv) {
     const uint64_t seed = probe_start(argc, argv, DeferConfig::SMEM_BYTES);
-
-    const int iters[] = {0, 16, 64};
-
     const ProbeBuffers buf = epilogue_probe_buffers(seed);
     int passed = 0, failed = 0;
     epilogue_self_tests(buf, NUM_MODES, self_test, passed, failed);
@@ -175,27 +172,9 @@ int main(int argc, char **argv) {
         return 1;
     }
 
-    printf("\ntiming: median of %d runs after %d warm-up runs; between µs: mean per tile, from one main loop's end "
-           "to the next one's start, of one warpgroup\n",
-           TIMED_RUNS, WARMUP_RUNS);
-    printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
-    for (int mode = 0; mode < NUM_MODES; ++mode) printf(" %9s ms  TF/s between µs |", mode_names[mode]);
-    printf(" deferred vs staged\n");
-    for (const NamedShape &t : FORWARD_SHAPES) {
-        const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
-        for (int it : iters) {
-            double ms[NUM_MODES], between[NUM_MODES];
-            bool ok = true;
-            for (int mode = 0; mode < NUM_MODES; ++mode)
-                ok = probe_time(buf, mode_names[mode], [&] { launch_mode(mode, buf.ops, buf.C, t.s, it, buf.run); },
-                                &ms[mode], &between[mode]) && ok;
-            (ok ? passed : failed)++;
-            printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
-            for (int mode = 0; mode < NUM_MODES; ++mode)
-                printf(" %12.3f %5.0f %10.2f |", ms[mode], flops / ms[mode] * 1e-9, between[mode]);
-            printf(" %+6.1f%%\n", 100.0 * (ms[MODE_DEFERRED] - ms[MODE_STAGED]) / ms[MODE_STAGED]);
-        }
-    }
+    epilogue_timing(buf, mode_names, NUM_MODES, {0, 16, 64}, "between µs", MODE_DEFERRED,
+                    [&](int mode, const Shape &sh, int it) { launch_mode(mode, buf.ops, buf.C, sh, it, buf.run); },
+                    passed, failed);
     probe_buffers_free(buf);
     printf("\n%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;

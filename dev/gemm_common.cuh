@@ -784,3 +784,30 @@ static bool probe_time(const ProbeBuffers &b, const char *what, Launch launch, d
     *epi_us = st[1] ? (double)st[0] / (double)st[1] * 1e-3 : 0.0;
     return true;
 }
+
+/* The epilogue probes' timing table: every forward shape at each of `iters`, each mode's median
+ * ms, TFLOP/s and its per-tile µs (`stat`: what the kernel's stats count), then the change of the
+ * mode `against` from mode 0. launch(mode, shape, iters) runs the mode once. Adds to passed /
+ * failed (a kernel error fails the row). */
+template <class Launch>
+static void epilogue_timing(const ProbeBuffers &b, const char *const *mode_names, int modes, std::initializer_list<int> iters,
+                            const char *stat, int against, Launch launch, int &passed, int &failed) {
+    printf("\ntiming: median of %d runs after %d warm-up runs; %s: mean per tile of one warpgroup\n", TIMED_RUNS,
+           WARMUP_RUNS, stat);
+    printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
+    for (int mode = 0; mode < modes; ++mode) printf(" %9s ms  TF/s %s |", mode_names[mode], stat);
+    printf(" %s vs %s\n", mode_names[against], mode_names[0]);
+    for (const NamedShape &t : FORWARD_SHAPES) {
+        const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
+        for (int it : iters) {
+            std::vector<double> ms(modes), us(modes);
+            bool ok = true;
+            for (int mode = 0; mode < modes; ++mode)
+                ok = probe_time(b, mode_names[mode], [&] { launch(mode, t.s, it); }, &ms[mode], &us[mode]) && ok;
+            (ok ? passed : failed)++;
+            printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
+            for (int mode = 0; mode < modes; ++mode) printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, us[mode]);
+            printf(" %+6.1f%%\n", 100.0 * (ms[against] - ms[0]) / ms[0]);
+        }
+    }
+}
