@@ -140,26 +140,8 @@ static void launch_mode(int mode, const Operands &o, bf16 *C, const Shape &s, in
     else launch<MODE_TMA_WAIT>(o, C, s, iters, r);
 }
 
-static bool self_test(int mode, const ProbeBuffers &b, const Shape &s, int iters) {
-    char what[96];
-    snprintf(what, sizeof(what), "%s M %d N %d K %d iters %d", mode_names[mode], s.M, s.N, s.K, iters);
-    return probe_self_test(b, s, what, [&] { launch_mode(mode, b.ops, b.C, s, iters, b.run); });
-}
-
 int main(int argc, char **argv) {
-    const uint64_t seed = probe_start(argc, argv, StoreConfig::SMEM_BYTES);
-    const ProbeBuffers buf = epilogue_probe_buffers(seed);
-    int passed = 0, failed = 0;
-    epilogue_self_tests(buf, NUM_MODES, self_test, passed, failed);
-    if (failed) { /* timings of a wrong kernel mean nothing */
-        printf("\n%d passed, %d failed\n", passed, failed);
-        return 1;
-    }
-
-    epilogue_timing(buf, mode_names, NUM_MODES, {0, 16}, "epi µs", MODE_TMA,
-                    [&](int mode, const Shape &sh, int it) { launch_mode(mode, buf.ops, buf.C, sh, it, buf.run); },
-                    passed, failed);
-    probe_buffers_free(buf);
-    printf("\n%d passed, %d failed\n", passed, failed);
-    return failed == 0 ? 0 : 1;
+    const ProbeBuffers buf = epilogue_probe_buffers(probe_start(argc, argv, StoreConfig::SMEM_BYTES));
+    return epilogue_probe_run(buf, mode_names, NUM_MODES, {0, 16}, "epi µs", MODE_TMA,
+                              [&](int mode, const Shape &s, int it) { launch_mode(mode, buf.ops, buf.C, s, it, buf.run); });
 }

@@ -760,18 +760,6 @@ static ProbeBuffers epilogue_probe_buffers(uint64_t seed) {
     return probe_buffers(shapes, seed);
 }
 
-/* self_test(mode, buffers, shape, iters) for every mode on every test shape, with iters 0 and 16,
- * after its reference; adds to passed / failed. */
-template <class SelfTest>
-static void epilogue_self_tests(const ProbeBuffers &b, int modes, SelfTest self_test, int &passed, int &failed) {
-    printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
-    for (const Shape &s : EPILOGUE_TEST_SHAPES) {
-        run_reference(b.dev, b.ref, s);
-        for (int mode = 0; mode < modes; ++mode)
-            for (int it : {0, 16}) (self_test(mode, b, s, it) ? passed : failed)++;
-    }
-}
-
 /* The median ms of launch(), then one more launch's mean µs per epilogue (the stats). */
 template <class Launch>
 static bool probe_time(const ProbeBuffers &b, const char *what, Launch launch, double *ms, double *epi_us) {
@@ -785,29 +773,50 @@ static bool probe_time(const ProbeBuffers &b, const char *what, Launch launch, d
     return true;
 }
 
-/* The epilogue probes' timing table: every forward shape at each of `iters`, each mode's median
- * ms, TFLOP/s and its per-tile µs (`stat`: what the kernel's stats count), then the change of the
- * mode `against` from mode 0. launch(mode, shape, iters) runs the mode once. Adds to passed /
- * failed (a kernel error fails the row). */
+/* An epilogue probe's run on its buffers b (epilogue_probe_buffers), whose modes are named
+ * mode_names[0 .. modes) and run once by launch(mode, shape, iters):
+ *   1. every mode on every test shape at iters 0 and 16, against the fp32 reference (probe_self_test);
+ *      a failure ends the run there, since the timings of a wrong kernel mean nothing;
+ *   2. the timing table: every forward shape at each of `iters`, each mode's median ms, TFLOP/s and
+ *      its per-tile µs (`stat`: what the kernel's stats count), then the change of mode `against`
+ *      from mode 0 (a kernel error fails the row).
+ * Frees b, prints the closing `N passed, N failed` and returns the exit code. */
 template <class Launch>
-static void epilogue_timing(const ProbeBuffers &b, const char *const *mode_names, int modes, std::initializer_list<int> iters,
-                            const char *stat, int against, Launch launch, int &passed, int &failed) {
-    printf("\ntiming: median of %d runs after %d warm-up runs; %s: mean per tile of one warpgroup\n", TIMED_RUNS,
-           WARMUP_RUNS, stat);
-    printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
-    for (int mode = 0; mode < modes; ++mode) printf(" %9s ms  TF/s %s |", mode_names[mode], stat);
-    printf(" %s vs %s\n", mode_names[against], mode_names[0]);
-    for (const NamedShape &t : FORWARD_SHAPES) {
-        const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
-        for (int it : iters) {
-            std::vector<double> ms(modes), us(modes);
-            bool ok = true;
-            for (int mode = 0; mode < modes; ++mode)
-                ok = probe_time(b, mode_names[mode], [&] { launch(mode, t.s, it); }, &ms[mode], &us[mode]) && ok;
-            (ok ? passed : failed)++;
-            printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
-            for (int mode = 0; mode < modes; ++mode) printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, us[mode]);
-            printf(" %+6.1f%%\n", 100.0 * (ms[against] - ms[0]) / ms[0]);
+static int epilogue_probe_run(const ProbeBuffers &b, const char *const *mode_names, int modes,
+                              std::initializer_list<int> iters, const char *stat, int against, Launch launch) {
+    int passed = 0, failed = 0;
+    printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
+    for (const Shape &s : EPILOGUE_TEST_SHAPES) {
+        run_reference(b.dev, b.ref, s);
+        for (int mode = 0; mode < modes; ++mode)
+            for (int it : {0, 16}) {
+                char what[96];
+                snprintf(what, sizeof(what), "%s M %d N %d K %d iters %d", mode_names[mode], s.M, s.N, s.K, it);
+                (probe_self_test(b, s, what, [&] { launch(mode, s, it); }) ? passed : failed)++;
+            }
+    }
+    if (failed == 0) {
+        printf("\ntiming: median of %d runs after %d warm-up runs; %s: mean per tile of one warpgroup\n", TIMED_RUNS,
+               WARMUP_RUNS, stat);
+        printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "iters");
+        for (int mode = 0; mode < modes; ++mode) printf(" %9s ms  TF/s %s |", mode_names[mode], stat);
+        printf(" %s vs %s\n", mode_names[against], mode_names[0]);
+        for (const NamedShape &t : FORWARD_SHAPES) {
+            const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
+            for (int it : iters) {
+                std::vector<double> ms(modes), us(modes);
+                bool ok = true;
+                for (int mode = 0; mode < modes; ++mode)
+                    ok = probe_time(b, mode_names[mode], [&] { launch(mode, t.s, it); }, &ms[mode], &us[mode]) && ok;
+                (ok ? passed : failed)++;
+                printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
+                for (int mode = 0; mode < modes; ++mode)
+                    printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, us[mode]);
+                printf(" %+6.1f%%\n", 100.0 * (ms[against] - ms[0]) / ms[0]);
+            }
         }
     }
+    probe_buffers_free(b);
+    printf("\n%d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
 }
