@@ -27,17 +27,21 @@ def number(s):
         return None
 
 
-def listing_lines(path, kernel):
-    """{offset: "file:line"} and {offset: opcode} for the instructions of the function whose
-    name contains `kernel` in an `nvdisasm -g -c` listing."""
-    where, ops, inside, cur = {}, {}, False, "?"
+def listing_functions(path, kernel):
+    """{function: ({offset: "file:line"}, {offset: opcode})} for every function whose name contains
+    `kernel` in an `nvdisasm -g -c` listing (a template's instantiations are functions of their own,
+    each with offsets from 0)."""
+    funcs, cur_fn, cur = {}, None, "?"
     for line in open(path, errors="replace"):
         s = line.strip()
         if s.endswith(":") and not s.startswith("/*") and not s.startswith("."):
             if s.startswith("_Z") or re.match(r"^[A-Za-z_]\w*:$", s):  # a function; $ labels stay in it
-                inside = kernel in s
+                cur_fn = s[:-1] if kernel in s else None
+                if cur_fn:
+                    funcs[cur_fn] = ({}, {})
+                cur = "?"
             continue
-        if not inside:
+        if cur_fn is None:
             continue
         m = re.search(r'//## File "([^"]+)", line (\d+)', s)
         if m:
@@ -46,9 +50,9 @@ def listing_lines(path, kernel):
         m = re.match(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", s)
         if m:
             off = int(m.group(1), 16)
-            where[off] = cur
-            ops[off] = m.group(2).split(".")[0]
-    return where, ops
+            funcs[cur_fn][0][off] = cur
+            funcs[cur_fn][1][off] = m.group(2).split(".")[0]
+    return funcs
 
 
 def main():
@@ -94,19 +98,28 @@ def main():
 
     line_of = {}
     if lines_path and kernel and addr is not None:
-        where, ops = listing_lines(lines_path, kernel)
         offs = [int(r[addr], 16) for r in data]
         base = min(offs) if offs else 0
         checked = [(o - base, r[src].split()) for o, r in zip(offs[:200], data[:200])]
-        bad = 0
-        for o, words in checked:
-            words = [w for w in words if not w.startswith("@")]
-            if o in ops and words and words[0].split(".")[0] != ops[o]:
-                bad += 1
-        if not where or bad > len(checked) // 10:
-            print(f"ncu_lines: the listing does not match the CSV ({bad} of {len(checked)} opcodes differ); "
-                  "no per-line table")
+
+        def mismatches(ops):
+            bad = 0
+            for o, words in checked:
+                words = [w for w in words if not w.startswith("@")]
+                if words and words[0].split(".")[0] != ops.get(o):
+                    bad += 1
+            return bad
+
+        # the profiled function: of those named like `kernel`, the one whose opcodes match the CSV's
+        funcs = listing_functions(lines_path, kernel)
+        scored = sorted((mismatches(ops), name) for name, (_, ops) in funcs.items())
+        bad, name = scored[0] if scored else (len(checked), None)
+        if name is None or bad > len(checked) // 10:
+            print(f"ncu_lines: no function named like {kernel} in the listing matches the CSV "
+                  f"(best: {bad} of {len(checked)} opcodes differ); no per-line table")
         else:
+            print(f"ncu_lines: the CSV is {name} ({bad} of {len(checked)} opcodes differ)")
+            where = funcs[name][0]
             line_of = {id(r): where.get(o - base, "?") for o, r in zip(offs, data)}
     if line_of:
         per = defaultdict(lambda: [0.0, 0])
