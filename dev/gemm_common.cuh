@@ -1,6 +1,6 @@
 /* gemm_common.cuh — what the dev GEMM experiments share (gemm_wgmma_v1, the pingpong, async-store,
- * deferred-epilogue and gather probes, fp8_tile_probe): error checks, the CTA's thread layout (one
- * producer warpgroup, two consumer warpgroups) and its shared memory, the experiments' own PTX
+ * deferred-epilogue, gather and multicast probes, fp8_tile_probe): error checks, the CTA's thread
+ * layout (one producer warpgroup, two consumer warpgroups) and its shared memory, the experiments' own PTX
  * helpers beside the library's wrappers (src/cuda/sm90/ptx.cuh; here: a bounded mbarrier wait that
  * reports a code, the m64n128 wgmma), the cooperative K loop and the TMA producer, the staged C
  * store, the fp32 reference GEMM, random inputs, tensor maps, the comparison against the reference
@@ -65,7 +65,13 @@ constexpr int SWIZZLE_ATOM_BYTES = 1024;  // 8 rows x 128 bytes: the repeat of t
 constexpr long long WAIT_TIMEOUT_NS = 4000000000ll;  // a barrier wait longer than this is a bug
 
 // Error codes the kernel leaves in *err (host prints them).
-enum { KERNEL_OK = 0, KERNEL_FULL_TIMEOUT = 1, KERNEL_EMPTY_TIMEOUT = 2, KERNEL_ORDER_TIMEOUT = 3 };
+enum {
+    KERNEL_OK = 0,
+    KERNEL_FULL_TIMEOUT = 1,
+    KERNEL_EMPTY_TIMEOUT = 2,
+    KERNEL_ORDER_TIMEOUT = 3,
+    KERNEL_SMEM_MISALIGNED = 4
+};
 
 
 /* ------------------------------------------------------------------------------------------ */
@@ -229,18 +235,25 @@ struct NoHook {
     __device__ __forceinline__ void operator()() const {}
 };
 
+/* How a consumer warp's lane 0 releases a stage: an arrival on this CTA's empty barrier. A
+ * probe whose stages other CTAs also fill passes its own (arrivals on theirs too). */
+struct LocalRelease {
+    __device__ __forceinline__ void operator()(uint32_t empty) const { mbar_arrive(empty); }
+};
+
 /* The cooperative consumers' K loop over one tile: num_k stages from the cursor, BK / 16 wgmmas
  * each into acc (the first with scale-d 0), one group kept in flight; stage s is released (lane 0
- * of every warp arrives on empty[s]) once the group that read it is done, the last one after the
- * final wait. desc_a0 / desc_b0 address stage 0, step_a / step_b are 16 more k in descriptor
+ * of every warp calls release(empty[s])) once the group that read it is done, the last one after
+ * the final wait. desc_a0 / desc_b0 address stage 0, step_a / step_b are 16 more k in descriptor
  * units. FENCE: a proxy fence after each full wait (a stage written by cp.async, the generic proxy,
  * is read by the wgmmas through the async one). hook() runs after each stage's commit. Returns
  * false, the wgmmas drained, when a full-barrier wait gave up (*err says why). */
-template <int STAGES, int STAGE_BYTES, int ACC, int TA, int TB, bool FENCE = false, class Hook = NoHook>
+template <int STAGES, int STAGE_BYTES, int ACC, int TA, int TB, bool FENCE = false, class Hook = NoHook,
+          class Release = LocalRelease>
 static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor &cur, uint32_t full_bar,
                                                    uint32_t empty_bar, uint64_t desc_a0, uint64_t desc_b0,
                                                    uint64_t step_a, uint64_t step_b, int num_k, int *err,
-                                                   Hook hook = Hook()) {
+                                                   Hook hook = Hook(), Release release = Release()) {
     const int lane = threadIdx.x % 32;
     for (int kb = 0; kb < num_k; ++kb) {
         if (!mbar_wait(full_bar + 8 * cur.stage, cur.phase, err, KERNEL_FULL_TIMEOUT)) {
@@ -261,7 +274,7 @@ static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor
         // Keep one wgmma group in flight: when this returns, the group that read the previous
         // slot is complete and that slot can be refilled.
         wgmma_wait<1>();
-        if (kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
+        if (kb > 0 && lane == 0) release(empty_bar + 8 * cur.prev);
         cur.prev = cur.stage;
         if (++cur.stage == STAGES) {
             cur.stage = 0;
@@ -270,7 +283,7 @@ static __device__ __forceinline__ bool coop_k_loop(float (&acc)[ACC], RingCursor
     }
     wgmma_wait<0>();
     pin_accumulators(acc);
-    if (lane == 0) mbar_arrive(empty_bar + 8 * cur.prev);
+    if (lane == 0) release(empty_bar + 8 * cur.prev);
     return true;
 }
 
@@ -511,6 +524,7 @@ static bool check_kernel_error(int *d_err, const char *what) {
             h_err == KERNEL_FULL_TIMEOUT    ? "a consumer waited > 4 s on a full barrier (TMA never landed?)"
             : h_err == KERNEL_EMPTY_TIMEOUT ? "the producer waited > 4 s on an empty barrier (consumers stuck?)"
             : h_err == KERNEL_ORDER_TIMEOUT ? "a consumer waited > 4 s for the other one's turn (ping-pong order)"
+            : h_err == KERNEL_SMEM_MISALIGNED ? "the dynamic shared memory is not 1024-byte aligned"
                                             : "unknown error code");
     CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
     return false;
