@@ -304,11 +304,84 @@ static mok_plan plan_from(const plan_case *c, const mok_sched_view *v, int L, in
     return p;
 }
 
+/* The ring's users in a one-rank list with the default transfers, per row tile: the tasks that
+ * read or write its rows (DISPATCH, GATEUP, DOWN, COMBINE, PULL, DH, DX, PUSH: row tile a; a
+ * WGRAD: every row tile that its expert's rows in its macrobatch touch). A task that refills a
+ * ring slot (DISPATCH or PULL into a minibatch >= ring_mbs, row tile a) overwrites the rows of
+ * row tile a - shift, whose users must all be done when it starts. */
+typedef struct ring_users {
+    int64_t tiles, shift;  /* row tiles of the pass; ring slots in row tiles */
+    int ring_mbs;
+    int64_t *first, *list; /* users of tile t: list[first[t] .. first[t + 1]) */
+} ring_users;
+
+static int uses_tile(const mok_task *t, int64_t *a) {
+    switch (t->kind) {
+    case MOK_TASK_DISPATCH: case MOK_TASK_GATEUP: case MOK_TASK_DOWN: case MOK_TASK_COMBINE:
+    case MOK_TASK_PULL: case MOK_TASK_DH: case MOK_TASK_DX: case MOK_TASK_PUSH:
+        *a = t->a;
+        return 1;
+    default: return 0;
+    }
+}
+
+/* Row tiles [*t0, *t1) that a WGRAD task's rows touch. */
+static void wgrad_tiles_of(const mok_plan *p, const mok_task *t, int64_t *t0, int64_t *t1) {
+    int64_t f, e;
+    mok__expert_rows_in(p, t->expert, t->minibatch, &f, &e);
+    *t0 = f / MOK_ROW_TILE;
+    *t1 = e > f ? (e + MOK_ROW_TILE - 1) / MOK_ROW_TILE : *t0;
+}
+
+static ring_users ring_users_build(const mok_plan *p, const mok_task *tasks, int64_t n) {
+    ring_users u;
+    u.tiles = p->padded_rows / MOK_ROW_TILE;
+    u.shift = p->ring_rows / MOK_ROW_TILE;
+    u.ring_mbs = p->ring_rows / p->minibatch_rows;
+    u.first = calloc((size_t)u.tiles + 2, sizeof(int64_t));
+    for (int pass = 0; pass < 2; ++pass) { /* count, then place */
+        int64_t *fill = pass ? calloc((size_t)u.tiles + 1, sizeof(int64_t)) : NULL;
+        for (int64_t i = 0; i < n; ++i) {
+            int64_t a, t0, t1;
+            if (uses_tile(&tasks[i], &a)) t0 = a, t1 = a + 1;
+            else if (tasks[i].kind == MOK_TASK_WGRAD) wgrad_tiles_of(p, &tasks[i], &t0, &t1);
+            else continue;
+            for (int64_t t = t0; t < t1 && t < u.tiles; ++t) {
+                if (pass) u.list[u.first[t] + fill[t]++] = i;
+                else u.first[t + 1] += 1;
+            }
+        }
+        if (pass) {
+            free(fill);
+        } else {
+            for (int64_t t = 0; t < u.tiles; ++t) u.first[t + 1] += u.first[t];
+            u.list = malloc(sizeof(int64_t) * (size_t)(u.first[u.tiles] + 1));
+        }
+    }
+    return u;
+}
+
+static void ring_users_free(ring_users *u) {
+    free(u->first);
+    free(u->list);
+}
+
+/* Users of the rows that task t overwrites (it refills a slot) not done yet; 0 for other tasks. */
+static int64_t ring_hazards(const ring_users *u, const mok_task *t, const char *done) {
+    if ((t->kind != MOK_TASK_DISPATCH && t->kind != MOK_TASK_PULL) || t->minibatch < u->ring_mbs) return 0;
+    const int64_t prev = t->a - u->shift;
+    int64_t pending = 0;
+    for (int64_t j = u->first[prev]; j < u->first[prev + 1]; ++j) pending += !done[u->list[j]];
+    return pending;
+}
+
 /* The sequential simulator. Workers of a role take that role's tasks in list order from a
  * shared cursor, one task at a time: claim it, wait until its counters reach their targets,
  * run it, bump its done counters. workers[role] workers per role; with r == NULL, one worker
  * per role in alternating steps, else a random worker acts at each step (a claimed task may
- * sit "running" for a while before it bumps). Returns 1 when every task ran, 0 on deadlock. */
+ * sit "running" for a while before it bumps). With ring users (may be NULL), *hazards counts
+ * the refills that start while a user of the rows they overwrite is not done. Returns 1 when
+ * every task ran, 0 on deadlock. */
 typedef struct sim_worker {
     int role;
     int64_t held; /* task index, -1 none */
@@ -322,9 +395,10 @@ static int waits_met(const mok_task *t, const int64_t *counters) {
     return 1;
 }
 
-static int simulate(const mok_task *tasks, int64_t n, int64_t num_counters, const int workers[2], rng *r,
-                    int64_t *executed_out) {
+static int simulate_ring(const mok_task *tasks, int64_t n, int64_t num_counters, const int workers[2], rng *r,
+                         int64_t *executed_out, const ring_users *ru, int64_t *hazards) {
     int64_t *counters = calloc((size_t)num_counters + 1, sizeof(int64_t));
+    char *done = calloc((size_t)n + 1, 1);
     sim_worker ws[16];
     int nw = 0;
     for (int role = 0; role < 2; ++role)
@@ -369,17 +443,25 @@ static int simulate(const mok_task *tasks, int64_t n, int64_t num_counters, cons
         if (!w->running) {
             if (!waits_met(t, counters)) continue;
             w->running = 1;
+            if (ru) *hazards += ring_hazards(ru, t, done);
             if (r && rng_unit(r) < 0.5) continue; /* let others act while it runs */
         }
         for (int d = 0; d < 2; ++d)
             if (t->done[d] >= 0) counters[t->done[d]] += 1;
+        done[w->held] = 1;
         ++executed;
         w->held = -1;
         w->running = 0;
     }
     free(counters);
+    free(done);
     if (executed_out) *executed_out = executed;
     return ok && executed == n;
+}
+
+static int simulate(const mok_task *tasks, int64_t n, int64_t num_counters, const int workers[2], rng *r,
+                    int64_t *executed_out) {
+    return simulate_ring(tasks, n, num_counters, workers, r, executed_out, NULL, NULL);
 }
 
 /* Coverage, roles, minibatch fields and counter ranges of a list. Returns failed checks. */
@@ -622,13 +704,17 @@ static int check_plan(const mok_plan *p, int64_t max_rows, int64_t T_max, rng *r
     int ok = simulate(tasks, n, CL.total, one, NULL, &executed);
     CHECK(ok, "%s: one worker per role deadlocks after %lld of %lld tasks", what, (long long)executed, (long long)n);
     bad += !ok;
+    ring_users ru = ring_users_build(p, tasks, n);
     for (int s = 0; s < random_sims; ++s) {
         int workers[2] = {(int)rng_range(r, 2, 3), (int)rng_range(r, 2, 3)};
-        ok = simulate(tasks, n, CL.total, workers, r, &executed);
+        int64_t hazards = 0;
+        ok = simulate_ring(tasks, n, CL.total, workers, r, &executed, &ru, &hazards);
         CHECK(ok, "%s: %d comm + %d compute workers deadlock after %lld of %lld tasks", what, workers[0], workers[1],
               (long long)executed, (long long)n);
-        bad += !ok;
+        CHECK(hazards == 0, "%s: %lld refills start while rows they overwrite are in use", what, (long long)hazards);
+        bad += !ok + (hazards != 0);
     }
+    ring_users_free(&ru);
     free(tasks);
     return bad;
 }
@@ -1109,14 +1195,18 @@ static int count_peer_tasks(const mok_task *tasks, int64_t n, int kind, int q, i
     return seen;
 }
 
-/* Whether task t (of rank `owner`) reads or writes the ring of rank `ring_rank` for minibatch mb
- * (a macrobatch's weight gradients read all its minibatches' rows). */
-static int uses_ring(const mok_task *t, int owner, int ring_rank, int64_t mb, int ring_mbs) {
+/* Whether task t (of rank `owner`) reads or writes the ring of rank `ring_rank` for minibatch mb,
+ * whose row tile `tile` a refill overwrites (a weight-gradient task reads its expert's rows of its
+ * macrobatch: start and rows are the owner's expert_start and expert_rows). */
+static int uses_ring(const mok_task *t, int owner, int ring_rank, int64_t mb, int ring_mbs, int64_t tile,
+                     const int64_t *start, const int64_t *rows) {
     switch (t->kind) {
     case MOK_TASK_GATEUP: case MOK_TASK_DOWN: case MOK_TASK_COMBINE: case MOK_TASK_DH: case MOK_TASK_DX:
     case MOK_TASK_PUSH: case MOK_TASK_DISPATCH: case MOK_TASK_PULL:
         return owner == ring_rank && t->minibatch == mb;
-    case MOK_TASK_WGRAD: return owner == ring_rank && t->minibatch == mb / ring_mbs;
+    case MOK_TASK_WGRAD:
+        return owner == ring_rank && t->minibatch == mb / ring_mbs &&
+               start[t->expert] < (tile + 1) * MOK_ROW_TILE && start[t->expert] + rows[t->expert] > tile * MOK_ROW_TILE;
     case MOK_TASK_GATHER: case MOK_TASK_SCATTER: return t->peer == ring_rank && t->minibatch == mb;
     default: return 0;
     }
@@ -1128,6 +1218,8 @@ static int uses_ring(const mok_task *t, int owner, int ring_rank, int64_t mb, in
  * rows still in use. */
 typedef struct ring_watch {
     int P, ring_mbs;
+    int64_t ring_tiles;
+    const mok_sched_view *v;
     mok_task *const *tasks;
     const int64_t *counts;
     char *done[MAX_P];
@@ -1144,7 +1236,8 @@ static void watch_ring(void *ctx, int r, int64_t index) {
         for (int q = 0; q < w->P && !in_use; ++q)
             for (int64_t j = 0; j < w->counts[q] && !in_use; ++j)
                 in_use = !w->done[q][j] &&
-                         uses_ring(&w->tasks[q][j], q, ring_rank, t->minibatch - w->ring_mbs, w->ring_mbs);
+                         uses_ring(&w->tasks[q][j], q, ring_rank, t->minibatch - w->ring_mbs, w->ring_mbs,
+                                   t->a - w->ring_tiles, w->v[q].expert_start, w->v[q].expert_rows);
         w->overwrites += in_use;
     }
     w->done[r][index] = 1;
@@ -1213,7 +1306,7 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
             bad += replaced;
         }
     }
-    ring_watch watch = {P, ring_mbs, tasks, counts, {0}, 0};
+    ring_watch watch = {P, ring_mbs, (int64_t)c.ring_rows / MOK_ROW_TILE, v, tasks, counts, {0}, 0};
     for (int r = 0; r < P; ++r) watch.done[r] = calloc((size_t)counts[r] + 1, 1);
     int64_t ran = mok__tasks_check_ranks(P, (const mok_task *const *)tasks, counts, ncounters, counters, watch_ring,
                                          &watch);
