@@ -8,13 +8,16 @@ count ("does this task order, or this many comm CTAs, shorten the pass?") before
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --comm 8,12,16
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.inc
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
+    python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --durations build/traces/trace_deepseek-v3_ep1_skew0.0_bwd.json
 
 The task kinds (values, names, roles) come from the library's one table, MOK_TASK_KINDS in
 src/core/tasks.h, read when this module loads. It builds scripts/tasks_dump.c against
 build/libmok.a (run `make` first) for the task list; --tasks-c compiles another core/tasks.inc in
 its place (`git show BRANCH:src/core/tasks.inc > F`, for a branch whose tasks.h is this tree's),
 to simulate a branch's order beside main's. The durations (µs per task) were traced
-on one H200 (docs/log.md, which also compares the simulation with traced passes). A comm task's
+on one H200 (docs/log.md, which also compares the simulation with traced passes); --durations
+takes them from a trace instead (`bench.py --trace` writes one per layer and pass: each kind's
+mean over the pass, the table's value for a kind the trace lacks). A comm task's
 duration does not change with the number of comm CTAs here, which the GPU does not promise: more
 CTAs moving rows at once share the memory system. The model has no claim-ahead, no per-task
 "before" beyond the gap, and equal experts.
@@ -133,6 +136,19 @@ def task_list(layer, backward, ring, minibatch, tasks_c=None):
     return [tuple(map(int, line.split())) for line in out.splitlines()]
 
 
+def traced_durations(path, backward):
+    """{kind: mean µs} of the pass's tasks in a trace written by mok_trace_write."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import timeline
+    sums = collections.defaultdict(lambda: [0.0, 0])
+    for e in timeline.load(path, pass_name="backward" if backward else "forward"):
+        c = sums[e["name"]]
+        c[0] += e["dur"]
+        c[1] += 1
+    names = {text: value for value, text in KIND_NAMES.items()}
+    return {names[k]: total / n for k, (total, n) in sums.items() if k in names and n}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layer", choices=sorted(LAYERS), default="deepseek-v3")
@@ -143,6 +159,7 @@ def main():
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--gap", type=float, default=0.9, help="µs between a compute CTA's tasks")
     ap.add_argument("--tasks-c", help="another core/tasks.inc to build the list with (a branch's order)")
+    ap.add_argument("--durations", metavar="TRACE", help="task durations from this trace (JSON) instead of the table")
     ap.add_argument("--free", default="",
                     help="task kinds that move nothing (comma-separated names: combine, push, dispatch, pull): "
                          "they keep their place and counters and take no time")
@@ -150,6 +167,12 @@ def main():
     backward = a.which == "bwd"
     tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
     dur = dict(LAYERS[a.layer]["bwd" if backward else "fwd"])
+    if a.durations:
+        traced = traced_durations(a.durations, backward)
+        if not traced:
+            sys.exit(f"sim_pass: no {'backward' if backward else 'forward'} tasks in {a.durations}")
+        dur.update(traced)
+        print("durations (µs): " + ", ".join(f"{KIND_NAMES[k]} {v:.1f}" for k, v in sorted(dur.items())))
     names = {text: value for value, text in KIND_NAMES.items()}
     movers = {"combine", "push", "dispatch", "pull"}
     for name in filter(None, a.free.split(",")):
