@@ -1200,10 +1200,9 @@ static int count_peer_tasks(const mok_task *tasks, int64_t n, int kind, int q, i
  * macrobatch: start and rows are the owner's expert_start and expert_rows). */
 static int uses_ring(const mok_task *t, int owner, int ring_rank, int64_t mb, int ring_mbs, int64_t tile,
                      const int64_t *start, const int64_t *rows) {
+    int64_t a;
+    if (uses_tile(t, &a)) return owner == ring_rank && t->minibatch == mb; /* minibatch granularity */
     switch (t->kind) {
-    case MOK_TASK_GATEUP: case MOK_TASK_DOWN: case MOK_TASK_COMBINE: case MOK_TASK_DH: case MOK_TASK_DX:
-    case MOK_TASK_PUSH: case MOK_TASK_DISPATCH: case MOK_TASK_PULL:
-        return owner == ring_rank && t->minibatch == mb;
     case MOK_TASK_WGRAD:
         return owner == ring_rank && t->minibatch == mb / ring_mbs &&
                start[t->expert] < (tile + 1) * MOK_ROW_TILE && start[t->expert] + rows[t->expert] > tile * MOK_ROW_TILE;
