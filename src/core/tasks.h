@@ -138,6 +138,7 @@ typedef struct mok_counters_layout {
     int64_t dh_tile, dx_tile;                                   /* per row tile */
     int64_t wgrad_done, dh_macro_done;                          /* per macrobatch */
     int64_t opened;                                             /* per minibatch (combine_push) */
+    int64_t wgrad_expert;                                       /* per local expert, over the macrobatches */
     int64_t shared_dh_all;                                      /* one */
     int64_t total;
 } mok_counters_layout;
