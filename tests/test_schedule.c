@@ -308,11 +308,15 @@ static mok_plan plan_from(const plan_case *c, const mok_sched_view *v, int L, in
  * read or write its rows (DISPATCH, GATEUP, DOWN, COMBINE, PULL, DH, DX, PUSH: row tile a; a
  * WGRAD: every row tile that its expert's rows in its macrobatch touch). A task that refills a
  * ring slot (DISPATCH or PULL into a minibatch >= ring_mbs, row tile a) overwrites the rows of
- * row tile a - shift, whose users must all be done when it starts. */
+ * row tile a - shift, whose users must all be done when it starts. A WGRAD task continues the
+ * sum of the same tile of its expert's weight gradients from an earlier macrobatch (through the
+ * carry slot, or the caller's buffer when accumulating): that task, prior[i], must be done when
+ * it starts. */
 typedef struct ring_users {
     int64_t tiles, shift;  /* row tiles of the pass; ring slots in row tiles */
     int ring_mbs;
     int64_t *first, *list; /* users of tile t: list[first[t] .. first[t + 1]) */
+    int64_t *prior;        /* [n]: a WGRAD task's predecessor on its output tile, -1 none */
 } ring_users;
 
 static int uses_tile(const mok_task *t, int64_t *a) {
@@ -358,16 +362,38 @@ static ring_users ring_users_build(const mok_plan *p, const mok_task *tasks, int
             u.list = malloc(sizeof(int64_t) * (size_t)(u.first[u.tiles] + 1));
         }
     }
+    /* the last WGRAD task seen on each (expert, matrix, row tile, column tile), in list order */
+    const int64_t span = n + 1;
+    int64_t *last = malloc(sizeof(int64_t) * (size_t)(3 * span));
+    int64_t *key = malloc(sizeof(int64_t) * (size_t)(3 * span));
+    for (int64_t k = 0; k < 3 * span; ++k) last[k] = key[k] = -1;
+    u.prior = malloc(sizeof(int64_t) * (size_t)span);
+    for (int64_t i = 0; i < n; ++i) {
+        const mok_task *t = &tasks[i];
+        u.prior[i] = -1;
+        if (t->kind != MOK_TASK_WGRAD) continue;
+        const int64_t k = (((int64_t)t->expert * 3 + t->matrix) * 65536 + t->a) * 65536 + t->b;
+        int64_t h = (int64_t)((uint64_t)k * 0x9e3779b97f4a7c15ull % (uint64_t)(3 * span));
+        while (key[h] >= 0 && key[h] != k) h = (h + 1) % (3 * span); /* open addressing */
+        if (key[h] == k) u.prior[i] = last[h];
+        key[h] = k;
+        last[h] = i;
+    }
+    free(last);
+    free(key);
     return u;
 }
 
 static void ring_users_free(ring_users *u) {
     free(u->first);
     free(u->list);
+    free(u->prior);
 }
 
-/* Users of the rows that task t overwrites (it refills a slot) not done yet; 0 for other tasks. */
-static int64_t ring_hazards(const ring_users *u, const mok_task *t, const char *done) {
+/* Task i (t) starting: the users of the rows it overwrites (it refills a slot) not done yet, or
+ * its predecessor on its weight-gradient tile not done (a WGRAD); 0 for other tasks. */
+static int64_t ring_hazards(const ring_users *u, int64_t i, const mok_task *t, const char *done) {
+    if (t->kind == MOK_TASK_WGRAD) return u->prior[i] >= 0 && !done[u->prior[i]];
     if ((t->kind != MOK_TASK_DISPATCH && t->kind != MOK_TASK_PULL) || t->minibatch < u->ring_mbs) return 0;
     const int64_t prev = t->a - u->shift;
     int64_t pending = 0;
@@ -443,7 +469,7 @@ static int simulate_ring(const mok_task *tasks, int64_t n, int64_t num_counters,
         if (!w->running) {
             if (!waits_met(t, counters)) continue;
             w->running = 1;
-            if (ru) *hazards += ring_hazards(ru, t, done);
+            if (ru) *hazards += ring_hazards(ru, w->held, t, done);
             if (r && rng_unit(r) < 0.5) continue; /* let others act while it runs */
         }
         for (int d = 0; d < 2; ++d)
@@ -711,7 +737,8 @@ static int check_plan(const mok_plan *p, int64_t max_rows, int64_t T_max, rng *r
         ok = simulate_ring(tasks, n, CL.total, workers, r, &executed, &ru, &hazards);
         CHECK(ok, "%s: %d comm + %d compute workers deadlock after %lld of %lld tasks", what, workers[0], workers[1],
               (long long)executed, (long long)n);
-        CHECK(hazards == 0, "%s: %lld refills start while rows they overwrite are in use", what, (long long)hazards);
+        CHECK(hazards == 0, "%s: %lld refills start while rows they overwrite are in use, or weight-gradient tiles "
+              "before their previous macrobatch's", what, (long long)hazards);
         bad += !ok + (hazards != 0);
     }
     ring_users_free(&ru);
