@@ -53,7 +53,21 @@ MOK_INLINE float mok__clamp_up_mask(float u, float limit) {
     return (limit > 0.0f && (u > limit || u < -limit)) ? 0.0f : 1.0f;
 }
 
-MOK_INLINE float mok__sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+/* The logistic 1 / (1 + e^-v). On the device the reciprocal is the SFU's rcp.approx.ftz (at most
+ * one ulp off, flushing results below FLT_MIN to zero) instead of the IEEE division, which the
+ * compiler expands into a Newton step and a slow-path branch: the sigmoid is the longest line of the
+ * SwiGLU epilogues. expf stays the accurate one. dev/sigmoid_probe.cu bounds the device's result on
+ * every fp32 input: within 8 ulps of the exact logistic, or zero where that is below FLT_MIN. The
+ * host keeps the IEEE division. */
+MOK_INLINE float mok__sigmoid(float v) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + expf(-v)));
+    return r;
+#else
+    return 1.0f / (1.0f + expf(-v));
+#endif
+}
 
 /* h = silu(clamp(g)) * clamp(u) in fp32; the caller rounds h to bf16. */
 MOK_INLINE float mok__swiglu(float g, float u, float limit) {
