@@ -1304,11 +1304,20 @@ struct Layer {
 };
 
 /* the routed experts' GEMMs of three layers, 16384 routed rows: gate|up is [M, H] x [2I, H]^T,
- * down [M, I] x [H, I]^T */
+ * down [M, I] x [H, I]^T. Then their weight gradients ("wg"), K being an expert's rows (the
+ * benchmark's cases: DeepSeek-V3 32 experts and Mixtral 8192 tokens, 2048 rows each; Qwen3 16384
+ * tokens, 1024 rows each), as the GEMMs an FP8 weight gradient would run once its operands were
+ * quantized along the rows and transposed to K-major: dW_gate|up is [2I, R] x [H, R]^T, dW_down
+ * [H, R] x [I, R]^T. Qwen3's stack 8 experts along M to fill the GPU as the pass's concurrent
+ * experts do. The tiles scale B per 128 x 128 block where these would scale it per column, one
+ * more multiply a promotion. */
 static const Layer LAYERS[] = {
     {"dsv3 gate|up", {16384, 4096, 7168}},    {"dsv3 down", {16384, 7168, 2048}},
     {"mixtral gate|up", {16384, 28672, 4096}}, {"mixtral down", {16384, 4096, 14336}},
     {"qwen3 gate|up", {16384, 1536, 2048}},   {"qwen3 down", {16384, 2048, 768}},
+    {"dsv3 wg gate|up", {4096, 7168, 2048}},  {"dsv3 wg down", {7168, 2048, 2048}},
+    {"mixtral wg g|u", {28672, 4096, 2048}},  {"mixtral wg down", {4096, 14336, 2048}},
+    {"qwen3 wg gate|up", {8 * 1536, 2048, 1024}}, {"qwen3 wg down", {8 * 2048, 768, 1024}},
 };
 constexpr int NUM_LAYERS = sizeof(LAYERS) / sizeof(LAYERS[0]);
 
