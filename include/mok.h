@@ -389,8 +389,8 @@ mok_status mok_recompute_context(mok_workspace *workspace, const mok_forward_arg
  *   dg, du = bf16 of the SwiGLU backward of dh as above; dg^ = Q(dg), du^ = Q(du) per row per 128
  *        of I; dx part = bf16(dg^ · W^_gate + du^ · W^_up), one GEMM over K = 2I (dg's blocks,
  *        then du's); dx as above;
- *   weight gradients take bf16 operands, the current choice (an FP8 weight-gradient GEMM with
- *        operands quantized along the tokens is a later measurement on the GPU):
+ *   weight gradients take bf16 operands, the current choice (docs/log.md has what FP8
+ *        weight-gradient GEMMs, operands quantized along the tokens, would gain):
  *        dW_gate = sum dg ⊗ x^, dW_up = sum du ⊗ x^, dW_down = sum bf16(w · dy) ⊗ h^ (x^, h^
  *        dequantized, exact in bf16; dg, du, dy unquantized), accumulated and written as above.
  *   The shared expert the same way with w = 1.
