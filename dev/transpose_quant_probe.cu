@@ -7,7 +7,7 @@
  * transposing quantization as a kernel of its own (a CTA per 128 x 128 block: the block through
  * shared memory, a column's maximum over its 128 rows, the codes stored as rows of the transpose),
  * beside a plain bf16 copy of the same rows (what the backward's pull writes for the bf16 weight
- * gradients today), on the operands of the benchmark's layers (16384 rows). It prints each one's
+ * gradients), on the operands of the benchmark's layers (16384 rows). It prints each one's
  * time, GB/s and SM-µs per 128-row tile (the cost a task per row tile would carry).
  *
  * Checked first, bit for bit against a host replay of the rules: codes and scales of a small
