@@ -48,6 +48,7 @@ KINDS = read_kinds()
 for _value, (_name, _text, _role) in enumerate(KINDS):
     globals()[_name] = _value
 KIND_NAMES = {value: text for value, (_, text, _) in enumerate(KINDS)}
+KIND_VALUES = {text: value for value, text in KIND_NAMES.items()}
 COMPUTE_KINDS = {value for value, (_, _, role) in enumerate(KINDS) if role == "COMPUTE"}
 
 # E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
@@ -145,8 +146,7 @@ def traced_durations(path, backward):
         c = sums[e["name"]]
         c[0] += e["dur"]
         c[1] += 1
-    names = {text: value for value, text in KIND_NAMES.items()}
-    return {names[k]: total / n for k, (total, n) in sums.items() if k in names and n}
+    return {KIND_VALUES[k]: total / n for k, (total, n) in sums.items() if k in KIND_VALUES and n}
 
 
 def main():
@@ -173,12 +173,11 @@ def main():
             sys.exit(f"sim_pass: no {'backward' if backward else 'forward'} tasks in {a.durations}")
         dur.update(traced)
         print("durations (µs): " + ", ".join(f"{KIND_NAMES[k]} {v:.1f}" for k, v in sorted(dur.items())))
-    names = {text: value for value, text in KIND_NAMES.items()}
     movers = {"combine", "push", "dispatch", "pull"}
     for name in filter(None, a.free.split(",")):
         if name not in movers:
             sys.exit(f"sim_pass: --free takes {sorted(movers)}, not {name!r}")
-        dur[names[name]] = 0.0
+        dur[KIND_VALUES[name]] = 0.0
     missing = sorted({KIND_NAMES[t[0]] for t in tasks if t[0] not in dur})
     if missing:
         sys.exit(f"sim_pass: no duration for task kinds {missing}")

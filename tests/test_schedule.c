@@ -363,24 +363,25 @@ static ring_users ring_users_build(const mok_plan *p, const mok_task *tasks, int
         }
     }
     /* the last WGRAD task seen on each (expert, matrix, row tile, column tile), in list order */
-    const int64_t span = n + 1;
-    int64_t *last = malloc(sizeof(int64_t) * (size_t)(3 * span));
-    int64_t *key = malloc(sizeof(int64_t) * (size_t)(3 * span));
-    for (int64_t k = 0; k < 3 * span; ++k) last[k] = key[k] = -1;
-    u.prior = malloc(sizeof(int64_t) * (size_t)span);
+    int64_t na = 1, nb = 1;
+    for (int64_t i = 0; i < n; ++i)
+        if (tasks[i].kind == MOK_TASK_WGRAD) {
+            if (tasks[i].a >= na) na = tasks[i].a + 1;
+            if (tasks[i].b >= nb) nb = tasks[i].b + 1;
+        }
+    const int64_t slots = (int64_t)p->num_local_experts * 3 * na * nb;
+    int64_t *last = malloc(sizeof(int64_t) * (size_t)(slots + 1));
+    for (int64_t k = 0; k < slots; ++k) last[k] = -1;
+    u.prior = malloc(sizeof(int64_t) * (size_t)(n + 1));
     for (int64_t i = 0; i < n; ++i) {
         const mok_task *t = &tasks[i];
         u.prior[i] = -1;
         if (t->kind != MOK_TASK_WGRAD) continue;
-        const int64_t k = (((int64_t)t->expert * 3 + t->matrix) * 65536 + t->a) * 65536 + t->b;
-        int64_t h = (int64_t)((uint64_t)k * 0x9e3779b97f4a7c15ull % (uint64_t)(3 * span));
-        while (key[h] >= 0 && key[h] != k) h = (h + 1) % (3 * span); /* open addressing */
-        if (key[h] == k) u.prior[i] = last[h];
-        key[h] = k;
-        last[h] = i;
+        const int64_t k = (((int64_t)t->expert * 3 + t->matrix) * na + t->a) * nb + t->b;
+        u.prior[i] = last[k];
+        last[k] = i;
     }
     free(last);
-    free(key);
     return u;
 }
 
@@ -406,8 +407,9 @@ static int64_t ring_hazards(const ring_users *u, int64_t i, const mok_task *t, c
  * run it, bump its done counters. workers[role] workers per role; with r == NULL, one worker
  * per role in alternating steps, else a random worker acts at each step (a claimed task may
  * sit "running" for a while before it bumps). With ring users (may be NULL), *hazards counts
- * the refills that start while a user of the rows they overwrite is not done. Returns 1 when
- * every task ran, 0 on deadlock. */
+ * the tasks that start while ring_hazards finds one not done (a user of the rows a refill
+ * overwrites, or a weight-gradient tile's predecessor). Returns 1 when every task ran, 0 on
+ * deadlock. */
 typedef struct sim_worker {
     int role;
     int64_t held; /* task index, -1 none */
