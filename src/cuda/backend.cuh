@@ -127,7 +127,34 @@ typedef struct cuda_rank {
                                            (the region's `turned`), so they are not cudaFree'd */
     char *sched_mem;                    /* device: backs `sched` */
     cuda_sched_scratch sched;
+    unsigned kernel_attrs;              /* host: CUDA_ATTR_* bits of the kernels whose shared-memory
+                                           limit is set on this rank's device (cuda_kernel_smem) */
 } cuda_rank;
+
+/* A kernel's dynamic shared-memory limit, set the first time a call of this workspace launches it
+ * on the rank's device (which must be current: cuda_use_device): the attribute stays with the
+ * function on that device, and setting it on every call cost the host microseconds a call. Each
+ * kernel's limit is one constant, so every workspace sets the same value. */
+#define CUDA_ATTR_SCHED_PLACE 1u
+#define CUDA_ATTR_FORWARD 2u
+#define CUDA_ATTR_FORWARD_FP8 4u
+#define CUDA_ATTR_BACKWARD 8u
+#define CUDA_ATTR_BACKWARD_FP8 16u
+static inline cudaError_t cuda_kernel_smem(cuda_rank *R, unsigned bit, const void *kernel, size_t bytes) {
+    if (R->kernel_attrs & bit) return cudaSuccess;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e == cudaSuccess) R->kernel_attrs |= bit;
+    return e;
+}
+
+/* Makes `device` current when it is not already (*current: the current device, kept up to date):
+ * a pass on one GPU then makes no cudaSetDevice calls, which cost the host microseconds each. */
+static inline cudaError_t cuda_use_device(int device, int *current) {
+    if (*current == device) return cudaSuccess;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) *current = device;
+    return e;
+}
 
 typedef struct cuda_workspace {
     mok_region_layout sym; /* every rank's symmetric region (core/layout.h, symmetric.cu) */

@@ -370,12 +370,24 @@ __global__ void __launch_bounds__(PLACE_THREADS, PLACE_BLOCKS_PER_SM) sched_plac
     }
 }
 
+/* The rank's topk_ids into its window, where the peers' count and place kernels read them: a
+ * kernel, not cudaMemcpyAsync, whose device-to-device copy into the window cost the host tens of
+ * microseconds a call. n4: int4s (the ids' bytes / 16; both pointers 16-byte aligned), tail: the
+ * int32s after them. */
+__global__ void copy_ids_kernel(const int32_t *__restrict__ src, int32_t *__restrict__ dst, long long n4, int tail) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += stride)
+        ((int4 *)dst)[i] = ((const int4 *)src)[i];
+    if (blockIdx.x == 0 && threadIdx.x < tail) dst[4 * n4 + threadIdx.x] = src[4 * n4 + threadIdx.x];
+}
+
 extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_schedule_args *args) {
     mok_status st = mok__cuda_check_error_word(ws);
     if (st != MOK_OK) return st;
     cuda_workspace *cw = (cuda_workspace *)ws->impl;
     int previous = 0;
     cudaGetDevice(&previous);
+    int current = previous;
     const size_t place_smem = place_smem_bytes(ws->num_local_experts);
     if (place_smem > SCHED_MAX_SMEM) {
         return mok__fail(MOK_ERR_UNSUPPORTED, "shape: %lld local experts exceed the schedule kernel's shared memory",
@@ -386,13 +398,18 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         cuda_rank *R = &cw->ranks[lr];
         const mok_schedule_args *a = &args[lr];
         cudaStream_t stream = (cudaStream_t)a->stream;
-        CUDA_TRY(cudaSetDevice(R->device));
-        CUDA_TRY(cudaFuncSetAttribute(sched_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)place_smem));
+        CUDA_TRY(cuda_use_device(R->device, &current));
+        /* the largest limit the kernel may need: every workspace sets the same one */
+        CUDA_TRY(cuda_kernel_smem(R, CUDA_ATTR_SCHED_PLACE, (const void *)sched_place_kernel, SCHED_MAX_SMEM));
         st = mok__cuda_error_word_clear(ws, lr, stream); /* before any kernel of this call */
         if (st != MOK_OK) return st;
-        if (a->num_tokens > 0)
-            CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.ids, a->topk_ids, (size_t)(a->num_tokens * ws->shape.topk) * 4,
-                                     cudaMemcpyDeviceToDevice, stream));
+        if (a->num_tokens > 0) {
+            const long long ids = a->num_tokens * ws->shape.topk, n4 = ids / 4;
+            long long blocks = (n4 + 255) / 256;
+            blocks = blocks < 1 ? 1 : blocks > 4 * R->num_sms ? 4 * R->num_sms : blocks;
+            LAUNCH_TRY(copy_ids_kernel<<<(unsigned)blocks, 256, 0, stream>>>(a->topk_ids, (int32_t *)(R->sym + cw->sym.ids), n4,
+                                                                           (int)(ids % 4)));
+        }
         st = mok__cuda_barrier(ws, lr, stream, a->num_tokens, 0, NULL);
         if (st != MOK_OK) return st;
         sched_params p;
@@ -419,7 +436,7 @@ extern "C" mok_status mok__cuda_schedule_build(mok_workspace *ws, const mok_sche
         st = mok__cuda_barrier(ws, lr, stream, -1, 1, NULL);
         if (st != MOK_OK) return st;
     }
-    cudaSetDevice(previous);
+    cuda_use_device(previous, &current);
     return MOK_OK;
 }
 

@@ -543,14 +543,15 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
     const int fp8 = s->precision == MOK_PRECISION_FP8;
     int previous = 0;
     cudaGetDevice(&previous);
+    int current = previous;
     const size_t smem = COMPUTE_SMEM_BYTES;
     const void *kernel = fp8 ? (const void *)backward_kernel<true> : (const void *)backward_kernel<false>;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_backward_args *a = &args[lr];
         cudaStream_t stream = (cudaStream_t)a->stream;
-        CUDA_TRY(cudaSetDevice(R->device));
-        CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CUDA_TRY(cuda_use_device(R->device, &current));
+        CUDA_TRY(cuda_kernel_smem(R, fp8 ? CUDA_ATTR_BACKWARD_FP8 : CUDA_ATTR_BACKWARD, kernel, smem));
         pass_params p;
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, MOK_PASS_BACKWARD);
         p.accumulate = a->accumulate;
@@ -586,6 +587,6 @@ extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_a
                                               cw->sym.drw, stream);
         if (st != MOK_OK) return st;
     }
-    cudaSetDevice(previous);
+    cuda_use_device(previous, &current);
     return MOK_OK;
 }

@@ -433,14 +433,15 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
     const int fp8 = s->precision == MOK_PRECISION_FP8;
     int previous = 0;
     cudaGetDevice(&previous);
+    int current = previous;
     const size_t smem = COMPUTE_SMEM_BYTES;
     const void *kernel = fp8 ? (const void *)forward_kernel<true> : (const void *)forward_kernel<false>;
     for (int lr = 0; lr < cw->num_local; ++lr) {
         cuda_rank *R = &cw->ranks[lr];
         const mok_forward_args *a = &args[lr];
         cudaStream_t stream = (cudaStream_t)a->stream;
-        CUDA_TRY(cudaSetDevice(R->device));
-        CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CUDA_TRY(cuda_use_device(R->device, &current));
+        CUDA_TRY(cuda_kernel_smem(R, fp8 ? CUDA_ATTR_FORWARD_FP8 : CUDA_ATTR_FORWARD, kernel, smem));
         pass_params p;
         /* a recompute pass turns no transfer: it refills the ring by its own pulls (core/tasks.inc) */
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, recompute ? MOK_PASS_RECOMPUTE : MOK_PASS_FORWARD);
@@ -472,6 +473,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                              stream);
         if (st != MOK_OK) return st;
     }
-    cudaSetDevice(previous);
+    cuda_use_device(previous, &current);
     return MOK_OK;
 }
