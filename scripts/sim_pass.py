@@ -52,16 +52,19 @@ KIND_VALUES = {text: value for value, text in KIND_NAMES.items()}
 COMPUTE_KINDS = {value for value, (_, _, role) in enumerate(KINDS) if role == "COMPUTE"}
 
 # E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
-# EP1 cases: tokens x top-k rows over the local experts), and the traced durations in µs.
+# EP1 cases: tokens x top-k rows over the local experts), the comm CTAs the library chose
+# (forward, backward), and the traced durations in µs (one H200, `bench.py --ranks 1 --no-sweep
+# --only qwen3-30b-a3b,deepseek-v3 --trace`; the one-rank combine and push store in place, so
+# they take a fraction of a µs).
 LAYERS = {
-    "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256),
-                        fwd={SHARED_UP: 89.0, SHARED_DOWN: 25.1, DISPATCH: 64.9, GATEUP: 93.1, DOWN: 27.0,
-                             COMBINE: 64.9},
-                        bwd={SHARED_DH: 112.5, SHARED_DX: 52.4, PULL: 155.4, DH: 114.7, DX: 53.5, PUSH: 71.2,
-                             WGRAD: 23.8, SHARED_WGRAD: 92.0}),
-    "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128),
-                          fwd={DISPATCH: 19.8, GATEUP: 34.6, DOWN: 10.6, COMBINE: 19.7},
-                          bwd={PULL: 44.4, DH: 38.4, DX: 20.8, PUSH: 26.4, WGRAD: 12.7}),
+    "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256), comm=(4, 8),
+                        fwd={SHARED_UP: 87.8, SHARED_DOWN: 26.1, DISPATCH: 62.6, GATEUP: 87.2, DOWN: 28.1,
+                             COMBINE: 0.2},
+                        bwd={SHARED_DH: 104.4, SHARED_DX: 49.6, PULL: 147.0, DH: 105.5, DX: 51.7, PUSH: 0.2,
+                             WGRAD: 22.9, SHARED_WGRAD: 88.0}),
+    "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128), comm=(12, 16),
+                          fwd={DISPATCH: 20.3, GATEUP: 29.5, DOWN: 13.2, COMBINE: 0.2},
+                          bwd={PULL: 43.3, DH: 33.8, DX: 21.4, PUSH: 0.2, WGRAD: 13.1}),
 }
 
 
@@ -153,7 +156,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layer", choices=sorted(LAYERS), default="deepseek-v3")
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
-    ap.add_argument("--comm", default="8", help="comm CTA counts to try (comma-separated)")
+    ap.add_argument("--comm", default="", help="comm CTA counts to try (comma-separated; default: the layer's, "
+                                               "as the library chose them in the traced pass)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--ring", type=int, default=32768)
     ap.add_argument("--minibatch", type=int, default=2048)
@@ -183,7 +187,8 @@ def main():
         sys.exit(f"sim_pass: no duration for task kinds {missing}")
     compute_role = next(t[1] for t in tasks if t[0] in COMPUTE_KINDS)
     print(f"{a.layer} {a.which}: {len(tasks)} tasks" + (f" ({a.tasks_c})" if a.tasks_c else ""))
-    for comm in (int(c) for c in a.comm.split(",")):
+    comms = a.comm or str(LAYERS[a.layer]["comm"][int(backward)])
+    for comm in (int(c) for c in comms.split(",")):
         comp = a.sms - comm
         span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap)
         print(f"  comm {comm:3d}: span {span / 1e3:7.3f} ms, compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
