@@ -70,7 +70,8 @@ enum {
     KERNEL_FULL_TIMEOUT = 1,
     KERNEL_EMPTY_TIMEOUT = 2,
     KERNEL_ORDER_TIMEOUT = 3,
-    KERNEL_SMEM_MISALIGNED = 4
+    KERNEL_SMEM_MISALIGNED = 4,
+    KERNEL_HANDOFF_TIMEOUT = 5
 };
 
 
@@ -525,6 +526,7 @@ static bool check_kernel_error(int *d_err, const char *what) {
             : h_err == KERNEL_EMPTY_TIMEOUT ? "the producer waited > 4 s on an empty barrier (consumers stuck?)"
             : h_err == KERNEL_ORDER_TIMEOUT ? "a consumer waited > 4 s for the other one's turn (ping-pong order)"
             : h_err == KERNEL_SMEM_MISALIGNED ? "the dynamic shared memory is not 1024-byte aligned"
+            : h_err == KERNEL_HANDOFF_TIMEOUT ? "a handoff of a tile between warpgroups waited > 4 s"
                                             : "unknown error code");
     CUDA_CHECK(cudaMemset(d_err, 0, sizeof(int)));
     return false;
