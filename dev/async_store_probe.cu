@@ -31,12 +31,7 @@
 
 enum { MODE_STAGED = 0, MODE_TMA = 1, MODE_TMA_WAIT = 2, NUM_MODES = 3 };
 
-struct StoreConfig {
-    static constexpr int BN = 256;
-    static constexpr int STAGES = 3;
-    static constexpr int A_BYTES = BM * BK * 2;
-    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
-    static constexpr int GROUP_N = 2048 / BN;
+struct StoreConfig : Coop256Config {
     static constexpr int STAGING_BYTES = BM * BN * 2;        /* four 16 KB boxes; staged uses 128 x 136 of it */
     static constexpr int STAGED_LD = 136;                    /* bf16 per padded staging row */
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * 8 + SWIZZLE_ATOM_BYTES;

@@ -32,12 +32,7 @@
 
 enum { MODE_STAGED = 0, MODE_DEFERRED = 1, NUM_MODES = 2 };
 
-struct DeferConfig {
-    static constexpr int BN = 256;
-    static constexpr int STAGES = 3;
-    static constexpr int A_BYTES = BM * BK * 2;
-    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
-    static constexpr int GROUP_N = 2048 / BN;
+struct DeferConfig : Coop256Config {
     static constexpr int LD = BN + 8; /* bf16 per staging row: 528 bytes, so stmatrix's 8 rows hit other banks */
     static constexpr int STAGING_BYTES = BM * LD * 2;
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * 8 + SWIZZLE_ATOM_BYTES;

@@ -36,12 +36,7 @@ constexpr int EPI_THREADS = WG_THREADS - 32;                     /* warps 1-3 of
 static_assert(WG_THREADS * EPI_PRODUCER_REGS + 2 * WG_THREADS * EPI_CONSUMER_REGS <= 65536,
               "the roles' registers fit the SM's");
 
-struct HandoffConfig {
-    static constexpr int BN = 256;
-    static constexpr int STAGES = 3;
-    static constexpr int A_BYTES = BM * BK * 2;
-    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
-    static constexpr int GROUP_N = 2048 / BN;
+struct HandoffConfig : Coop256Config {
     static constexpr int HANDOFF_LD = BN + 8;                /* bf16 a row of the handed-off tile */
     static constexpr int STAGED_LD = 136;                    /* bf16 a row of the staged mode's tile */
     static constexpr int STAGING_BYTES = BM * HANDOFF_LD * 2; /* the staged mode uses 128 x 136 of it */

@@ -30,12 +30,7 @@
 
 enum { MODE_TMA = 0, MODE_GATHER = 1, NUM_MODES = 2 };
 
-struct GatherConfig {
-    static constexpr int BN = 256;
-    static constexpr int STAGES = 3;
-    static constexpr int A_BYTES = BM * BK * 2;
-    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
-    static constexpr int GROUP_N = 2048 / BN;
+struct GatherConfig : Coop256Config {
     static constexpr int LD = 136; /* bf16 per staging row (128 columns, padded) */
     static constexpr int STAGING_BYTES = BM * LD * 2;
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * 8 + SWIZZLE_ATOM_BYTES;

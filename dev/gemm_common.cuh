@@ -326,6 +326,17 @@ static __device__ __forceinline__ void ring_barriers_init(uint32_t full_bar, uin
 /* Tile order and the producer, for a tile configuration Cfg with BN (columns per tile), STAGES,
  * A_BYTES, STAGE_BYTES and GROUP_N.                                                          */
 
+/* The cooperative 128 x 256 tile of the library (gemm_tile.cuh): its ring of 3 stages of 48 KB and
+ * its tile order (bands of 2048 columns). The epilogue probes' configurations extend it with
+ * their staging region and SMEM_BYTES. */
+struct Coop256Config {
+    static constexpr int BN = 256;
+    static constexpr int STAGES = 3;
+    static constexpr int A_BYTES = BM * BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
+    static constexpr int GROUP_N = 2048 / BN;
+};
+
 struct TilePos {
     int m0, n0;
 };
