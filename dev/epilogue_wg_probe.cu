@@ -115,16 +115,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     /* the consumers */
     setmaxnreg_inc<EPI_CONSUMER_REGS>();
-    const int ctid = threadIdx.x - WG_THREADS, consumer = warpgroup - 1, row0 = (ctid >> 5) * 16;
-    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128), desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
-    float acc[128];
-    RingCursor cur;
-    int t = 0;
-    for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x, ++t) {
-        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
-        if (!coop_k_loop<STAGES, Cfg::STAGE_BYTES, 128, 0, 0>(acc, cur, full_bar, empty_bar, desc_a0, desc_b0, 2, 2,
-                                                              num_k, err))
-            return;
+    const int ctid = threadIdx.x - WG_THREADS, row0 = (ctid >> 5) * 16;
+    consume_tiles<Cfg>(ring, full_bar, empty_bar, num_m, num_n, num_k, err, [&](float(&acc)[128], TilePos pos, int t) {
         const uint64_t t0 = globaltimer_ns();
         if (MODE == MODE_STAGED) {
             busy_epilogue(*reinterpret_cast<const float(*)[64]>(acc), *reinterpret_cast<const float(*)[64]>(acc + 64),
@@ -132,7 +124,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             store_c_staged<Cfg::STAGED_LD>(acc, staging, tile_ptr, C, M, N, pos.m0, pos.n0);
         } else {
             /* the epilogue warps have read the previous tile (a fresh barrier passes at once) */
-            if (!mbar_wait(taken, (t & 1) ^ 1, err, KERNEL_HANDOFF_TIMEOUT)) return;
+            if (!mbar_wait(taken, (t & 1) ^ 1, err, KERNEL_HANDOFF_TIMEOUT)) return false;
 #pragma unroll
             for (int j = 0; j < 32; j += 2) stsm_padded(acc, j, staging, LD, row0, 0);
             mbar_arrive(ready); /* releases this thread's stmatrix writes to the epilogue warps */
@@ -141,7 +133,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             atomicAdd(&stats[0], (unsigned long long)(globaltimer_ns() - t0));
             atomicAdd(&stats[1], 1ull);
         }
-    }
+        return true;
+    });
 }
 
 /* ------------------------------------------------------------------------------------------ */

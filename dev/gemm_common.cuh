@@ -395,6 +395,26 @@ static __device__ __forceinline__ void produce_tiles(const CUtensorMap *map_a, c
     }
 }
 
+/* The cooperative consumers' walk over the CTA's tiles (K-major A and B): each tile's main loop
+ * into the accumulators, then epilogue(acc, pos, t), t counting the CTA's tiles from 0. False when
+ * a wait gave up (the main loop's, or the epilogue's returning false). */
+template <class Cfg, class Epilogue>
+static __device__ __forceinline__ bool consume_tiles(uint32_t ring, uint32_t full_bar, uint32_t empty_bar, int num_m,
+                                                     int num_n, int num_k, int *err, Epilogue epilogue) {
+    const int consumer = threadIdx.x / WG_THREADS - 1;
+    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * 128), desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    float acc[128];
+    RingCursor cur;
+    int t = 0;
+    for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x, ++t) {
+        if (!coop_k_loop<Cfg::STAGES, Cfg::STAGE_BYTES, 128, 0, 0>(acc, cur, full_bar, empty_bar, desc_a0, desc_b0, 2,
+                                                                   2, num_k, err))
+            return false;
+        if (!epilogue(acc, tile_at<Cfg>(tile, num_m, num_n), t)) return false;
+    }
+    return true;
+}
+
 /* The roles of a cooperative CTA whose producer is produce_tiles (K-major A and B): warpgroup 0
  * gives registers back and its thread 0 streams every stage of the CTA's tiles, then returns
  * false; the consumer warpgroups take their registers and get true. */
