@@ -883,6 +883,8 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
     tolerance tolerances[T_NUM];
     tolerances_of(L, tolerances);
     double worst = 0.0, drw_scale = 0.0; /* d_router_w: max |ref| over every rank */
+    double errors[T_NUM];
+    int compared = 0; /* tensors compared: errors[0 .. compared) */
     for (int p = 0; has_backward && p < P; ++p)
         for (int64_t s = 0; s < L->num_tokens[p] * k; ++s)
             if (isfinite(ref->d_router_w[p][s]) && fabsf(ref->d_router_w[p][s]) > drw_scale)
@@ -919,6 +921,7 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
         double error = c.worst;
         if (c.unwritten || c.nonfinite || c.empty_slot) error = INFINITY;
         if (error > worst) worst = error;
+        errors[compared++] = error;
         if (!(error <= 1.0)) {
             char where[160] = "";
             if (c.worst_index >= 0) describe(L, tensor, &c, where, sizeof where);
@@ -945,6 +948,11 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
                         tag, c.worst_rank, (long long)t, own, e, q, (long long)u);
             }
         }
+    }
+    if (getenv("MOK_TEST_ERRORS")) { /* every tensor's error, for the tolerances' statistics */
+        fprintf(stderr, "    errors [%s]:", tag);
+        for (int tensor = 0; tensor < compared; ++tensor) fprintf(stderr, " %s %.3f", tolerances[tensor].name, errors[tensor]);
+        fprintf(stderr, "\n");
     }
     return worst;
 }

@@ -1,5 +1,7 @@
 /* main.c — the test runner: runs every registered test (or those whose name contains argv[1])
- * and closes with `N passed, N failed`. */
+ * and closes with `N passed, N failed`. MOK_TEST_SEED=N replays a run's random inputs;
+ * MOK_TEST_QUICK=1 shortens the slow cases; MOK_TEST_ERRORS=1 prints every tensor's error of each
+ * layer comparison (layer.c), passing or not, for the tolerances' statistics. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
