@@ -1,7 +1,8 @@
 /* main.c — the test runner: runs every registered test (or those whose name contains argv[1])
  * and closes with `N passed, N failed`. MOK_TEST_SEED=N replays a run's random inputs;
  * MOK_TEST_QUICK=1 shortens the slow cases; MOK_TEST_ERRORS=1 prints every tensor's error of each
- * layer comparison (layer.c), passing or not, for the tolerances' statistics. */
+ * layer comparison (layer.c), passing or not, for the tolerances' statistics; MOK_TEST_CASE=TEXT
+ * runs only the cases whose name contains TEXT in the tests that ask (mok_test_case_selected). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +50,11 @@ int mok_test_quick(void) {
 
 static unsigned long long seed;
 unsigned long long mok_test_seed(void) { return seed; }
+
+int mok_test_case_selected(const char *name) {
+    const char *only = getenv("MOK_TEST_CASE");
+    return !only || !only[0] || strstr(name, only) != NULL;
+}
 
 static int by_name(const void *a, const void *b) {
     return strcmp(((const mok_test_case *)a)->name, ((const mok_test_case *)b)->name);

@@ -18,6 +18,8 @@ void mok_test_fail(const char *file, int line, const char *fmt, ...);
 void mok_test_skip(const char *fmt, ...);
 int mok_test_quick(void); /* 1 under MOK_TEST_QUICK=1 (sanitizer runs): tests shrink their matrix */
 unsigned long long mok_test_seed(void); /* printed once; MOK_TEST_SEED=N reproduces a run */
+/* 1 unless MOK_TEST_CASE is set and not part of `name`: a layer-case test runs one case of many. */
+int mok_test_case_selected(const char *name);
 
 #define MOK_TEST(name)                                                               \
     static void name(void);                                                          \

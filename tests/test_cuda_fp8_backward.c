@@ -72,6 +72,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
         printf("    (%s: skipped, needs %d GPUs)\n", name, P);
         return;
     }
+    if (!mok_test_case_selected(name)) return;
     layer L;
     if (make_layer(&L, name, shape, P, tokens, routing, limit) != 0) return;
     if (exact) { /* every GEMM the reference's up to fp32 sums: the cpu's rows apply (layer.c) */
