@@ -855,6 +855,67 @@ static void describe(const layer *L, int tensor, const tensor_cmp *c, char *out,
     }
 }
 
+/* A failing routed weight gradient (tensor T_DW_*, its worst element at c): which routed row's
+ * term explains the error. dw_down[e] = sum over e's rows of (w dy_t) h^_t: the error's column at
+ * the worst element, against each row's dy_t; dw_gate, dw_up = sum of dg_t or du_t times x^_t: the
+ * error's row, against each row's x_t. Prints the two rows whose vector lies closest to it (|cos|)
+ * and the coefficient of the best one: one row at cos near 1 is one term off (its h^, dg or du
+ * element), a spread over many rows is a walk of small differences. */
+static void explain_wgrad(const layer *L, int tensor, const tensor_cmp *c, const layer_result *got,
+                          const layer_result *ref, const char *tag) {
+    const int64_t H = L->shape.hidden, I = L->shape.intermediate, k = L->shape.topk, per = I * H;
+    const int m = tensor - T_DW_GATE, p = c->worst_rank;
+    const int64_t i = c->worst_index, el = i / per, e = p * local_experts(L) + el, base = el * per;
+    const int64_t cols = m == LAYER_DOWN ? I : H, r0 = i % per / cols, c0 = i % per % cols;
+    const int64_t n = H; /* the error vector: a column of dw_down or a row of dw_gate / dw_up, H long */
+    double *d = malloc((size_t)n * sizeof *d);
+    if (!d) return;
+    double dd = 0.0;
+    for (int64_t h = 0; h < n; ++h) {
+        const int64_t at = base + (m == LAYER_DOWN ? h * I + c0 : r0 * H + h);
+        double g = got->grads_f32 ? f32_at(got->dw[m][p], at) : bf16_at(got->dw[m][p], at);
+        if (got->dw_init[m][p]) g -= (double)got->dw_init[m][p][at];
+        d[h] = g - (ref->grads_f32 ? f32_at(ref->dw[m][p], at) : bf16_at(ref->dw[m][p], at));
+        dd += d[h] * d[h];
+    }
+    double best[2] = {0.0, 0.0}, coef = 0.0;
+    int best_q = -1;
+    int64_t best_t = -1, best_j = -1, rows = 0;
+    for (int q = 0; q < L->nranks; ++q)
+        for (int64_t t = 0; t < L->num_tokens[q]; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+                if (L->topk_ids[q][t * k + j] != e) continue;
+                ++rows;
+                const uint16_t *v = (m == LAYER_DOWN ? L->dy[q] : L->x[q]) + t * H;
+                double dv = 0.0, vv = 0.0;
+                for (int64_t h = 0; h < H; ++h) {
+                    const double x = (double)mok_bf16_to_float(v[h]);
+                    dv += d[h] * x;
+                    vv += x * x;
+                }
+                const double cs = dd > 0.0 && vv > 0.0 ? fabs(dv) / sqrt(dd * vv) : 0.0;
+                if (cs > best[0]) {
+                    best[1] = best[0];
+                    best[0] = cs;
+                    best_q = q;
+                    best_t = t;
+                    best_j = j;
+                    coef = dv / vv * (m == LAYER_DOWN ? 1.0 / L->router_w[q][t * k + j] : 1.0);
+                } else if (cs > best[1]) {
+                    best[1] = cs;
+                }
+            }
+    free(d);
+    if (best_t < 0) return;
+    fprintf(stderr,
+            "    [%s] %s: the error's %s %lld of expert %lld (%lld rows) lies along rank %d token %lld slot %lld's %s "
+            "(|cos| %.3f, next row %.3f): as if that row's %s at %lld moved by %.6g\n",
+            tag, tolerances_fp8[tensor].name, m == LAYER_DOWN ? "column" : "row", (long long)(m == LAYER_DOWN ? c0 : r0),
+            (long long)e, (long long)rows, best_q, (long long)best_t, (long long)best_j, m == LAYER_DOWN ? "dy" : "x",
+            best[0], best[1], m == LAYER_DOWN ? "h^" : m == LAYER_UP ? "du" : "dg",
+            (long long)(m == LAYER_DOWN ? c0 : r0), coef);
+}
+
 /* A matrix [rows, cols] at `first` of rank p's arrays: one block, or (column_block > 0) one block
  * per column_block columns. */
 static void compare_matrix(const tolerance *tolerances, tensor_cmp *c, int tensor, int p, int64_t first, int64_t rows,
@@ -947,6 +1008,8 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
                                 "neither small means some of its slots are wrong (see d_router_w)\n",
                         tag, c.worst_rank, (long long)t, own, e, q, (long long)u);
             }
+            if (tensor >= T_DW_GATE && tensor <= T_DW_DOWN && c.worst_index >= 0 && isfinite(c.worst_abs))
+                explain_wgrad(L, tensor, &c, got, ref, tag);
         }
     }
     if (getenv("MOK_TEST_ERRORS")) { /* every tensor's error, for the tolerances' statistics */
