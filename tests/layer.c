@@ -868,17 +868,18 @@ static void explain_wgrad(const layer *L, int tensor, const tensor_cmp *c, const
     const int64_t i = c->worst_index, el = i / per, e = p * local_experts(L) + el, base = el * per;
     const int64_t cols = m == LAYER_DOWN ? I : H, r0 = i % per / cols, c0 = i % per % cols;
     const int64_t n = H; /* the error vector: a column of dw_down or a row of dw_gate / dw_up, H long */
-    double *d = malloc((size_t)n * sizeof *d);
+    double *d = malloc(2 * (size_t)n * sizeof *d), *rv = d + n;
     if (!d) return;
     double dd = 0.0;
     for (int64_t h = 0; h < n; ++h) {
         const int64_t at = base + (m == LAYER_DOWN ? h * I + c0 : r0 * H + h);
         double g = got->grads_f32 ? f32_at(got->dw[m][p], at) : bf16_at(got->dw[m][p], at);
         if (got->dw_init[m][p]) g -= (double)got->dw_init[m][p][at];
-        d[h] = g - (ref->grads_f32 ? f32_at(ref->dw[m][p], at) : bf16_at(ref->dw[m][p], at));
+        rv[h] = ref->grads_f32 ? f32_at(ref->dw[m][p], at) : bf16_at(ref->dw[m][p], at);
+        d[h] = g - rv[h];
         dd += d[h] * d[h];
     }
-    double best[2] = {0.0, 0.0}, coef = 0.0;
+    double best[2] = {0.0, 0.0}, coef = 0.0, own = 0.0;
     int best_q = -1;
     int64_t best_t = -1, best_j = -1, rows = 0;
     for (int q = 0; q < L->nranks; ++q)
@@ -887,10 +888,11 @@ static void explain_wgrad(const layer *L, int tensor, const tensor_cmp *c, const
                 if (L->topk_ids[q][t * k + j] != e) continue;
                 ++rows;
                 const uint16_t *v = (m == LAYER_DOWN ? L->dy[q] : L->x[q]) + t * H;
-                double dv = 0.0, vv = 0.0;
+                double dv = 0.0, vv = 0.0, rx = 0.0;
                 for (int64_t h = 0; h < H; ++h) {
                     const double x = (double)mok_bf16_to_float(v[h]);
                     dv += d[h] * x;
+                    rx += rv[h] * x;
                     vv += x * x;
                 }
                 const double cs = dd > 0.0 && vv > 0.0 ? fabs(dv) / sqrt(dd * vv) : 0.0;
@@ -900,7 +902,9 @@ static void explain_wgrad(const layer *L, int tensor, const tensor_cmp *c, const
                     best_q = q;
                     best_t = t;
                     best_j = j;
-                    coef = dv / vv * (m == LAYER_DOWN ? 1.0 / L->router_w[q][t * k + j] : 1.0);
+                    const double unit = m == LAYER_DOWN ? 1.0 / L->router_w[q][t * k + j] : 1.0;
+                    coef = dv / vv * unit;
+                    own = rx / vv * unit;
                 } else if (cs > best[1]) {
                     best[1] = cs;
                 }
@@ -909,11 +913,12 @@ static void explain_wgrad(const layer *L, int tensor, const tensor_cmp *c, const
     if (best_t < 0) return;
     fprintf(stderr,
             "    [%s] %s: the error's %s %lld of expert %lld (%lld rows) lies along rank %d token %lld slot %lld's %s "
-            "(|cos| %.3f, next row %.3f): as if that row's %s at %lld moved by %.6g\n",
+            "(|cos| %.3f, next row %.3f): as if that row's %s at %lld moved by %.6g, %.3g of its value (%.6g, the "
+            "reference's projection on the same row)\n",
             tag, tolerances_fp8[tensor].name, m == LAYER_DOWN ? "column" : "row", (long long)(m == LAYER_DOWN ? c0 : r0),
             (long long)e, (long long)rows, best_q, (long long)best_t, (long long)best_j, m == LAYER_DOWN ? "dy" : "x",
             best[0], best[1], m == LAYER_DOWN ? "h^" : m == LAYER_UP ? "du" : "dg",
-            (long long)(m == LAYER_DOWN ? c0 : r0), coef);
+            (long long)(m == LAYER_DOWN ? c0 : r0), coef, own != 0.0 ? coef / own : INFINITY, own);
 }
 
 /* A matrix [rows, cols] at `first` of rank p's arrays: one block, or (column_block > 0) one block
