@@ -82,7 +82,20 @@
  * those backends: y 5e-2, dx 3e-2, d_router_w 8e-2, dw_down and ds_down 5e-2. These rows cannot
  * tell a missing quantization point (1.8e-2 - 6e-2, above); the layers whose block sums are exact
  * on the tensor cores (test_cuda_fp8*.c's exact layers: every quantized operand and every GEMM
- * the reference's bits up to fp32 against fp64) keep the cpu's rows, and they can. */
+ * the reference's bits up to fp32 against fp64) keep the cpu's rows, and they can.
+ *
+ * Single-term flips. The walk above assumes no one term holds most of a block's largest element.
+ * h, dg and du are heavy-tailed (products of sums), so a weight gradient's column or row is now
+ * and then one row's term, and a flip of that term's factor moves the block's max by a step of
+ * the factor itself: up to 2^-3 for h^ (one E4M3 step), a few 2^-7 for dg and du. On the cuda
+ * FP8 backward 3 of 16 runs of test_cuda_fp8_backward.c (seeds 1-15 and one more) went past the
+ * rows so, each explained by one row at |cos| 0.99-1.0: dw_down 1.62 and 1.07 (h^ moved by 0.25,
+ * one E4M3 step, at 2.43 and 2.73), dw_up 1.14 (du moved by two bf16 ulps at 1.14); the same bits
+ * on every rerun and on two trees. On tensor-core layers a weight gradient block past its row is judged by
+ * judge_flips: moves that one routed (or shared-expert) row's factor element explains, each at
+ * most one step of it, are taken out one at a time (up to FLIPS_MAX) and the rest must meet the
+ * row. A larger move of a factor, a row's term missing or doubled, or an error no single row
+ * explains stays an error (test_layer_compare.c injects each). */
 #include "layer.h"
 
 #include <math.h>
@@ -855,70 +868,115 @@ static void describe(const layer *L, int tensor, const tensor_cmp *c, char *out,
     }
 }
 
-/* A failing routed weight gradient (tensor T_DW_*, its worst element at c): which routed row's
- * term explains the error. dw_down[e] = sum over e's rows of (w dy_t) h^_t: the error's column at
- * the worst element, against each row's dy_t; dw_gate, dw_up = sum of dg_t or du_t times x^_t: the
- * error's row, against each row's x_t. Prints the two rows whose vector lies closest to it (|cos|)
- * and the coefficient of the best one: one row at cos near 1 is one term off (its h^, dg or du
- * element), a spread over many rows is a walk of small differences. */
-static void explain_wgrad(const layer *L, int tensor, const tensor_cmp *c, const layer_result *got,
-                          const layer_result *ref, const char *tag) {
-    const int64_t H = L->shape.hidden, I = L->shape.intermediate, k = L->shape.topk, per = I * H;
-    const int m = tensor - T_DW_GATE, p = c->worst_rank;
-    const int64_t i = c->worst_index, el = i / per, e = p * local_experts(L) + el, base = el * per;
-    const int64_t cols = m == LAYER_DOWN ? I : H, r0 = i % per / cols, c0 = i % per % cols;
-    const int64_t n = H; /* the error vector: a column of dw_down or a row of dw_gate / dw_up, H long */
-    double *d = malloc(2 * (size_t)n * sizeof *d), *rv = d + n;
-    if (!d) return;
-    double dd = 0.0;
-    for (int64_t h = 0; h < n; ++h) {
-        const int64_t at = base + (m == LAYER_DOWN ? h * I + c0 : r0 * H + h);
-        double g = got->grads_f32 ? f32_at(got->dw[m][p], at) : bf16_at(got->dw[m][p], at);
-        if (got->dw_init[m][p]) g -= (double)got->dw_init[m][p][at];
-        rv[h] = ref->grads_f32 ? f32_at(ref->dw[m][p], at) : bf16_at(ref->dw[m][p], at);
-        d[h] = g - rv[h];
-        dd += d[h] * d[h];
+/* Single-term flips in a weight gradient. A gradient block (routed expert el's matrix m on rank
+ * p, or the rank's shared-expert matrix) is a sum over its rows of outer products: the down
+ * matrix [H, I] of (w dy_t) x h^_t, gate and up [I, H] of dg_t or du_t x x_t (w = 1 for the
+ * shared expert's rows, every token of the rank). A flip of one row's factor element (h^_t at
+ * column c, dg_t or du_t at row r) moves a whole column c of the down matrix along that row's dy_t,
+ * or a whole row r of gate / up along its x_t, and nothing else. */
+#define FLIPS_MAX 8
+#define FLIP_STEP_DOWN 0.125     /* one E4M3 step of h^: at most 2^-3 of it */
+#define FLIP_STEP_GATE_UP 0.03125 /* dg, du: dh's block sums, g and u one bf16 ulp each, 3 x 2^-7 < 2^-5 */
+
+/* Judges block el of tensor T_DW_* or T_DS_* on rank p (got and ref finite there) with the worst
+ * element found one row at a time: the error's column (down) or row (gate, up) through it is
+ * projected on every row's dy_t or x_t, and the closest row (|cos|) explains it with coefficient
+ * delta; own is the reference's column or row projected on the same vector, for a term that
+ * dominates its column an estimate of the factor element itself. accept: a move of at most one
+ * step of that element (FLIP_STEP_*: |delta| <= step |own|) is a flip the tolerances allow; its
+ * rank-one part is taken out and the next worst element judged, up to FLIPS_MAX of them. Returns
+ * the block's normalized error after them (*flips: how many), and prints why the worst element
+ * was not explained when it stays above 1. */
+static double judge_flips(const layer *L, const tolerance *tol, int tensor, int p, int64_t el,
+                          const layer_result *got, const layer_result *ref, int accept, const char *tag, int *flips) {
+    const int64_t H = L->shape.hidden, k = L->shape.topk;
+    const int shared = tensor >= T_DS_GATE, m = tensor - (shared ? T_DS_GATE : T_DW_GATE), down = m == LAYER_DOWN;
+    const int64_t inner = shared ? L->shape.shared_intermediate : L->shape.intermediate;
+    const int64_t R = down ? H : inner, C = down ? inner : H, base = shared ? 0 : el * inner * H;
+    const int64_t e = p * local_experts(L) + el;
+    const void *gp = shared ? got->ds[m][p] : got->dw[m][p], *rp = shared ? ref->ds[m][p] : ref->dw[m][p];
+    const float *init = shared ? got->ds_init[m][p] : got->dw_init[m][p];
+    *flips = 0;
+    double *D = malloc((size_t)(R * C + 2 * H) * sizeof *D);
+    if (!D) return INFINITY;
+    double *d = D + R * C, *rv = d + H, max_ref = 0.0;
+    for (int64_t i = 0; i < R * C; ++i) {
+        const double r = ref->grads_f32 ? f32_at(rp, base + i) : bf16_at(rp, base + i);
+        double g = got->grads_f32 ? f32_at(gp, base + i) : bf16_at(gp, base + i);
+        if (init) g -= (double)init[base + i];
+        D[i] = g - r;
+        if (fabs(r) > max_ref) max_ref = fabs(r);
     }
-    double best[2] = {0.0, 0.0}, coef = 0.0, own = 0.0;
-    int best_q = -1;
-    int64_t best_t = -1, best_j = -1, rows = 0;
-    for (int q = 0; q < L->nranks; ++q)
-        for (int64_t t = 0; t < L->num_tokens[q]; ++t)
-            for (int64_t j = 0; j < k; ++j) {
-                if (L->topk_ids[q][t * k + j] != e) continue;
-                ++rows;
-                const uint16_t *v = (m == LAYER_DOWN ? L->dy[q] : L->x[q]) + t * H;
-                double dv = 0.0, vv = 0.0, rx = 0.0;
-                for (int64_t h = 0; h < H; ++h) {
-                    const double x = (double)mok_bf16_to_float(v[h]);
-                    dv += d[h] * x;
-                    rx += rv[h] * x;
-                    vv += x * x;
+    const double scale = tol[tensor].atol + tol[tensor].rtol * max_ref;
+    double error = 0.0;
+    for (;;) {
+        int64_t worst = 0;
+        for (int64_t i = 1; i < R * C; ++i)
+            if (fabs(D[i]) > fabs(D[worst])) worst = i;
+        error = fabs(D[worst]) / scale;
+        if (error <= 1.0) break;
+        const int64_t r0 = worst / C, c0 = worst % C;
+        double dd = 0.0;
+        for (int64_t h = 0; h < H; ++h) { /* the error's vector along H, and the reference's */
+            const int64_t at = down ? h * C + c0 : r0 * C + h;
+            d[h] = D[at];
+            rv[h] = ref->grads_f32 ? f32_at(rp, base + at) : bf16_at(rp, base + at);
+            dd += d[h] * d[h];
+        }
+        double best = 0.0, next = 0.0, delta = 0.0, own = 0.0, w_best = 1.0;
+        int best_q = -1;
+        int64_t best_t = -1, best_j = -1, rows = 0;
+        for (int q = 0; q < L->nranks; ++q) {
+            if (shared && q != p) continue;
+            for (int64_t t = 0; t < L->num_tokens[q]; ++t)
+                for (int64_t j = 0; j < (shared ? 1 : k); ++j) {
+                    if (!shared && L->topk_ids[q][t * k + j] != e) continue;
+                    ++rows;
+                    const uint16_t *v = (down ? L->dy[q] : L->x[q]) + t * H;
+                    double dv = 0.0, vv = 0.0, rx = 0.0;
+                    for (int64_t h = 0; h < H; ++h) {
+                        const double x = (double)mok_bf16_to_float(v[h]);
+                        dv += d[h] * x;
+                        rx += rv[h] * x;
+                        vv += x * x;
+                    }
+                    const double cs = dd > 0.0 && vv > 0.0 ? fabs(dv) / sqrt(dd * vv) : 0.0;
+                    if (cs > best) {
+                        next = best;
+                        best = cs;
+                        best_q = q;
+                        best_t = t;
+                        best_j = j;
+                        w_best = down && !shared ? (double)L->router_w[q][t * k + j] : 1.0;
+                        delta = dv / vv;
+                        own = rx / vv;
+                    } else if (cs > next) {
+                        next = cs;
+                    }
                 }
-                const double cs = dd > 0.0 && vv > 0.0 ? fabs(dv) / sqrt(dd * vv) : 0.0;
-                if (cs > best[0]) {
-                    best[1] = best[0];
-                    best[0] = cs;
-                    best_q = q;
-                    best_t = t;
-                    best_j = j;
-                    const double unit = m == LAYER_DOWN ? 1.0 / L->router_w[q][t * k + j] : 1.0;
-                    coef = dv / vv * unit;
-                    own = rx / vv * unit;
-                } else if (cs > best[1]) {
-                    best[1] = cs;
-                }
-            }
-    free(d);
-    if (best_t < 0) return;
-    fprintf(stderr,
-            "    [%s] %s: the error's %s %lld of expert %lld (%lld rows) lies along rank %d token %lld slot %lld's %s "
-            "(|cos| %.3f, next row %.3f): as if that row's %s at %lld moved by %.6g, %.3g of its value (%.6g, the "
-            "reference's projection on the same row)\n",
-            tag, tolerances_fp8[tensor].name, m == LAYER_DOWN ? "column" : "row", (long long)(m == LAYER_DOWN ? c0 : r0),
-            (long long)e, (long long)rows, best_q, (long long)best_t, (long long)best_j, m == LAYER_DOWN ? "dy" : "x",
-            best[0], best[1], m == LAYER_DOWN ? "h^" : m == LAYER_UP ? "du" : "dg",
-            (long long)(m == LAYER_DOWN ? c0 : r0), coef, own != 0.0 ? coef / own : INFINITY, own);
+        }
+        const double step = down ? FLIP_STEP_DOWN : FLIP_STEP_GATE_UP;
+        if (accept && best_t >= 0 && *flips < FLIPS_MAX && fabs(delta) <= step * fabs(own)) {
+            const uint16_t *v = (down ? L->dy[best_q] : L->x[best_q]) + best_t * H;
+            for (int64_t h = 0; h < H; ++h)
+                D[down ? h * C + c0 : r0 * C + h] -= delta * (double)mok_bf16_to_float(v[h]);
+            ++*flips;
+            continue;
+        }
+        if (best_t >= 0)
+            fprintf(stderr,
+                    "    [%s] %s: the error's %s %lld of %s %lld (%lld rows) lies along rank %d token %lld slot %lld's "
+                    "%s (|cos| %.3f, next row %.3f): as if that row's %s at %lld moved by %.6g, %.3g of its value "
+                    "(%.6g, the reference's projection on the same row; one step is %g of it)\n",
+                    tag, tol[tensor].name, down ? "column" : "row", (long long)(down ? c0 : r0),
+                    shared ? "the shared expert of rank" : "expert", (long long)(shared ? p : e), (long long)rows,
+                    best_q, (long long)best_t, (long long)best_j, down ? "dy" : "x", best, next,
+                    down ? "h^" : m == LAYER_UP ? "du" : "dg", (long long)(down ? c0 : r0), delta / w_best,
+                    own != 0.0 ? delta / own : INFINITY, own / w_best, step);
+        break;
+    }
+    free(D);
+    return error;
 }
 
 /* A matrix [rows, cols] at `first` of rank p's arrays: one block, or (column_block > 0) one block
@@ -984,6 +1042,27 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
                                column_block, got->ds[m][p], got->grads_f32, got->ds_init[m][p], ref->ds[m][p]);
             }
         }
+        /* tensor-core FP8 layers: a weight gradient's single-term flips (judge_flips) are the
+           flips the rows above derive, one step of a term that may hold most of the block's
+           largest element (h and the gradients are heavy-tailed) */
+        const int grad = tensor >= T_DW_GATE && (tensor <= T_DW_DOWN || tensor >= T_DS_GATE);
+        int flips = 0, judged_all = 0;
+        if (grad && c.worst > 1.0 && !c.unwritten && !c.nonfinite && L->shape.precision == MOK_PRECISION_FP8 &&
+            L->tensor_core_sums && column_block <= 0) {
+            double judged = 0.0;
+            for (int p = first; p < end; ++p)
+                for (int64_t el = 0; el < (tensor >= T_DS_GATE ? 1 : El); ++el) {
+                    int f = 0;
+                    const double e = judge_flips(L, tolerances, tensor, p, el, got, ref, 1, tag, &f);
+                    flips += f;
+                    if (e > judged) judged = e;
+                }
+            if (judged <= 1.0)
+                fprintf(stderr, "    [%s] %s: error %.3g before %d single-term flips, %.3g after\n", tag,
+                        tolerances[tensor].name, c.worst, flips, judged);
+            c.worst = judged;
+            judged_all = 1;
+        }
         double error = c.worst;
         if (c.unwritten || c.nonfinite || c.empty_slot) error = INFINITY;
         if (error > worst) worst = error;
@@ -1013,13 +1092,17 @@ static double compare_ranks(const layer *L, const layer_result *got, const layer
                                 "neither small means some of its slots are wrong (see d_router_w)\n",
                         tag, c.worst_rank, (long long)t, own, e, q, (long long)u);
             }
-            if (tensor >= T_DW_GATE && tensor <= T_DW_DOWN && c.worst_index >= 0 && isfinite(c.worst_abs))
-                explain_wgrad(L, tensor, &c, got, ref, tag);
+            if (grad && !judged_all && c.worst_index >= 0 && isfinite(c.worst_abs) && column_block <= 0) {
+                int f;
+                const int64_t el = tensor >= T_DS_GATE ? 0 : c.worst_index / (L->shape.intermediate * H);
+                judge_flips(L, tolerances, tensor, c.worst_rank, el, got, ref, 0, tag, &f);
+            }
         }
     }
     if (getenv("MOK_TEST_ERRORS")) { /* every tensor's error, for the tolerances' statistics */
         fprintf(stderr, "    errors [%s]:", tag);
-        for (int tensor = 0; tensor < compared; ++tensor) fprintf(stderr, " %s %.3f", tolerances[tensor].name, errors[tensor]);
+        for (int tensor = 0; tensor < compared; ++tensor)
+            fprintf(stderr, " %s %.3f", tolerances[tensor].name, errors[tensor]);
         fprintf(stderr, "\n");
     }
     return worst;

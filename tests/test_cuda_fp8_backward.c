@@ -7,8 +7,9 @@
  * and ring sizes, turned transfers, the cp.async path and the dh tiles' width (128 or 256 columns,
  * MOK_CUDA_COLS_DH).
  *
- * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums) on random
- * layers, and the cpu's FP8 rows on exact ones (gpu_layer.h: x, dy and the weights such that every
+ * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums, with its
+ * judgement of single-term flips in the weight gradients) on random layers, and the cpu's FP8 rows
+ * on exact ones (gpu_layer.h: x, dy and the weights such that every
  * GEMM's block sums are exact on the tensor cores, where those rows see a missing quantization
  * point). Every case prints its errors (1 = the tolerance), passing or not. Every test skips without a GPU; the EP2
  * cases without two. Seeds derive from MOK_TEST_SEED and the case's name. */
