@@ -19,7 +19,11 @@
  *   loaders      warps 0-2 all wait on each stage's empty barrier; thread 0 loads, the other 95
  *                arrive on the full barrier (96 arrivals), as the library's TMA path;
  *   lib          loaders and completer, as the library;
- *   lib-sleep    the same, every producer-side wait backing off by __nanosleep.
+ *   lib-sleep    the same, every producer-side wait backing off by __nanosleep;
+ *   warp0        warp 0 alone waits on each stage's empty barrier, lane 0 loads and the other 31
+ *                lanes arrive (32 arrivals), warps 1-3 exit: the library's TMA path with warps 1-2
+ *                freed and warp 0 kept converged;
+ *   warp0-one    the same, lane 0 arriving for all 32 lanes at once (the others only wait).
  *
  * Build and run from the repository root (H100/H200):
  *   nvcc -std=c++17 -O3 -Isrc -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/waiters_probe.cu \
@@ -27,9 +31,9 @@
  * Every mode is first checked against the fp32 reference; it ends with `N passed, N failed`. */
 #include "gemm_common.cuh"
 
-enum { ALONE, COMPLETER, IDLE3, IDLE3_SLEEP, LOADERS, LIB, LIB_SLEEP, NUM_MODES };
-static const char *const mode_names[NUM_MODES] = {"alone", "completer", "idle3", "idle3-sleep",
-                                                  "loaders", "lib", "lib-sleep"};
+enum { ALONE, COMPLETER, IDLE3, IDLE3_SLEEP, LOADERS, LIB, LIB_SLEEP, WARP0, WARP0_ONE, NUM_MODES };
+static const char *const mode_names[NUM_MODES] = {"alone", "completer", "idle3", "idle3-sleep", "loaders",
+                                                  "lib", "lib-sleep", "warp0", "warp0-one"};
 
 constexpr int WT_PRODUCER_REGS = 80, WT_CONSUMER_REGS = 208; /* the library's split */
 constexpr int LOADERS_N = 96;                                /* warps 0-2 of the producer warpgroup */
@@ -61,8 +65,9 @@ static __device__ __forceinline__ bool wait_on(uint32_t bar, uint32_t parity, in
 }
 
 /* Every loader thread: wait for each stage's slot; thread 0 issues its loads, the others arrive on
- * its full barrier (LOADERS_N arrivals). The same stages and order as produce_tiles. */
-template <class Cfg, bool SLEEP>
+ * its full barrier (one arrival each), or (ONE > 0) thread 0 arrives ONE times at once and the
+ * others only wait. The same stages and order as produce_tiles. */
+template <class Cfg, bool SLEEP, int ONE = 0>
 static __device__ __forceinline__ void produce_tiles_wide(const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                           uint32_t ring, uint32_t full_bar, uint32_t empty_bar,
                                                           int num_m, int num_n, int num_k, int *err) {
@@ -74,10 +79,18 @@ static __device__ __forceinline__ void produce_tiles_wide(const CUtensorMap *map
             if (!wait_on<SLEEP>(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
             const uint32_t dst = ring + stage * Cfg::STAGE_BYTES, full = full_bar + 8 * stage;
             if (threadIdx.x == 0) {
-                mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
+                if (ONE) { /* the expected bytes, then ONE arrivals at once */
+                    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(full),
+                                 "r"((uint32_t)Cfg::STAGE_BYTES)
+                                 : "memory");
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"((uint32_t)ONE)
+                                 : "memory");
+                } else {
+                    mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
+                }
                 tma_load_2d(dst, map_a, kb * BK, pos.m0, full);
                 tma_load_2d(dst + Cfg::A_BYTES, map_b, kb * BK, pos.n0, full);
-            } else {
+            } else if (!ONE) {
                 mbar_arrive(full);
             }
             if (++stage == Cfg::STAGES) {
@@ -96,6 +109,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                    int *err) {
     using Cfg = WaitersConfig;
     constexpr bool WIDE = MODE == LOADERS || MODE == LIB || MODE == LIB_SLEEP;
+    constexpr bool WARP = MODE == WARP0 || MODE == WARP0_ONE; /* warp 0 loads, converged */
     constexpr bool SLEEP = MODE == IDLE3_SLEEP || MODE == LIB_SLEEP;
     constexpr int WATCHERS = MODE == COMPLETER || MODE == LIB || MODE == LIB_SLEEP ? 1 : MODE == IDLE3 || MODE == IDLE3_SLEEP ? 96 : 0;
     extern __shared__ uint8_t smem_raw[];
@@ -111,13 +125,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_init(done, 1);                        /* consumer thread 0, after each tile's epilogue */
         mbar_init(seen, WATCHERS ? WATCHERS : 1); /* every watcher, having seen it */
     }
-    ring_barriers_init<Cfg::STAGES>(full_bar, empty_bar, WIDE ? LOADERS_N : 1);
+    ring_barriers_init<Cfg::STAGES>(full_bar, empty_bar, WIDE ? LOADERS_N : WARP ? 32 : 1);
 
     if (threadIdx.x < WG_THREADS) {
         setmaxnreg_dec<WT_PRODUCER_REGS>();
         if (WIDE && threadIdx.x < LOADERS_N)
             produce_tiles_wide<Cfg, SLEEP>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
-        else if (!WIDE && threadIdx.x == 0)
+        else if (WARP && threadIdx.x < 32)
+            produce_tiles_wide<Cfg, false, MODE == WARP0_ONE ? 32 : 0>(&map_a, &map_b, ring, full_bar, empty_bar, num_m,
+                                                                       num_n, num_k, err);
+        else if (!WIDE && !WARP && threadIdx.x == 0)
             produce_tiles<Cfg, 0, 0>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
         const bool watcher = WATCHERS == 1 ? threadIdx.x == 96 : WATCHERS == 96 && threadIdx.x >= 32;
         if (!watcher) return;
@@ -171,7 +188,9 @@ int main(int argc, char **argv) {
         case IDLE3_SLEEP: launch<IDLE3_SLEEP>(buf.ops, buf.C, s, it, buf.run); break;
         case LOADERS: launch<LOADERS>(buf.ops, buf.C, s, it, buf.run); break;
         case LIB: launch<LIB>(buf.ops, buf.C, s, it, buf.run); break;
-        default: launch<LIB_SLEEP>(buf.ops, buf.C, s, it, buf.run); break;
+        case LIB_SLEEP: launch<LIB_SLEEP>(buf.ops, buf.C, s, it, buf.run); break;
+        case WARP0: launch<WARP0>(buf.ops, buf.C, s, it, buf.run); break;
+        default: launch<WARP0_ONE>(buf.ops, buf.C, s, it, buf.run); break;
         }
     });
 }
