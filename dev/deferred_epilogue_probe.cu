@@ -138,12 +138,7 @@ static const char *const mode_names[NUM_MODES] = {"staged", "deferred"};
 
 template <int MODE>
 static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
-    const int grid = persistent_grid<DeferConfig, defer_kernel<MODE>>(s);
-    const CUtensorMap map_a = make_kmajor_map(o.A, s.M, s.K, BM, "A");
-    const CUtensorMap map_b = make_kmajor_map(o.B, s.N, s.K, DeferConfig::BN, "B");
-    defer_kernel<MODE><<<grid, THREADS, DeferConfig::SMEM_BYTES>>>(map_a, map_b, C, s.M, s.N, s.K, iters, r.stats,
-                                                                   r.sink, r.err);
-    CUDA_CHECK(cudaGetLastError());
+    launch_epilogue_probe<DeferConfig, defer_kernel<MODE>>(o, C, s, iters, r);
 }
 
 static void launch_mode(int mode, const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {

@@ -795,6 +795,17 @@ static int persistent_grid(const Shape &s) {
     return (int)std::min<long long>(tiles, g_num_sms);
 }
 
+/* Launches a persistent epilogue-probe kernel KERNEL (map_a, map_b, C, M, N, K, iters, stats, sink,
+ * err) of configuration Cfg on s: A and B K-major, boxes of 128 and Cfg::BN rows. */
+template <class Cfg, auto KERNEL>
+static void launch_epilogue_probe(const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
+    const int grid = persistent_grid<Cfg, KERNEL>(s);
+    const CUtensorMap map_a = make_kmajor_map(o.A, s.M, s.K, BM, "A");
+    const CUtensorMap map_b = make_kmajor_map(o.B, s.N, s.K, Cfg::BN, "B");
+    KERNEL<<<grid, THREADS, Cfg::SMEM_BYTES>>>(map_a, map_b, C, s.M, s.N, s.K, iters, r.stats, r.sink, r.err);
+    CUDA_CHECK(cudaGetLastError());
+}
+
 /* The epilogue probes' self-test shapes: edges (M not a multiple of 128, N not of 256, K not of
  * 64, one row, more tiles than SMs so that a staging region is reused) and one large. */
 static const Shape EPILOGUE_TEST_SHAPES[] = {{1, 256, 64},       {77, 136, 72},     {300, 520, 1000},

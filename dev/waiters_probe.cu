@@ -170,12 +170,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 template <int MODE>
 static void launch(const Operands &o, bf16 *C, const Shape &s, int iters, const ProbeRun &r) {
-    const int grid = persistent_grid<WaitersConfig, waiters_kernel<MODE>>(s);
-    const CUtensorMap map_a = make_kmajor_map(o.A, s.M, s.K, BM, "A");
-    const CUtensorMap map_b = make_kmajor_map(o.B, s.N, s.K, WaitersConfig::BN, "B");
-    waiters_kernel<MODE><<<grid, THREADS, WaitersConfig::SMEM_BYTES>>>(map_a, map_b, C, s.M, s.N, s.K, iters, r.stats,
-                                                                      r.sink, r.err);
-    CUDA_CHECK(cudaGetLastError());
+    launch_epilogue_probe<WaitersConfig, waiters_kernel<MODE>>(o, C, s, iters, r);
 }
 
 int main(int argc, char **argv) {
