@@ -8,6 +8,7 @@ count ("does this task order, or this many comm CTAs, shorten the pass?") before
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --comm 8,12,16
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --tasks-c /tmp/branch_tasks.inc
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
+    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --scale gateup=0.87
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --durations build/traces/trace_deepseek-v3_ep1_skew0.0_bwd.json
 
 The task kinds (values, names, roles) come from the library's one table, MOK_TASK_KINDS in
@@ -167,6 +168,9 @@ def main():
     ap.add_argument("--free", default="",
                     help="task kinds that move nothing (comma-separated names: combine, push, dispatch, pull): "
                          "they keep their place and counters and take no time")
+    ap.add_argument("--scale", default="",
+                    help="task kinds made faster or slower (comma-separated NAME=FACTOR, e.g. gateup=0.87): their "
+                         "duration times FACTOR, to predict a change to one kind's tiles before building it")
     a = ap.parse_args()
     backward = a.which == "bwd"
     tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
@@ -182,6 +186,11 @@ def main():
         if name not in movers:
             sys.exit(f"sim_pass: --free takes {sorted(movers)}, not {name!r}")
         dur[KIND_VALUES[name]] = 0.0
+    for item in filter(None, a.scale.split(",")):
+        name, _, factor = item.partition("=")
+        if name not in KIND_VALUES or KIND_VALUES[name] not in dur:
+            sys.exit(f"sim_pass: --scale names a task kind of this pass, not {name!r}")
+        dur[KIND_VALUES[name]] *= float(factor)
     missing = sorted({KIND_NAMES[t[0]] for t in tasks if t[0] not in dur})
     if missing:
         sys.exit(f"sim_pass: no duration for task kinds {missing}")
