@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <string>
 #include <vector>
 
 #ifdef WITH_CUBLAS
@@ -843,8 +844,17 @@ template <class Launch>
 static int epilogue_probe_run(const ProbeBuffers &b, const char *const *mode_names, int modes,
                               std::initializer_list<int> iters, const char *stat, int against, Launch launch) {
     int passed = 0, failed = 0;
-    printf("\nself-test against reference_gemm; pass: |err| <= %.0e + %.4f |ref|\n", ABS_TOL, REL_TOL);
-    for (const Shape &s : EPILOGUE_TEST_SHAPES) {
+    /* PROBE_CASE=NAME (a forward shape's name) times that shape alone, PROBE_MODES=a,b those modes
+       alone, with no self-test: for a profiler's run of kernels a whole run has checked */
+    const char *only_case = getenv("PROBE_CASE"), *only_modes = getenv("PROBE_MODES");
+    const auto timed = [&](int mode) {
+        if (!only_modes) return true;
+        const std::string list = std::string(",") + only_modes + ",";
+        return list.find(std::string(",") + mode_names[mode] + ",") != std::string::npos;
+    };
+    if (only_case) printf("\nPROBE_CASE is set: no self-test, the timing of %s alone\n", only_case);
+    for (const Shape &s : only_case ? std::vector<Shape>() : std::vector<Shape>(std::begin(EPILOGUE_TEST_SHAPES),
+                                                                                 std::end(EPILOGUE_TEST_SHAPES))) {
         run_reference(b.dev, b.ref, s);
         for (int mode = 0; mode < modes; ++mode)
             for (int it : {0, 16}) {
@@ -860,17 +870,21 @@ static int epilogue_probe_run(const ProbeBuffers &b, const char *const *mode_nam
         for (int mode = 0; mode < modes; ++mode) printf(" %9s ms  TF/s %s |", mode_names[mode], stat);
         printf(" %s vs %s\n", mode_names[against], mode_names[0]);
         for (const NamedShape &t : FORWARD_SHAPES) {
+            if (only_case && strcmp(only_case, t.name) != 0) continue;
             const double flops = 2.0 * t.s.M * t.s.N * t.s.K;
             for (int it : iters) {
                 std::vector<double> ms(modes), us(modes);
                 bool ok = true;
                 for (int mode = 0; mode < modes; ++mode)
-                    ok = probe_time(b, mode_names[mode], [&] { launch(mode, t.s, it); }, &ms[mode], &us[mode]) && ok;
+                    if (timed(mode))
+                        ok = probe_time(b, mode_names[mode], [&] { launch(mode, t.s, it); }, &ms[mode], &us[mode]) && ok;
                 (ok ? passed : failed)++;
                 printf("%-16s %5d %5d %5d %5d |", t.name, t.s.M, t.s.N, t.s.K, it);
                 for (int mode = 0; mode < modes; ++mode)
-                    printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, us[mode]);
-                printf(" %+6.1f%%\n", 100.0 * (ms[against] - ms[0]) / ms[0]);
+                    if (ms[mode] > 0.0) printf(" %12.3f %5.0f %6.2f |", ms[mode], flops / ms[mode] * 1e-9, us[mode]);
+                    else printf(" %12s %5s %6s |", "-", "-", "-");
+                if (ms[against] > 0.0 && ms[0] > 0.0) printf(" %+6.1f%%", 100.0 * (ms[against] - ms[0]) / ms[0]);
+                printf("\n");
             }
         }
     }
