@@ -91,11 +91,11 @@
  * FP8 backward 3 of 16 runs of test_cuda_fp8_backward.c (seeds 1-15 and one more) went past the
  * rows so, each explained by one row at |cos| 0.99-1.0: dw_down 1.62 and 1.07 (h^ moved by 0.25,
  * one E4M3 step, at 2.43 and 2.73), dw_up 1.14 (du moved by two bf16 ulps at 1.14); the same bits
- * on every rerun and on two trees. On tensor-core layers a weight gradient block past its row is judged by
- * judge_flips: moves that one routed (or shared-expert) row's factor element explains, each at
- * most one step of it, are taken out one at a time (up to FLIPS_MAX) and the rest must meet the
- * row. A larger move of a factor, a row's term missing or doubled, or an error no single row
- * explains stays an error (test_layer_compare.c injects each). */
+ * on every rerun and on two trees. On tensor-core layers a weight gradient block past its row is
+ * judged by judge_flips: moves that one routed (or shared-expert) row's factor element explains,
+ * each at most one step of it, are taken out one at a time (up to FLIPS_MAX) and the rest must
+ * meet the row. A larger move of a factor, a row's term missing or doubled, or an error no single
+ * row explains stays an error (test_layer_compare.c injects each). */
 #include "layer.h"
 
 #include <math.h>
@@ -873,7 +873,8 @@ static void describe(const layer *L, int tensor, const tensor_cmp *c, char *out,
  * matrix [H, I] of (w dy_t) x h^_t, gate and up [I, H] of dg_t or du_t x x_t (w = 1 for the
  * shared expert's rows, every token of the rank). A flip of one row's factor element (h^_t at
  * column c, dg_t or du_t at row r) moves a whole column c of the down matrix along that row's dy_t,
- * or a whole row r of gate / up along its x_t, and nothing else. */
+ * or a whole row r of gate / up along its x_t, and nothing else. (x_t stands for the x^_t the
+ * gradient sums: they differ by less than an E4M3 step, which leaves under 2^-4 of a move behind.) */
 #define FLIPS_MAX 8
 #define FLIP_STEP_DOWN 0.125     /* one E4M3 step of h^: at most 2^-3 of it */
 #define FLIP_STEP_GATE_UP 0.03125 /* dg, du: dh's block sums, g and u one bf16 ulp each, 3 x 2^-7 < 2^-5 */
