@@ -862,15 +862,18 @@ static void env_restore(const env_saved *s) {
     else unsetenv(s->var);
 }
 
-/* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands: y and
- * every gradient bitwise equal, on half-width tiles (H, I not multiples of 128), the shared
- * expert, uneven tokens, several macrobatches and replayed rows. */
+/* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands, and the
+ * gate|up tiles' h handed to the producer's warps (the TMA path's default) is the consumers' own
+ * (MOK_CUDA_HANDOFF=0): y and every gradient (which read the context's g|u) bitwise equal, on
+ * half-width tiles (H, I not multiples of 128), the shared expert, uneven tokens, several
+ * macrobatches, replayed rows and context rows fewer than the routed rows. */
 MOK_TEST(cuda_tma_matches_cp_async) {
     if (skip(1, "cuda_tma_matches_cp_async")) return;
     int P = gpus() >= 2 ? 2 : 1;
     int64_t tokens[2] = {600, 333};
     const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(320, 192, 8, 4, 192)};
-    const env_saved saved = env_save("MOK_CUDA_TMA");
+    const env_saved saved[2] = {env_save("MOK_CUDA_TMA"), env_save("MOK_CUDA_HANDOFF")};
+    static const char *const path_name[3] = {"tma", "cp.async", "tma without the handoff"};
     for (int si = 0; si < 2; ++si) {
         layer L;
         layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 11 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
@@ -878,10 +881,11 @@ MOK_TEST(cuda_tma_matches_cp_async) {
         cfg.minibatch_rows = 128;
         cfg.ring_rows = 512;
         cfg.context_rows = 384;
-        layer_result res[2] = {{0}, {0}};
+        layer_result res[3] = {{0}, {0}, {0}};
         int ok = 1;
-        for (int path = 0; path < 2 && ok; ++path) {
-            setenv("MOK_CUDA_TMA", path == 0 ? "1" : "0", 1);
+        for (int path = 0; path < 3 && ok; ++path) {
+            setenv("MOK_CUDA_TMA", path == 1 ? "0" : "1", 1);
+            setenv("MOK_CUDA_HANDOFF", path == 2 ? "0" : "1", 1);
             gpu_layer G;
             if (gpu_open(&G, &L, &cfg) != MOK_OK) {
                 CHECK(0, "shape %d open: %s", si, G.message);
@@ -889,22 +893,23 @@ MOK_TEST(cuda_tma_matches_cp_async) {
                 break;
             }
             if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_layer_backward(&G, &L, 0, NULL, &res[path]) != MOK_OK) {
-                CHECK(0, "shape %d %s: %s", si, path == 0 ? "tma" : "cp.async", G.message);
+                CHECK(0, "shape %d %s: %s", si, path_name[path], G.message);
                 ok = 0;
             } else {
                 gpu_layer_download_y(&G, &L, &res[path]);
             }
             gpu_layer_close(&G);
         }
-        if (ok) {
+        for (int path = 1; path < 3 && ok; ++path) {
             char what[256] = "";
-            CHECK(layer_equal(&L, &res[0], &res[1], what, sizeof what), "shape %d: TMA vs cp.async: %s", si, what);
+            CHECK(layer_equal(&L, &res[0], &res[path], what, sizeof what), "shape %d: tma vs %s: %s", si,
+                  path_name[path], what);
         }
-        layer_result_free(&res[0]);
-        layer_result_free(&res[1]);
+        for (int path = 0; path < 3; ++path) layer_result_free(&res[path]);
         layer_free(&L);
     }
-    env_restore(&saved);
+    env_restore(&saved[0]);
+    env_restore(&saved[1]);
 }
 
 /* The tasks' column widths (cuda/tuning.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and

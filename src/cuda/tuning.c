@@ -61,6 +61,8 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
                               int64_t l2_bytes, int tma_found, const char *(*env)(const char *name)) {
     const char *tma = env("MOK_CUDA_TMA");
     t->tma = tma_found && !(tma && tma[0] == '0');
+    const char *handoff = env("MOK_CUDA_HANDOFF");
+    t->handoff = !(handoff && handoff[0] == '0');
     t->fwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 0);
     t->bwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 1);
     const char *raster = env("MOK_CUDA_RASTER");

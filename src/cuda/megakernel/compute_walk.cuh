@@ -28,12 +28,32 @@
  *   Every other kind's code would be dead there, and its copies (one per layout) would fill the
  *   instruction cache.
  *   plain(p, span, rt, nt, tp): consumer side, after the GEMMs (tasks without any run only this)
+ *   static constexpr bool HANDOFF;  optional: true when an epilogue may hand part of its tile to
+ *                                    warps 1-3 in passes with p.handoff set (NOTE (handoff)); then
+ *   handed(p, ho, staging, part): warp 1 + part (0, 1, 2), all lanes: its third of that part,
+ *                                    from the staging region
  *
  * NOTE (completion): warp 3 of the producer warpgroup releases the done counters, so the
  * consumers do not wait on the gpu-scope fence: after the task's closing consumer barrier,
  * consumer thread 0 posts {span, tile, times} into a DONE_QUEUE-entry ring (cfull/cempty, count 1
  * each) and goes on; the completer waits on cfull (acquire, cta scope: the consumers' stores
  * happen before), then fences at gpu scope and releases the counters.
+ *
+ * NOTE (handoff): in a pass with p.handoff set (every operand by TMA, so warp 0 alone loads: full[s]
+ * counts 32), a Runner with HANDOFF may leave the last part of a tile's epilogue to warps 1-3 (the
+ * forward's gate|up tile: its h from the bf16 g|u the consumers put in the staging region as TMA
+ * store boxes). Consumer thread 0 fills the handoff slot (h_handoff: where the rows go) and counts
+ * it in `posted`, every consumer thread then arrives on hready (count CONSUMER_THREADS), and the
+ * task is posted to the done queue as any other. Warps 1 and 2 wait on each phase of hready in
+ * turn, run their third (Runner::handed) and arrive on htaken (every lane, releasing its reads and
+ * stores; count 96). Warp 3 takes each done-queue entry; for one that carries a handoff it does the
+ * same with its third, then waits for htaken's phase (all three thirds stored: acquire, cta scope)
+ * before it releases the task's counters. At most one handoff is outstanding: every epilogue of a
+ * Runner first waits on htaken for the last one posted (handoff_wait), since it writes the
+ * staging region. On leaving, the consumers post a last phase of hready with the slot's stop set,
+ * which ends warps 1 and 2; warp 3 ends on the done queue's stop entry. No wait here can deadlock:
+ * the workers wait only on hready, which every handoff and the stop post complete, and every
+ * wait returns on abort.
  *
  * NOTE (queue): tasks pass from producer to consumers through a 2-entry queue in shared memory:
  * qfull[q] (count 1, producer thread 0 arrives after writing entry q), qempty[q] (count 1,
@@ -64,16 +84,28 @@ struct task_clock {
 
 struct done_task { /* a finished task, for the completer */
     long long g, rt, start, end, gemm_ns, gemm_end;
-    long long stop;
+    long long stop, handed; /* handed: the task left part of its epilogue to warps 1-3 */
 };
 #define DONE_QUEUE 4
+
+/* The part of an epilogue handed to warps 1-3 (NOTE (handoff)): `rows` rows of `cols` bf16
+ * values to h (row r at h + r * ld). posted counts the handoffs so far, stop ends the workers
+ * (consumer thread 0 writes both). */
+struct h_handoff {
+    uint16_t *h;
+    long long ld;
+    int rows, cols;
+    unsigned posted, stop;
+};
+#define HANDOFF_PARTS 3 /* warps 1-3 */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
  * SwiGLU-backward tile's fp32 dh, [TILE_BM][DH_SCRATCH_LD], then TILE_BM per-row sums and TILE_BM
  * router weights; backward.cu),
- * the mbarriers (full, empty, qfull, qempty, cfull, cempty), the queues, the task preps, the
- * schedule's experts, the stages' scale slots (FP8, gemm_tile.cuh). */
+ * the mbarriers (full, empty, qfull, qempty, cfull, cempty, hready, htaken), the queues, the
+ * handoff slot, the task preps, the schedule's experts, the stages' scale slots (FP8,
+ * gemm_tile.cuh). */
 #define SMEM_STAGING_OFF (RING_STAGES * STAGE_BYTES)
 #define SMEM_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
 #define DH_SCRATCH_LD 68 /* floats: 64 columns, padded */
@@ -84,9 +116,11 @@ struct done_task { /* a finished task, for the completer */
  * aligned for the 128B swizzle. */
 static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SMEM_STAGING_OFF % 1024 == 0,
               "the TMA store boxes fit the staging region");
-#define SMEM_QUEUE_OFF (SMEM_BARRIERS_OFF + 8 * (2 * RING_STAGES + 4 + 2 * DONE_QUEUE))
+#define SMEM_HANDOFF_BARS_OFF (SMEM_BARRIERS_OFF + 8 * (2 * RING_STAGES + 4 + 2 * DONE_QUEUE)) /* hready, htaken */
+#define SMEM_QUEUE_OFF (SMEM_HANDOFF_BARS_OFF + 16)
 #define SMEM_DONE_QUEUE_OFF (SMEM_QUEUE_OFF + 2 * (int)sizeof(queued_task))
-#define SMEM_PREP_OFF ((SMEM_DONE_QUEUE_OFF + DONE_QUEUE * (int)sizeof(done_task) + 15) / 16 * 16)
+#define SMEM_HANDOFF_OFF ((SMEM_DONE_QUEUE_OFF + DONE_QUEUE * (int)sizeof(done_task) + 15) / 16 * 16)
+#define SMEM_PREP_OFF ((SMEM_HANDOFF_OFF + (int)sizeof(h_handoff) + 15) / 16 * 16)
 /* The schedule's expert_start [E + 1] and expert_rows [E] (int64), copied at the CTA's start when
  * E <= SMEM_EXPERTS_MAX: the producer's row_tile and weight-gradient prep search and read them for
  * every task, and from global memory each step of that search would miss L1 (the counter acquire
@@ -104,6 +138,26 @@ struct compute_shared {
     volatile done_task *cq;
     task_prep *prep; /* [2], one per queue entry */
 };
+
+/* An epilogue's view of the handoff (NOTE (handoff)), from the staging region it is given (at
+ * SMEM_STAGING_OFF of the CTA's aligned base). */
+struct handoff_view {
+    volatile h_handoff *slot;
+    uint32_t ready, taken;
+};
+static __device__ __forceinline__ handoff_view handoff_of(uint16_t *staging) {
+    uint8_t *base = (uint8_t *)staging - SMEM_STAGING_OFF;
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(base);
+    return {(volatile h_handoff *)(base + SMEM_HANDOFF_OFF), b + SMEM_HANDOFF_BARS_OFF, b + SMEM_HANDOFF_BARS_OFF + 8};
+}
+
+/* Consumers, every thread, before an epilogue of a HANDOFF Runner writes the staging region:
+ * warp 3 has read the last handoff's part of it (a CTA with none posted passes at once). */
+static __device__ __forceinline__ void handoff_wait(const handoff_view &hv, unsigned long long *abort, int *error,
+                                                    long long timeout_ns) {
+    const unsigned k = hv.slot->posted;
+    if (k > 0) mbar_wait(hv.taken, (k - 1) & 1, abort, error, timeout_ns);
+}
 
 /* Host: the weights' maps (boxes of 64 x 64, read K-major in the forward, N-major in the dgrad)
  * and the mask of those usable. */
@@ -203,6 +257,21 @@ struct runner_fp8<Runner, decltype((void)Runner::FP8)> {
     static constexpr bool value = Runner::FP8;
 };
 
+/* Whether a Runner hands epilogue parts to warps 1-3 (its `static constexpr bool HANDOFF = true`);
+ * a pass does only where p.handoff is set too (handoff_on). */
+template <typename Runner, typename = void>
+struct runner_handoff {
+    static constexpr bool value = false;
+};
+template <typename Runner>
+struct runner_handoff<Runner, decltype((void)Runner::HANDOFF)> {
+    static constexpr bool value = Runner::HANDOFF;
+};
+template <typename Runner>
+static __device__ __forceinline__ bool handoff_on(const pass_params &p) {
+    return runner_handoff<Runner>::value && p.handoff;
+}
+
 template <typename Runner, bool A_MN, bool B_MN>
 static __device__ __forceinline__ bool variant_used(int variant) {
     return variant == (A_MN ? 2 : 0) + (B_MN ? 1 : 0) && ((Runner::VARIANTS >> variant) & 1);
@@ -258,7 +327,8 @@ static __device__ __forceinline__ void consume(const pass_params &p, const mok_t
 }
 
 template <typename Runner>
-static __device__ void producer_loop(const pass_params &p, const mok_sched_view &v, stage_ring r, const compute_shared &sh) {
+static __device__ void producer_loop(const pass_params &p, const mok_sched_view &v, stage_ring r, const compute_shared &sh,
+                                     int loaders) {
     const uint32_t qfull = sh.qfull, qempty = sh.qempty;
     volatile queued_task *queue = sh.queue;
     const int tid = threadIdx.x;
@@ -295,7 +365,7 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
             mbar_arrive(qfull + 8 * q);
             if (!stop) next = atomicAdd(ticket, 1ull);
         }
-        producer_sync();
+        producer_sync(loaders);
         if (queue[q].stop) break;
         const long long rt = queue[q].rt, nt = queue[q].nt;
         const task_prep &tp = sh.prep[q];
@@ -316,6 +386,8 @@ static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage
     __shared__ int s_stop;
     const int ctid = threadIdx.x - PRODUCER_THREADS;
     long long ncq = 0; /* records posted to the completer (meaningful in consumer thread 0) */
+    const handoff_view hv = handoff_of(staging);
+    unsigned posted_seen = 0; /* consumer thread 0: handoffs posted before this task */
     for (long long n = 0;; ++n) {
         const int q = (int)(n & 1);
         if (ctid == 0) {
@@ -350,25 +422,98 @@ static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage
             sh.cq[c].gemm_ns = clk.gemm_ns;
             sh.cq[c].gemm_end = clk.gemm_end;
             sh.cq[c].stop = stop;
+            if constexpr (runner_handoff<Runner>::value) { /* did this task post a handoff? */
+                const unsigned posted = hv.slot->posted;
+                sh.cq[c].handed = posted != posted_seen;
+                posted_seen = posted;
+            } else {
+                sh.cq[c].handed = 0;
+            }
             mbar_arrive(sh.cfull + 8 * c);
             ++ncq;
         }
         if (stop) break;
     }
+    if (handoff_on<Runner>(p)) { /* the workers' stop, once they have read the last handoff */
+        handoff_wait(hv, r.abort, r.error, r.timeout_ns);
+        if (ctid == 0) hv.slot->stop = 1;
+        mbar_arrive(hv.ready);
+    }
     if (threadIdx.x == PRODUCER_THREADS) bulk_wait(); /* the epilogues' TMA stores are done */
 }
 
-/* Warp 3 of the producer warpgroup, lane 0: releases the done counters of finished tasks. */
-static __device__ void completer_loop(const pass_params &p, const stage_ring &r, const compute_shared &sh) {
-    if ((threadIdx.x & 31) != 0) return;
+/* A handoff's third `part` (warp 1 + part, every lane; NOTE (handoff)), its `k`th (from 0): waits
+ * for it on hready, runs it, and arrives on htaken. False when the pass is stopping or aborted. */
+template <typename Runner>
+static __device__ __forceinline__ bool handoff_take(const pass_params &p, const stage_ring &r, const handoff_view &hv,
+                                                    const uint16_t *staging, unsigned k, int part) {
+    /* every lane acquires the consumers' staging writes and the slot through hready */
+    mbar_wait(hv.ready, k & 1, r.abort, r.error, r.timeout_ns); /* returns on abort too */
+    const bool go = __all_sync(0xffffffffu, *(volatile unsigned long long *)r.abort == 0 && hv.slot->stop == 0);
+    if constexpr (!runner_handoff<Runner>::value) return false; /* never reached: the pass hands nothing off */
+    if (go) {
+        h_handoff ho;
+        ho.h = hv.slot->h;
+        ho.ld = hv.slot->ld;
+        ho.rows = hv.slot->rows;
+        ho.cols = hv.slot->cols;
+        if constexpr (runner_handoff<Runner>::value) Runner::handed(p, ho, staging, part);
+    }
+    mbar_arrive(hv.taken); /* every lane: its reads of the slot and the boxes, its rows of h */
+    return go;
+}
+
+/* Warps 1 and 2 in a pass that hands off (NOTE (handoff)): their thirds of every handoff, until
+ * the consumers' stop post. */
+template <typename Runner>
+static __device__ void handoff_loop(const pass_params &p, const stage_ring &r, uint16_t *staging, int part) {
+    const handoff_view hv = handoff_of(staging);
+    for (unsigned k = 0;; ++k)
+        if (!handoff_take<Runner>(p, r, hv, staging, k, part)) break;
+}
+
+/* Warp 3 of the producer warpgroup: releases the done counters of finished tasks (lane 0), after
+ * its third of the part of the task's epilogue handed off, if any, and the other two thirds
+ * (every lane; NOTE (handoff)). Lane 0 alone reads the done queue and tells the others, so the
+ * warp stays converged. */
+template <typename Runner>
+static __device__ void completer_loop(const pass_params &p, const stage_ring &r, const compute_shared &sh,
+                                      uint16_t *staging) {
+    const bool HANDOFF = handoff_on<Runner>(p);
+    const int lane = threadIdx.x & 31;
+    if (!HANDOFF && lane != 0) return;
+    const handoff_view hv = handoff_of(staging);
+    unsigned taken = 0; /* handoffs run */
     for (long long n = 0;; ++n) {
         const int c = (int)(n % DONE_QUEUE);
-        mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / DONE_QUEUE) & 1), r.abort, r.error, r.timeout_ns);
-        if (sh.cq[c].stop || *(volatile unsigned long long *)r.abort) break;
-        const long long g = sh.cq[c].g, rt = sh.cq[c].rt, start = sh.cq[c].start, end = sh.cq[c].end;
-        const long long gemm_ns = sh.cq[c].gemm_ns, epi_ns = sh.cq[c].gemm_end ? end - sh.cq[c].gemm_end : 0;
-        mbar_arrive(sh.cempty + 8 * c);
-        finish_task(p, p.spans[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
+        long long g = 0, rt = 0, start = 0, end = 0, gemm_ns = 0, epi_ns = 0;
+        int stop = 1, handed = 0;
+        if (lane == 0) {
+            mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / DONE_QUEUE) & 1), r.abort, r.error, r.timeout_ns);
+            stop = sh.cq[c].stop || *(volatile unsigned long long *)r.abort;
+            if (!stop) {
+                g = sh.cq[c].g;
+                rt = sh.cq[c].rt;
+                start = sh.cq[c].start;
+                end = sh.cq[c].end;
+                gemm_ns = sh.cq[c].gemm_ns;
+                epi_ns = sh.cq[c].gemm_end ? end - sh.cq[c].gemm_end : 0;
+                handed = (int)sh.cq[c].handed;
+                mbar_arrive(sh.cempty + 8 * c);
+            }
+        }
+        if (HANDOFF) {
+            stop = __shfl_sync(0xffffffffu, stop, 0);
+            handed = __shfl_sync(0xffffffffu, handed, 0);
+        }
+        if (stop) break;
+        if (HANDOFF && handed) {
+            handoff_take<Runner>(p, r, hv, staging, taken, HANDOFF_PARTS - 1);
+            /* the other thirds' h rows are stored before the task's release (acquire, cta scope) */
+            if (lane == 0) mbar_wait(hv.taken, taken & 1, r.abort, r.error, r.timeout_ns);
+            ++taken;
+        }
+        if (lane == 0) finish_task(p, p.spans[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
     }
 }
 
@@ -398,9 +543,10 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
     sh.queue = (volatile queued_task *)(aligned + SMEM_QUEUE_OFF);
     sh.cq = (volatile done_task *)(aligned + SMEM_DONE_QUEUE_OFF);
     sh.prep = (task_prep *)(aligned + SMEM_PREP_OFF);
+    const int loaders = handoff_on<Runner>(p) ? 32 : LOADER_THREADS; /* NOTE (handoff) */
     if (threadIdx.x == 0) {
         for (int s = 0; s < RING_STAGES; ++s) {
-            mbar_init(r.full + 8 * s, LOADER_THREADS);
+            mbar_init(r.full + 8 * s, loaders);
             mbar_init(r.empty + 8 * s, CONSUMER_THREADS / 32);
         }
         for (int q = 0; q < 2; ++q) {
@@ -411,6 +557,11 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
             mbar_init(sh.cfull + 8 * c, 1);
             mbar_init(sh.cempty + 8 * c, 1);
         }
+        const handoff_view hv = handoff_of((uint16_t *)(aligned + SMEM_STAGING_OFF));
+        mbar_init(hv.ready, CONSUMER_THREADS);
+        mbar_init(hv.taken, 32 * HANDOFF_PARTS);
+        hv.slot->posted = 0;
+        hv.slot->stop = 0;
         mbar_init_fence();
     }
     /* the producer's view: the experts' starts and rows in shared memory when they fit (the
@@ -432,8 +583,10 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
         /* the whole producer warpgroup, before its warps part */
         if constexpr (runner_fp8<Runner>::value) setmaxnreg_dec<FP8_PRODUCER_REGS>();
         else setmaxnreg_dec_producer();
-        if (warp < LOADER_THREADS / 32) producer_loop<Runner>(p, vs, r, sh);
-        else completer_loop(p, r, sh);
+        uint16_t *staging = (uint16_t *)(aligned + SMEM_STAGING_OFF);
+        if (warp < loaders / 32) producer_loop<Runner>(p, vs, r, sh, loaders);
+        else if (warp < LOADER_THREADS / 32) handoff_loop<Runner>(p, r, staging, warp - 1);
+        else completer_loop<Runner>(p, r, sh, staging);
     } else {
         if constexpr (runner_fp8<Runner>::value) setmaxnreg_inc<FP8_CONSUMER_REGS>();
         else setmaxnreg_inc_consumer();

@@ -237,8 +237,17 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
  * walk's closing barrier orders the stores before the release. */
 template <bool FP8>
 static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
-                                    long long nt, const task_prep &tp, float (&acc)[TILE_ACC], uint16_t *staging) {
+                                    long long nt, const task_prep &tp, float (&acc)[TILE_ACC], uint16_t *staging,
+                                    const CUtensorMap *maps) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
+    const handoff_view hv = handoff_of(staging);
+    if (!FP8 && p.handoff) {
+        /* every path below writes the staging region: warps 1-3 must have read the last handed-off
+           gate|up tile from it, and the TMA stores of its g|u (issued by thread 0) too */
+        if (threadIdx.x == PRODUCER_THREADS) bulk_wait_read();
+        handoff_wait(hv, p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, p.error, p.timeout_ns);
+        consumer_sync();
+    }
     switch (span.kind) {
     case MOK_TASK_GATEUP:
     case MOK_TASK_SHARED_UP: { /* one call site per width for both: the SwiGLU is most of the kernel's code */
@@ -271,12 +280,25 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
                                      (uint8_t *)h + h_row * inter, inter, p.limit, staging,
                                      hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
-        else if (p.n_tile == 128)
-            swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h + h_row * inter, inter,
-                               p.limit, staging);
-        else
-            swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h + h_row * inter, inter,
-                              p.limit, staging);
+        else {
+            /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
+            if (p.handoff) {
+                const bool keep = ctx && ctx_row0 < ctx_rows;
+                const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
+                if (p.n_tile == 128)
+                    swiglu_handoff<128>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 128), h + h_row * inter,
+                                        inter, staging, hv);
+                else
+                    swiglu_handoff<64>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 64), h + h_row * inter,
+                                       inter, staging, hv);
+            } else if (p.n_tile == 128) {
+                swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h + h_row * inter,
+                                   inter, p.limit, staging);
+            } else {
+                swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h + h_row * inter,
+                                  inter, p.limit, staging);
+            }
+        }
         break;
     }
     case MOK_TASK_DOWN:
@@ -327,6 +349,7 @@ template <bool FP8_>
 struct forward_compute {
     static constexpr int VARIANTS = 1; /* K-major operands only */
     static constexpr bool FP8 = FP8_;  /* the FP8 function's GEMMs and epilogues (include/mok.h) */
+    static constexpr bool HANDOFF = !FP8_; /* the bf16 gate|up tiles' h: warps 1-3 (swiglu_handoff) */
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long, task_prep *tp) {
         if (span.kind == MOK_TASK_GATEUP || span.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
@@ -345,8 +368,11 @@ struct forward_compute {
     template <int VAR>
     static __device__ void epilogue(const pass_params &p, const mok_task_span &span, long long rt, long long nt,
                                     const task_prep &tp, int, float (&acc)[TILE_ACC], uint16_t *staging, float *,
-                                    const CUtensorMap *) {
-        fwd_epilogue<FP8>(p, span, rt, nt, tp, acc, staging);
+                                    const CUtensorMap *maps) {
+        fwd_epilogue<FP8>(p, span, rt, nt, tp, acc, staging, maps);
+    }
+    static __device__ void handed(const pass_params &p, const h_handoff &ho, const uint16_t *staging, int part) {
+        swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
     }
     static __device__ void plain(const pass_params &, const mok_task_span &, long long, long long,
                                  const task_prep &) {}
@@ -378,6 +404,9 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
     mask |= (unsigned)tma_encode(&maps->m[MAP_RING_H], R->ring_h, ring, I, 64) << MAP_RING_H;
     mask |= (unsigned)tma_encode(&maps->m[MAP_X], p->x, T, H, 64) << MAP_X;
     mask |= (unsigned)tma_encode(&maps->m[MAP_SH_H], Is ? R->sh_h : NULL, T, Is, 64) << MAP_SH_H;
+    /* the contexts' g|u, stored in 128-row boxes (swiglu_handoff); rows past a map's end are not kept */
+    mask |= (unsigned)tma_encode(&maps->m[MAP_CTX], p->context, p->context_rows, 2 * I, 128) << MAP_CTX;
+    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_CTX], Is ? p->context_shared : NULL, T, 2 * Is, 128) << MAP_SH_CTX;
     return mask | weight_maps(p, maps);
 }
 
@@ -407,6 +436,17 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
         mask |= (unsigned)tma_encode(&maps->m[all[i].map], all[i].ptr, all[i].rows, all[i].cols / 2, 64) << all[i].map;
     return mask;
+}
+
+/* Whether a bf16 forward hands its gate|up tiles' h to warps 1-3 (compute_walk.cuh, NOTE
+ * (handoff)): the tuning allows it and every map its tasks use is usable, so warp 0 alone loads
+ * every stage and the contexts' g|u go out by TMA. */
+static int forward_handoff(const cuda_rank *R, const pass_params *p) {
+    unsigned need = 1u << MAP_RING_X | 1u << MAP_RING_H | 1u << MAP_W_GATE | 1u << MAP_W_UP | 1u << MAP_W_DOWN |
+                    1u << MAP_CTX;
+    if (p->shared_inter)
+        need |= 1u << MAP_X | 1u << MAP_SH_H | 1u << MAP_S_GATE | 1u << MAP_S_UP | 1u << MAP_S_DOWN | 1u << MAP_SH_CTX;
+    return R->tuning.handoff && (p->tma_mask & need) == need;
 }
 
 /* An FP8 pass's buffers (pass_params): x^ in this rank's window (quantized there before the pass,
@@ -465,6 +505,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                 CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,
                                          cudaMemcpyDeviceToDevice, stream));
             p.tma_mask = forward_maps(R, &p, &maps);
+            p.handoff = forward_handoff(R, &p);
         }
         st = mok__cuda_launch_pass(ws, lr, R, &p, kernel, COMPUTE_THREADS, smem, stream, a->num_tokens, &maps);
         if (st != MOK_OK) return st;

@@ -104,6 +104,78 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
     consumer_sync();
 }
 
+/* A bf16 gate|up tile's epilogue with h left to warps 1-3 (compute_walk.cuh, NOTE (handoff)): the
+ * consumers round g and u to bf16 (padding rows as zeros) into the staging region as TMA store
+ * boxes (g in boxes 0 .. NT / 64 - 1, u in the next NT / 64; row_stores.cuh's STSM_BOXES), thread 0
+ * stores them into the context rows ctx_row0.. by TMA through ctx_map (the map's rows bound what
+ * is kept; none when ctx_map is NULL) and fills the handoff slot: nreal rows of NT values of h to
+ * h_out (h_ld apart). Warps 1-3 then compute h from the same bf16 g and u with the same
+ * mok__swiglu (swiglu_handed), so h is bit for bit swiglu_staged's. The caller waited on the
+ * last handoff and on the last TMA stores' reads (fwd_epilogue). */
+template <int NT>
+static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_ACC], int nreal, int ctx_row0,
+                                                      const CUtensorMap *ctx_map, int inter, int n0, uint16_t *h_out,
+                                                      long long h_ld, uint16_t *c, const handoff_view &hv) {
+    static_assert(2 * NT / 64 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "the boxes fit");
+    const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t g[4], u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
+            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
+            const bool real = row0 + 8 * (k & 1) < nreal;
+            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
+            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+        }
+        stsm_pairs<STSM_BOXES>(base, w16, j, g[0], g[1], g[2], g[3]);
+        stsm_pairs<STSM_BOXES>(base, w16, j + NT / 8, u[0], u[1], u[2], u[3]);
+    }
+    fence_proxy_async(); /* the generic-proxy writes, before the TMA unit reads them */
+    consumer_sync();
+    if (t == 0) {
+        if (ctx_map) {
+#pragma unroll
+            for (int b = 0; b < NT / 64; ++b) {
+                tma_store_2d(ctx_map, n0 + 64 * b, ctx_row0, base + b * STORE_BOX_BYTES);
+                tma_store_2d(ctx_map, inter + n0 + 64 * b, ctx_row0, base + (NT / 64 + b) * STORE_BOX_BYTES);
+            }
+            bulk_commit();
+        }
+        hv.slot->h = h_out + n0;
+        hv.slot->ld = h_ld;
+        hv.slot->rows = nreal;
+        hv.slot->cols = NT;
+        hv.slot->posted = hv.slot->posted + 1;
+    }
+    mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warp 3 */
+}
+
+/* Warp `part` of `parts`' share of swiglu_handoff's h, every lane: h = bf16(mok__swiglu(g, u)) of
+ * the boxes' rows into ho's rows, a 16-byte chunk (8 values) per lane at a time, a row's chunks
+ * on adjacent lanes, the warps' chunks interleaved. */
+static __device__ __forceinline__ void swiglu_handed(const h_handoff &ho, const uint16_t *c, float limit, int part,
+                                                     int parts) {
+    const uint8_t *boxes = (const uint8_t *)c;
+    const int lane = threadIdx.x & 31, per_row = ho.cols / 8, u_box = ho.cols / 64;
+#pragma unroll 4
+    for (int idx = 32 * part + lane; idx < ho.rows * per_row; idx += 32 * parts) {
+        const int r = idx / per_row, c8 = idx % per_row, box = c8 / 8;
+        const int4 g = *(const int4 *)(boxes + box * STORE_BOX_BYTES + swizzle(r, c8 % 8));
+        const int4 u = *(const int4 *)(boxes + (u_box + box) * STORE_BOX_BYTES + swizzle(r, c8 % 8));
+        const uint32_t *gp = (const uint32_t *)&g, *up = (const uint32_t *)&u;
+        int4 h;
+        uint32_t *hp = (uint32_t *)&h;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            hp[k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(gp[k] << 16), __uint_as_float(up[k] << 16), limit),
+                                    mok__swiglu(__uint_as_float(gp[k] & 0xffff0000u),
+                                                __uint_as_float(up[k] & 0xffff0000u), limit));
+        *(int4 *)(ho.h + r * ho.ld + 8 * c8) = h;
+    }
+}
+
 /* The router dot's partials of a warp's RPI rows rp + 8 k, one per lane, summed over the warp's
  * lanes (xor 16 .. 1: a fixed order) and added to the rows' sums (rows < `rows`) by lane 0. */
 template <int RPI>

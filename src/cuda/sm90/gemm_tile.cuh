@@ -13,7 +13,8 @@
  * Consumer warpgroup c owns rows 64c .. 64c + 63 of C, i.e. A's block c, and all 256 columns
  * (m64n256: 128 fp32 accumulators per thread).
  *
- * NOTE (ring protocol): full[s] counts the LOADER_THREADS producer threads, each arriving through
+ * NOTE (ring protocol): full[s] counts the pass's loader threads (LOADER_THREADS, or warp 0 alone
+ * where warps 1-2 take epilogue parts instead: compute_walk.cuh, NOTE (handoff)), each arriving through
  * cp.async.mbarrier.arrive.noinc once its copies into stage s have landed; empty[s] counts the 8
  * consumer warps, each arriving (lane 0) once wgmma.wait_group shows the wgmmas that read stage
  * s complete. Both sides walk the stages in one order, the phase bit flipping at each wrap; the
@@ -54,9 +55,10 @@
 #define CONSUMER_REGS 208
 
 
-/* Named barriers: 1 for the consumer warpgroups, 2 for the producer warpgroup's loading warps. */
+/* Named barriers: 1 for the consumer warpgroups, 2 for the producer warpgroup's loading warps (a
+   multiple of 32 threads). */
 static __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory"); }
-static __device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(LOADER_THREADS) : "memory"); }
+static __device__ __forceinline__ void producer_sync(int loaders) { asm volatile("bar.sync 2, %0;" ::"r"(loaders) : "memory"); }
 
 /* Waits for the phase of `bar` with this parity, bounded (see the NOTE on faults). */
 static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, unsigned long long *abort, int *error,

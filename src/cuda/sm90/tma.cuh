@@ -27,7 +27,7 @@
  * tiles, the shared expert's dy^ and dg^|du^) and the transposed gate and up weights as the dx
  * tiles' B, each map's rows `row_bytes` apart (tma_encode_rows). */
 enum {
-    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H,                    /* forward */
+    MAP_RING_X, MAP_RING_H, MAP_X, MAP_SH_H, MAP_CTX, MAP_SH_CTX, /* forward (the contexts: stores) */
     MAP_RING_DY, MAP_RING_DGU, MAP_DY, MAP_SH_DGU, MAP_RING_DYW, /* backward */
     MAP_W_GATE, MAP_W_UP, MAP_W_DOWN, MAP_S_GATE, MAP_S_UP, MAP_S_DOWN, /* B */
     MAP_DW_GATE, MAP_DW_UP, MAP_DW_DOWN, MAP_DS_GATE, MAP_DS_UP, MAP_DS_DOWN, /* stores */
