@@ -53,7 +53,9 @@
  * staging region. On leaving, the consumers post a last phase of hready with the slot's stop set,
  * which ends warps 1 and 2; warp 3 ends on the done queue's stop entry. No wait here can deadlock:
  * the workers wait only on hready, which every handoff and the stop post complete, and every
- * wait returns on abort.
+ * wait returns on abort. The workers' wait has no timeout (mbar_wait_idle): it spans the CTA's
+ * other tasks, the rank's own work, and the consumers reach their stop post whatever happens,
+ * every wait of theirs being bounded.
  *
  * NOTE (queue): tasks pass from producer to consumers through a 2-entry queue in shared memory:
  * qfull[q] (count 1, producer thread 0 arrives after writing entry q), qempty[q] (count 1,
@@ -447,8 +449,9 @@ static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage
 template <typename Runner>
 static __device__ __forceinline__ bool handoff_take(const pass_params &p, const stage_ring &r, const handoff_view &hv,
                                                     const uint16_t *staging, unsigned k, int part) {
-    /* every lane acquires the consumers' staging writes and the slot through hready */
-    mbar_wait(hv.ready, k & 1, r.abort, r.error, r.timeout_ns); /* returns on abort too */
+    /* every lane acquires the consumers' staging writes and the slot through hready; the wait
+       spans the CTA's other tasks, so it has no timeout (the consumers' stop post ends it) */
+    mbar_wait_idle(hv.ready, k & 1, r.abort);
     const bool go = __all_sync(0xffffffffu, *(volatile unsigned long long *)r.abort == 0 && hv.slot->stop == 0);
     if constexpr (!runner_handoff<Runner>::value) return false; /* never reached: the pass hands nothing off */
     if (go) {

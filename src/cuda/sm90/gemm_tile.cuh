@@ -78,6 +78,17 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, 
     }
 }
 
+/* Waits for the phase of `bar` with this parity until it completes or the abort flag is up, with
+ * no timeout of its own: for a wait that spans the CTA's own work (compute_walk.cuh, NOTE
+ * (handoff)), which is no hang however long, and which the threads that complete the phase end
+ * (they end on their own bounded waits, raising the flag if one times out). */
+static __device__ __forceinline__ void mbar_wait_idle(uint32_t bar, uint32_t parity, unsigned long long *abort) {
+    for (unsigned spins = 1;; ++spins) {
+        if (mbar_try_wait(bar, parity)) return;
+        if ((spins & 255) == 0 && *(volatile unsigned long long *)abort) return;
+    }
+}
+
 static __device__ __forceinline__ void setmaxnreg_dec_producer() { setmaxnreg_dec<PRODUCER_REGS>(); }
 static __device__ __forceinline__ void setmaxnreg_inc_consumer() { setmaxnreg_inc<CONSUMER_REGS>(); }
 
