@@ -133,10 +133,13 @@ MOK_TEST(tuning_resolve) {
           "overridden: tma %d handoff %d raster %d cols_h %d cols_dh %d", t.tma, t.handoff, t.raster, t.cols_h,
           t.cols_dh);
     CHECK(resolve(&dsv3, &config, 2, 0, NULL).tma == 0, "no encoder: no TMA");
-    const char *const junk[] = {"MOK_CUDA_RASTER=65", "MOK_CUDA_COLS_H=96", "MOK_CUDA_COLS_DH=512", NULL};
+    const char *const junk[] = {"MOK_CUDA_RASTER=65", "MOK_CUDA_COLS_H=96", "MOK_CUDA_COLS_DH=512", "MOK_CUDA_HANDOFF=3",
+                                NULL};
     t = resolve(&dsv3, &config, 2, 1, junk);
-    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256, "values outside the table's: raster %d cols %d / %d",
-          t.raster, t.cols_h, t.cols_dh);
+    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256 && t.handoff == 1,
+          "values outside the table's: raster %d cols %d / %d handoff %d", t.raster, t.cols_h, t.cols_dh, t.handoff);
+    const char *const down[] = {"MOK_CUDA_HANDOFF=2", NULL};
+    CHECK(resolve(&dsv3, &config, 2, 1, down).handoff == 2, "handoff 2: the down tiles too");
     const char *const wide[] = {"MOK_CUDA_COLS_DH=256", "MOK_CUDA_COLS_H=256", NULL};
     t = resolve(&qwen, &config, 1, 1, wide);
     CHECK(t.cols_dh == 256 && t.cols_h == 256, "Qwen3, 256 named: cols_dh %d cols_h %d", t.cols_dh, t.cols_h);

@@ -42,7 +42,8 @@
  * NOTE (handoff): in a pass with p.handoff set (every operand by TMA, so warp 0 alone loads: full[s]
  * counts 32), a Runner with HANDOFF may leave the last part of a tile's epilogue to warps 1-3 (the
  * forward's gate|up tile: its h from the bf16 g|u the consumers put in the staging region as TMA
- * store boxes). Consumer thread 0 fills the handoff slot (h_handoff: where the rows go) and counts
+ * store boxes; with p.handoff 2 its down tiles too: their bf16 rows, from boxes the same way).
+ * Consumer thread 0 fills the handoff slot (tile_handoff: what and where the rows go) and counts
  * it in `posted`, every consumer thread then arrives on hready (count CONSUMER_THREADS), and the
  * task is posted to the done queue as any other. Warps 1 and 2 wait on each phase of hready in
  * turn, run their third (Runner::handed) and arrive on htaken (every lane, releasing its reads and
@@ -91,15 +92,19 @@ struct done_task { /* a finished task, for the completer */
 #define DONE_QUEUE 4
 
 /* The part of an epilogue handed to warps 1-3 (NOTE (handoff)): `rows` rows of `cols` bf16
- * values to h (row r at h + r * ld). posted counts the handoffs so far, stop ends the workers
- * (consumer thread 0 writes both). */
-struct h_handoff {
-    uint16_t *h;
+ * values to out (row r at out + r * ld, or with a row map at out + rowmap[r] * ld), of the kind
+ * the Runner's `handed` knows (forward.cu: h from g|u, or a tile's rows as they are). posted
+ * counts the handoffs so far, stop ends the workers (consumer thread 0 writes both). */
+struct tile_handoff {
+    uint16_t *out;
+    const int32_t *rowmap;
     long long ld;
-    int rows, cols;
+    int rows, cols, kind;
     unsigned posted, stop;
 };
-#define HANDOFF_PARTS 3 /* warps 1-3 */
+#define HANDOFF_PARTS 3  /* warps 1-3 */
+#define HANDOFF_SWIGLU 0 /* kinds: h = SwiGLU of g|u boxes (swiglu.cuh's swiglu_handoff) */
+#define HANDOFF_ROWS 1   /* a bf16 tile's rows from boxes (row_stores.cuh's rows_handoff) */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
@@ -122,7 +127,7 @@ static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SM
 #define SMEM_QUEUE_OFF (SMEM_HANDOFF_BARS_OFF + 16)
 #define SMEM_DONE_QUEUE_OFF (SMEM_QUEUE_OFF + 2 * (int)sizeof(queued_task))
 #define SMEM_HANDOFF_OFF ((SMEM_DONE_QUEUE_OFF + DONE_QUEUE * (int)sizeof(done_task) + 15) / 16 * 16)
-#define SMEM_PREP_OFF ((SMEM_HANDOFF_OFF + (int)sizeof(h_handoff) + 15) / 16 * 16)
+#define SMEM_PREP_OFF ((SMEM_HANDOFF_OFF + (int)sizeof(tile_handoff) + 15) / 16 * 16)
 /* The schedule's expert_start [E + 1] and expert_rows [E] (int64), copied at the CTA's start when
  * E <= SMEM_EXPERTS_MAX: the producer's row_tile and weight-gradient prep search and read them for
  * every task, and from global memory each step of that search would miss L1 (the counter acquire
@@ -144,13 +149,13 @@ struct compute_shared {
 /* An epilogue's view of the handoff (NOTE (handoff)), from the staging region it is given (at
  * SMEM_STAGING_OFF of the CTA's aligned base). */
 struct handoff_view {
-    volatile h_handoff *slot;
+    volatile tile_handoff *slot;
     uint32_t ready, taken;
 };
 static __device__ __forceinline__ handoff_view handoff_of(uint16_t *staging) {
     uint8_t *base = (uint8_t *)staging - SMEM_STAGING_OFF;
     const uint32_t b = (uint32_t)__cvta_generic_to_shared(base);
-    return {(volatile h_handoff *)(base + SMEM_HANDOFF_OFF), b + SMEM_HANDOFF_BARS_OFF, b + SMEM_HANDOFF_BARS_OFF + 8};
+    return {(volatile tile_handoff *)(base + SMEM_HANDOFF_OFF), b + SMEM_HANDOFF_BARS_OFF, b + SMEM_HANDOFF_BARS_OFF + 8};
 }
 
 /* Consumers, every thread, before an epilogue of a HANDOFF Runner writes the staging region:
@@ -455,11 +460,13 @@ static __device__ __forceinline__ bool handoff_take(const pass_params &p, const 
     const bool go = __all_sync(0xffffffffu, *(volatile unsigned long long *)r.abort == 0 && hv.slot->stop == 0);
     if constexpr (!runner_handoff<Runner>::value) return false; /* never reached: the pass hands nothing off */
     if (go) {
-        h_handoff ho;
-        ho.h = hv.slot->h;
+        tile_handoff ho;
+        ho.out = hv.slot->out;
+        ho.rowmap = hv.slot->rowmap;
         ho.ld = hv.slot->ld;
         ho.rows = hv.slot->rows;
         ho.cols = hv.slot->cols;
+        ho.kind = hv.slot->kind;
         if constexpr (runner_handoff<Runner>::value) Runner::handed(p, ho, staging, part);
     }
     mbar_arrive(hv.taken); /* every lane: its reads of the slot and the boxes, its rows of h */

@@ -313,8 +313,11 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
                    the COMBINE tasks would copy it to from the ring (run_combine); the rows < nreal
                    of a tile are real, each with its own slot */
                 const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-                store_staged<true>(acc, rows, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_comb), H,
-                                   nt * p.n_tile_h, staging, v.row_slot + t.row0);
+                uint16_t *comb = (uint16_t *)(p.peers[p.rank] + p.off_comb);
+                if (!FP8 && p.handoff >= 2)
+                    rows_handoff(acc, rows, p.n_tile_h, comb, H, nt * p.n_tile_h, staging, v.row_slot + t.row0, hv);
+                else
+                    store_staged<true>(acc, rows, p.n_tile_h, comb, H, nt * p.n_tile_h, staging, v.row_slot + t.row0);
                 break;
             }
             out = p.ring_y + t.ring0 * H;
@@ -323,7 +326,8 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
             out = p.sh_out + t0 * H;
         }
-        store_staged(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging);
+        if (!FP8 && p.handoff >= 2) rows_handoff(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging, nullptr, hv);
+        else store_staged(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging);
         break;
     }
     default: break;
@@ -349,7 +353,7 @@ template <bool FP8_>
 struct forward_compute {
     static constexpr int VARIANTS = 1; /* K-major operands only */
     static constexpr bool FP8 = FP8_;  /* the FP8 function's GEMMs and epilogues (include/mok.h) */
-    static constexpr bool HANDOFF = !FP8_; /* the bf16 gate|up tiles' h: warps 1-3 (swiglu_handoff) */
+    static constexpr bool HANDOFF = !FP8_; /* bf16: the gate|up tiles' h, the down tiles' rows (warps 1-3) */
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long, task_prep *tp) {
         if (span.kind == MOK_TASK_GATEUP || span.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
@@ -371,8 +375,9 @@ struct forward_compute {
                                     const CUtensorMap *maps) {
         fwd_epilogue<FP8>(p, span, rt, nt, tp, acc, staging, maps);
     }
-    static __device__ void handed(const pass_params &p, const h_handoff &ho, const uint16_t *staging, int part) {
-        swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
+    static __device__ void handed(const pass_params &p, const tile_handoff &ho, const uint16_t *staging, int part) {
+        if (ho.kind == HANDOFF_SWIGLU) swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
+        else rows_handed(ho, staging, part, HANDOFF_PARTS);
     }
     static __device__ void plain(const pass_params &, const mok_task_span &, long long, long long,
                                  const task_prep &) {}
@@ -438,15 +443,16 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
     return mask;
 }
 
-/* Whether a bf16 forward hands its gate|up tiles' h to warps 1-3 (compute_walk.cuh, NOTE
- * (handoff)): the tuning allows it and every map its tasks use is usable, so warp 0 alone loads
- * every stage and the contexts' g|u go out by TMA. */
+/* How much of a bf16 forward's epilogues goes to warps 1-3 (compute_walk.cuh, NOTE (handoff)):
+ * the tuning's handoff (1: the gate|up tiles' h, 2: the down tiles' rows too) where every map its
+ * tasks use is usable, so warp 0 alone loads every stage and the contexts' g|u go out by TMA; else
+ * 0, none. */
 static int forward_handoff(const cuda_rank *R, const pass_params *p) {
     unsigned need = 1u << MAP_RING_X | 1u << MAP_RING_H | 1u << MAP_W_GATE | 1u << MAP_W_UP | 1u << MAP_W_DOWN |
                     1u << MAP_CTX;
     if (p->shared_inter)
         need |= 1u << MAP_X | 1u << MAP_SH_H | 1u << MAP_S_GATE | 1u << MAP_S_UP | 1u << MAP_S_DOWN | 1u << MAP_SH_CTX;
-    return R->tuning.handoff && (p->tma_mask & need) == need;
+    return (p->tma_mask & need) == need ? R->tuning.handoff : 0;
 }
 
 /* An FP8 pass's buffers (pass_params): x^ in this rank's window (quantized there before the pass,

@@ -72,7 +72,7 @@ struct pass_params {
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, error_word.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
-    int handoff;       /* the gate|up tiles hand h to warps 1-3 (compute_walk.cuh, NOTE (handoff)) */
+    int handoff;       /* epilogue parts to warps 1-3: 1 gate|up h, 2 down rows too (compute_walk.cuh, NOTE (handoff)) */
     int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
     mok_task_span *spans; /* built by spans_kernel */
     long long spans_cap;

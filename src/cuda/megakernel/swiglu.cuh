@@ -143,7 +143,9 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
             }
             bulk_commit();
         }
-        hv.slot->h = h_out + n0;
+        hv.slot->out = h_out + n0;
+        hv.slot->rowmap = nullptr;
+        hv.slot->kind = HANDOFF_SWIGLU;
         hv.slot->ld = h_ld;
         hv.slot->rows = nreal;
         hv.slot->cols = NT;
@@ -155,7 +157,7 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
 /* Warp `part` of `parts`' share of swiglu_handoff's h, every lane: h = bf16(mok__swiglu(g, u)) of
  * the boxes' rows into ho's rows, a 16-byte chunk (8 values) per lane at a time, a row's chunks
  * on adjacent lanes, the warps' chunks interleaved. */
-static __device__ __forceinline__ void swiglu_handed(const h_handoff &ho, const uint16_t *c, float limit, int part,
+static __device__ __forceinline__ void swiglu_handed(const tile_handoff &ho, const uint16_t *c, float limit, int part,
                                                      int parts) {
     const uint8_t *boxes = (const uint8_t *)c;
     const int lane = threadIdx.x & 31, per_row = ho.cols / 8, u_box = ho.cols / 64;
@@ -172,7 +174,7 @@ static __device__ __forceinline__ void swiglu_handed(const h_handoff &ho, const 
             hp[k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(gp[k] << 16), __uint_as_float(up[k] << 16), limit),
                                     mok__swiglu(__uint_as_float(gp[k] & 0xffff0000u),
                                                 __uint_as_float(up[k] & 0xffff0000u), limit));
-        *(int4 *)(ho.h + r * ho.ld + 8 * c8) = h;
+        *(int4 *)(ho.out + r * ho.ld + 8 * c8) = h;
     }
 }
 
