@@ -159,7 +159,7 @@ static __device__ __forceinline__ handoff_view handoff_of(uint16_t *staging) {
 }
 
 /* Consumers, every thread, before an epilogue of a HANDOFF Runner writes the staging region:
- * warp 3 has read the last handoff's part of it (a CTA with none posted passes at once). */
+ * warps 1-3 have read the last handoff from it (a CTA with none posted passes at once). */
 static __device__ __forceinline__ void handoff_wait(const handoff_view &hv, unsigned long long *abort, int *error,
                                                     long long timeout_ns) {
     const unsigned k = hv.slot->posted;

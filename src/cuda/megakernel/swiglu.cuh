@@ -151,7 +151,7 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
         hv.slot->cols = NT;
         hv.slot->posted = hv.slot->posted + 1;
     }
-    mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warp 3 */
+    mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warps 1-3 */
 }
 
 /* Warp `part` of `parts`' share of swiglu_handoff's h, every lane: h = bf16(mok__swiglu(g, u)) of
