@@ -158,6 +158,19 @@ static __device__ __forceinline__ handoff_view handoff_of(uint16_t *staging) {
     return {(volatile tile_handoff *)(base + SMEM_HANDOFF_OFF), b + SMEM_HANDOFF_BARS_OFF, b + SMEM_HANDOFF_BARS_OFF + 8};
 }
 
+/* Consumer thread 0: the next handoff into the slot (the other fields of tile_handoff), counted in
+ * `posted`; every consumer thread then arrives on hready. */
+static __device__ __forceinline__ void handoff_fill(const handoff_view &hv, int kind, uint16_t *out,
+                                                    const int32_t *rowmap, long long ld, int rows, int cols) {
+    hv.slot->out = out;
+    hv.slot->rowmap = rowmap;
+    hv.slot->ld = ld;
+    hv.slot->rows = rows;
+    hv.slot->cols = cols;
+    hv.slot->kind = kind;
+    hv.slot->posted = hv.slot->posted + 1;
+}
+
 /* Consumers, every thread, before an epilogue of a HANDOFF Runner writes the staging region:
  * warps 1-3 have read the last handoff from it (a CTA with none posted passes at once). */
 static __device__ __forceinline__ void handoff_wait(const handoff_view &hv, unsigned long long *abort, int *error,

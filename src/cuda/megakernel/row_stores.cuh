@@ -129,15 +129,7 @@ static __device__ __forceinline__ void rows_handoff(const float (&acc)[TILE_ACC]
 #pragma unroll
     for (int j = 0; j < TILE_ACC / 4; j += 2)
         if (8 * j < cols) stsm_blocks<STSM_BOXES>(acc, j, base, (t >> 5) * 16, 0);
-    if (t == 0) {
-        hv.slot->out = out + n0;
-        hv.slot->rowmap = rowmap;
-        hv.slot->ld = ld;
-        hv.slot->rows = rows;
-        hv.slot->cols = cols;
-        hv.slot->kind = HANDOFF_ROWS;
-        hv.slot->posted = hv.slot->posted + 1;
-    }
+    if (t == 0) handoff_fill(hv, HANDOFF_ROWS, out + n0, rowmap, ld, rows, cols);
     mbar_arrive(hv.ready);
 }
 

@@ -7,6 +7,21 @@
 #include "cuda/fp8_rows.cuh"
 #include "cuda/megakernel/row_stores.cuh"
 
+/* A consumer thread's g and u of column blocks j and j + 1 (k = 0..3: block j + k / 2, row row0 +
+ * 8 (k % 2)), rounded to bf16 pairs; rows from nreal on (padding) as zeros. The accumulators hold
+ * g in blocks 0 .. NT / 8 - 1 and u in the next NT / 8. */
+template <int NT>
+static __device__ __forceinline__ void gu_pairs(const float (&acc)[TILE_ACC], int j, int row0, int nreal, uint32_t (&g)[4],
+                                                uint32_t (&u)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
+        const bool real = row0 + 8 * (k & 1) < nreal;
+        g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
+        u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+    }
+}
+
 /* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
  * u, the same columns + NT, for the next NT / 8 (NT = n_tile: the accumulators are indexed by
  * constants only). g and u rounded to bf16 go into the context rows (padding rows as zeros; rows
@@ -35,16 +50,12 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
 #pragma unroll
     for (int j = 0; j < NT / 8; j += 2) {
         uint32_t g[4], u[4];
+        gu_pairs<NT>(acc, j, row0, nreal, g, u);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
-            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
-            const bool real = row0 + 8 * (k & 1) < nreal;
-            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
-            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
+        for (int k = 0; k < 4; ++k) /* blocks j, j + 1; rows row0, row0 + 8 */
             h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
                                            mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
                                                        __uint_as_float(u[k] & 0xffff0000u), limit));
-        }
         stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
         stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
     }
@@ -122,13 +133,7 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
 #pragma unroll
     for (int j = 0; j < NT / 8; j += 2) {
         uint32_t g[4], u[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) { /* blocks j, j + 1; rows row0, row0 + 8 */
-            const int a = 4 * j + 2 * k, b = 4 * (j + NT / 8) + 2 * k;
-            const bool real = row0 + 8 * (k & 1) < nreal;
-            g[k] = real ? bf16x2_from_f32(acc[a], acc[a + 1]) : 0u;
-            u[k] = real ? bf16x2_from_f32(acc[b], acc[b + 1]) : 0u;
-        }
+        gu_pairs<NT>(acc, j, row0, nreal, g, u);
         stsm_pairs<STSM_BOXES>(base, w16, j, g[0], g[1], g[2], g[3]);
         stsm_pairs<STSM_BOXES>(base, w16, j + NT / 8, u[0], u[1], u[2], u[3]);
     }
@@ -143,13 +148,7 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
             }
             bulk_commit();
         }
-        hv.slot->out = h_out + n0;
-        hv.slot->rowmap = nullptr;
-        hv.slot->kind = HANDOFF_SWIGLU;
-        hv.slot->ld = h_ld;
-        hv.slot->rows = nreal;
-        hv.slot->cols = NT;
-        hv.slot->posted = hv.slot->posted + 1;
+        handoff_fill(hv, HANDOFF_SWIGLU, h_out + n0, nullptr, h_ld, nreal, NT);
     }
     mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warps 1-3 */
 }
