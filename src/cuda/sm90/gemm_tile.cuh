@@ -24,9 +24,10 @@
  * barrier with the byte count, the other loaders arrive plainly, or (FP8) through
  * cp.async.mbarrier.arrive.noinc once their copies of the stage's scales have landed.
  *
- * NOTE (faults): every mbarrier wait is bounded. A wait that outlives the pass's timeout sets
- * MOK_KERR_STALL and the abort flag; once the flag is up every wait returns at once, so all
- * threads keep one instruction stream (wgmma is warpgroup-collective) and the kernel ends. */
+ * NOTE (faults): every mbarrier wait is bounded (mbar_wait), but for mbar_wait_idle's, which the
+ * threads that complete its phase end by their own bounded waits. A wait that outlives the pass's
+ * timeout sets MOK_KERR_STALL and the abort flag; once the flag is up every wait returns at once,
+ * so all threads keep one instruction stream (wgmma is warpgroup-collective) and the kernel ends. */
 #ifndef MOK_CUDA_WGMMA_TILE_CUH
 #define MOK_CUDA_WGMMA_TILE_CUH
 
