@@ -252,17 +252,17 @@ def fp8_row(group, ranks, name, experts, tokens, skew, config, reps, bf16_row, l
     return row
 
 
-def peer_rows(group, name, experts, tokens, skew, config, reps, row, peer_site):
-    """The peers of a one-GPU case: LigerCute (routed experts only) in a process of its own, beside
+def peer_rows(group, ranks, name, experts, tokens, skew, config, reps, row, peer_site):
+    """The peers of a case: LigerCute (routed experts only) in a process of its own per GPU, beside
     mok's routed-only layer on the same inputs (the case's own row when it has no shared expert).
     Returns the rows to print; the ratios go into `row`."""
-    peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps)
+    peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps, ranks)
     if "skipped" in peer:
-        print(f"peer ligercute {name} T {tokens}: skipped ({peer['skipped']})", flush=True)
+        print(f"peer ligercute {name} EP{ranks} T {tokens}: skipped ({peer['skipped']})", flush=True)
         return []
     layer = LAYERS[name]
     if layer["shared"]:
-        mine = run_case(group, 1, name, experts, tokens, skew, config, reps, check=False,
+        mine = run_case(group, ranks, name, experts, tokens, skew, config, reps, check=False,
                         layer=dict(layer, shared=0))
     else:
         mine = row
@@ -532,8 +532,8 @@ def main():
     ap.add_argument("--settle", type=float, default=SETTLE_S,
                     help="seconds of idle GPU before each timed measurement (default %(default)s)")
     ap.add_argument("--liger", default=os.environ.get("MOK_BENCH_LIGER", ""), metavar="SITE",
-                    help="LigerCute installed in SITE (bench/liger-setup.sh): one-GPU cases also run it as a peer "
-                         "(routed experts only), in a process of its own per case (bench/liger_peer.py)")
+                    help="LigerCute installed in SITE (bench/liger-setup.sh): every case also runs it as a peer "
+                         "(routed experts only), in processes of its own per case, one per GPU (bench/liger_peer.py)")
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: each case (and each --compare-env / --compare-config variant of it) also runs in "
                          "FP8 (include/mok.h, FP8), a row beside its bf16 row, or a "
@@ -581,8 +581,8 @@ def main():
                 row["wall_s"] = time.time() - t0
                 row["env"] = label
                 rows.append(row)
-                if first is None and a.ranks == 1 and not SMOKE:
-                    peer_rows(group, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
+                if first is None and not SMOKE:
+                    peer_rows(group, a.ranks, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
                 first = first or row
                 print(json.dumps(row), flush=True)
                 if a.precision == "fp8":  # each variant's FP8 row beside its bf16 row, same settings
@@ -660,7 +660,8 @@ def main():
                   f"{' (' + r['env'][4:] + ')' if r['env'] != 'fp8' else ''}")
     peered = [r for r in rows if "ligercute" in r]
     if peered:
-        print("\nrouted experts only, beside LigerCute (ms; ratio = mok / LigerCute; memory GiB held beyond the inputs)")
+        print("\nrouted experts only, beside LigerCute (ms per GPU, the slowest; ratio = mok / LigerCute; memory GiB "
+              "held beyond the inputs, per GPU)")
         print(f"{'layer':<14} {'E':>4} {'T/GPU':>6} | {'mok fwd':>8} {'LC fwd':>8} {'LC nograd':>9} {'ratio':>6} | "
               f"{'mok f+b':>8} {'LC f+b':>8} {'ratio':>6} | {'mok GiB':>7} {'LC GiB':>7} | LC err")
         for r in peered:

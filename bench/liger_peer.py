@@ -1,7 +1,9 @@
 """LigerCute (LinkedIn's fused expert-parallel MoE for Hopper) on one case of the benchmark, in a
-process of its own, printing one JSON line.
+process of its own (one per GPU across GPUs), printing one JSON line.
 
     bench/liger-env.sh SITE python3 bench/liger_peer.py --layer mixtral-8x7b --experts 8 --tokens 8192
+    bench/liger-env.sh SITE python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+        bench/liger_peer.py --ranks 2 --layer deepseek-v3 --experts 256 --tokens 8192
 
 LigerCute takes top-k ids and weights and runs the routed experts only (no shared expert, no
 router), so it is compared with mok's routed-only layer on the same inputs (bench.make_inputs with
@@ -16,6 +18,13 @@ Timed, CUDA-event medians after a warm-up:
                      the three expert weights).
 memory_bytes: the most device memory the case held beyond its inputs (the allocator's peak plus
 memory outside it, such as the NVSHMEM heap), as bench.py measures mok's.
+
+Across P GPUs (--ranks P, one process each under torch.distributed.run) every rank takes its own
+inputs of bench.make_inputs for P ranks (the same as mok's ranks: rank r's local experts, tokens
+and routing; the generators give the same values on any GPU), its local experts' weights and
+global expert ids, and LigerCute's EP group is the whole world (pg=None). Each time and the memory
+are the largest over the ranks, and the error compares each rank's y with PyTorch's layer over all
+P ranks' experts; rank 0 prints the line.
 """
 import argparse
 import json
@@ -39,6 +48,7 @@ def main():
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--ranks", type=int, default=1, help="GPUs, one process each (torch.distributed.run)")
     a = ap.parse_args()
 
     import torch.distributed as dist
@@ -46,15 +56,26 @@ def main():
     from liger_kernel.ops.cute.ops.moe import moe_fused
 
     layer = dict(LY.LAYERS[a.layer], shared=0)
-    H, I, k, E, T = layer["hidden"], layer["inter"], layer["topk"], a.experts, a.tokens
-    dev = torch.device("cuda", 0)
+    H, I, k, E, T, P = layer["hidden"], layer["inter"], layer["topk"], a.experts, a.tokens, a.ranks
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) != P:
+        sys.exit(f"liger_peer: --ranks {P} needs {P} processes (torch.distributed.run --nproc_per_node {P})")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(dev)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    dist.init_process_group("nccl", rank=rank, world_size=P, device_id=dev)
 
-    i = B.make_inputs(layer, E, T, [dev], a.skew, a.seed)[0]  # the same inputs as mok's rows of the table
+    # the same inputs as mok's rows of the table: every rank's, made here, this rank's kept
+    every = B.make_inputs(layer, E, T, [dev] * P, a.skew, a.seed)
+    i = every[rank]
     w = i["w"]
+    # PyTorch's layer over all P ranks' experts (the ids are global), before the other ranks'
+    # inputs are let go
+    y_ref = B.forward_single(i["x"], i["ids"], i["rw"],
+                             {n: torch.cat([q["w"][n] for q in every]) for n in ("w_gate", "w_up", "w_down")})
+    del every
+    torch.cuda.empty_cache()
     ids = i["ids"].to(torch.int32)
     rw_bf16 = i["rw"].to(torch.bfloat16)  # LigerCute takes bf16 router weights
     torch.cuda.synchronize()
@@ -65,12 +86,11 @@ def main():
     before = M.snapshot()
     M.reset_peak()
     configure(device=dev, moe=MoEConfig(max_tokens=T, hidden_size=H, num_experts=E, top_k=k, num_hosts=1,
-                                        gpus_per_host=1))
-    out = dict(peer="ligercute", layer=a.layer, experts=E, tokens=T, skew=a.skew)
+                                        gpus_per_host=P))
+    out = dict(peer="ligercute", layer=a.layer, experts=E, tokens=T, skew=a.skew, ranks=P)
 
     with torch.no_grad():
         y = moe_fused(i["x"], ids, rw_bf16, w["w_gate"], w["w_up"], w["w_down"], E, k, pg=None)
-        y_ref = B.forward_single(i["x"], i["ids"], i["rw"], w)
     out["max_rel_err_vs_torch"] = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
 
     with torch.no_grad():
@@ -101,10 +121,17 @@ def main():
     out["forward_ms"] = times[len(times) // 2]
     out["forward_backward_ms"] = B.time_cuda(forward_backward, reps=max(3, a.reps // 2))
     out["memory_bytes"] = M.held_since(before)
+    keys = ("max_rel_err_vs_torch", "forward_nograd_ms", "forward_ms", "forward_backward_ms", "memory_bytes")
+    if P > 1:  # the slowest rank's times, the most memory any rank held, the largest error
+        worst = torch.tensor([float(out[key]) for key in keys], dtype=torch.float64, device=dev)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out.update({key: v for key, v in zip(keys, worst.tolist())})
+        out["memory_bytes"] = int(out["memory_bytes"])
     flops = B.flops_forward(T, k, H, I, 0)
     out["forward_tflops"] = flops / out["forward_ms"] / 1e9
     out["forward_backward_tflops"] = 3 * flops / out["forward_backward_ms"] / 1e9
-    print(json.dumps(out), flush=True)
+    if rank == 0:
+        print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 

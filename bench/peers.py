@@ -8,15 +8,18 @@ import subprocess
 here = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_liger(site, layer, experts, tokens, skew, reps, timeout_s=300):
-    """LigerCute on one case (bench/liger_peer.py under bench/liger-env.sh): its JSON row, or
-    {"skipped": reason}."""
+def run_liger(site, layer, experts, tokens, skew, reps, ranks=1, timeout_s=300):
+    """LigerCute on one case (bench/liger_peer.py under bench/liger-env.sh; across `ranks` GPUs one
+    process each, under torch.distributed.run): its JSON row, or {"skipped": reason}."""
     if not site:
         return {"skipped": "LigerCute not set up (bench/liger-setup.sh BUNDLE SITE, then --liger SITE)"}
     if not os.path.isdir(os.path.join(site, "liger_cute_kernels")):
         return {"skipped": f"no liger_cute_kernels in {site}"}
-    cmd = [os.path.join(here, "liger-env.sh"), site, "python3", os.path.join(here, "liger_peer.py"), "--layer", layer,
-           "--experts", str(experts), "--tokens", str(tokens), "--skew", str(skew), "--reps", str(reps)]
+    launch = ["python3"] if ranks == 1 else ["python3", "-m", "torch.distributed.run", "--standalone",
+                                             "--nproc_per_node", str(ranks)]
+    cmd = [os.path.join(here, "liger-env.sh"), site] + launch + [
+        os.path.join(here, "liger_peer.py"), "--layer", layer, "--experts", str(experts), "--tokens", str(tokens),
+        "--skew", str(skew), "--reps", str(reps), "--ranks", str(ranks)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -1,7 +1,8 @@
 """test_bench_smoke.py — the benchmark harness end to end on the cpu backend (MOK_BENCH_SMOKE=1:
 tiny layers, no GPU): bench.py for 1 and 2 ranks with a small sweep, the traces and the host timing, checking that
-it writes its JSON, its table and a trace per pass, and that the case table of bench/layers.py
-divides every layer's experts evenly for 1, 2, 4 and 8 ranks. Skipped without torch.
+it writes its JSON, its table and a trace per pass, that the case table of bench/layers.py
+divides every layer's experts evenly for 1, 2, 4 and 8 ranks, and how bench/peers.py launches
+LigerCute on one GPU and across GPUs. Skipped without torch.
 """
 import json
 import os
@@ -50,3 +51,37 @@ def test_bench_smoke(tmp_path, ranks):
         assert (ranks == 1) == ("baseline_forward_host_ms" in h)
     names = sorted(p.name for p in traces.iterdir())
     assert sum(n.endswith("_fwd.json") for n in names) == 2 and sum(n.endswith("_bwd.json") for n in names) == 2
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_liger_peer_launch(tmp_path, monkeypatch, ranks):
+    """bench/peers.py's LigerCute launch: one process on one GPU, torch.distributed.run with a
+    process per GPU across GPUs, the peer's --ranks; its JSON line back, or a skip with the reason
+    (no site, no package in it, a failed run). The launched command is captured, not run."""
+    import peers
+
+    assert "not set up" in peers.run_liger("", "qwen3-30b-a3b", 128, 8192, 0.0, 3, ranks)["skipped"]
+    assert "no liger_cute_kernels" in peers.run_liger(str(tmp_path), "qwen3-30b-a3b", 128, 8192, 0.0, 3,
+                                                      ranks)["skipped"]
+    (tmp_path / "liger_cute_kernels").mkdir()
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='banner\n{"forward_ms": 1.5}\n', stderr="")
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    row = peers.run_liger(str(tmp_path), "deepseek-v3", 256, 8192, 1.5, 3, ranks)
+    assert row == {"forward_ms": 1.5}
+    cmd = seen[0]
+    assert cmd[0].endswith("liger-env.sh") and cmd[1] == str(tmp_path)
+    assert ("torch.distributed.run" in cmd) == (ranks > 1)
+    if ranks > 1:
+        assert cmd[cmd.index("--nproc_per_node") + 1] == str(ranks)
+    assert cmd[cmd.index("--ranks") + 1] == str(ranks) and cmd[cmd.index("--skew") + 1] == "1.5"
+
+    def failing(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="trace\nRuntimeError: no NVSHMEM\n")
+
+    monkeypatch.setattr(peers.subprocess, "run", failing)
+    assert "no NVSHMEM" in peers.run_liger(str(tmp_path), "deepseek-v3", 256, 8192, 0.0, 3, ranks)["skipped"]
