@@ -72,8 +72,9 @@ def main():
     w = i["w"]
     # PyTorch's layer over all P ranks' experts (the ids are global), before the other ranks'
     # inputs are let go
-    y_ref = B.forward_single(i["x"], i["ids"], i["rw"],
-                             {n: torch.cat([q["w"][n] for q in every]) for n in ("w_gate", "w_up", "w_down")})
+    experts_all = w if P == 1 else {n: torch.cat([q["w"][n] for q in every]) for n in ("w_gate", "w_up", "w_down")}
+    y_ref = B.forward_single(i["x"], i["ids"], i["rw"], experts_all)
+    del experts_all
     del every
     torch.cuda.empty_cache()
     ids = i["ids"].to(torch.int32)

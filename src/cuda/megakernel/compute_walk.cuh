@@ -471,7 +471,6 @@ static __device__ __forceinline__ bool handoff_take(const pass_params &p, const 
        spans the CTA's other tasks, so it has no timeout (the consumers' stop post ends it) */
     mbar_wait_idle(hv.ready, k & 1, r.abort);
     const bool go = __all_sync(0xffffffffu, *(volatile unsigned long long *)r.abort == 0 && hv.slot->stop == 0);
-    if constexpr (!runner_handoff<Runner>::value) return false; /* never reached: the pass hands nothing off */
     if (go) {
         tile_handoff ho;
         ho.out = hv.slot->out;

@@ -243,7 +243,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     const handoff_view hv = handoff_of(staging);
     if (!FP8 && p.handoff) {
         /* every path below writes the staging region: warps 1-3 must have read the last handed-off
-           gate|up tile from it, and the TMA stores of its g|u (issued by thread 0) too */
+           tile from it, and the TMA stores of a gate|up tile's g|u (issued by thread 0) too */
         if (threadIdx.x == PRODUCER_THREADS) bulk_wait_read();
         handoff_wait(hv, p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, p.error, p.timeout_ns);
         consumer_sync();
@@ -280,25 +280,21 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
                                      (uint8_t *)h + h_row * inter, inter, p.limit, staging,
                                      hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
-        else {
-            /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
-            if (p.handoff) {
-                const bool keep = ctx && ctx_row0 < ctx_rows;
-                const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
-                if (p.n_tile == 128)
-                    swiglu_handoff<128>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 128), h + h_row * inter,
-                                        inter, staging, hv);
-                else
-                    swiglu_handoff<64>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 64), h + h_row * inter,
-                                       inter, staging, hv);
-            } else if (p.n_tile == 128) {
-                swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h + h_row * inter,
-                                   inter, p.limit, staging);
-            } else {
-                swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h + h_row * inter,
-                                  inter, p.limit, staging);
-            }
-        }
+        else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
+            const bool keep = ctx && ctx_row0 < ctx_rows;
+            const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
+            if (p.n_tile == 128)
+                swiglu_handoff<128>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 128), h + h_row * inter,
+                                    inter, staging, hv);
+            else
+                swiglu_handoff<64>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 64), h + h_row * inter, inter,
+                                   staging, hv);
+        } else if (p.n_tile == 128)
+            swiglu_staged<128>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, h + h_row * inter, inter,
+                               p.limit, staging);
+        else
+            swiglu_staged<64>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 64, h + h_row * inter, inter,
+                              p.limit, staging);
         break;
     }
     case MOK_TASK_DOWN:
