@@ -136,7 +136,7 @@ static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SM
 #define SMEM_EXPERTS_OFF (SMEM_PREP_OFF + 2 * (int)sizeof(task_prep))
 #define SMEM_SCALES_OFF ((SMEM_EXPERTS_OFF + (2 * SMEM_EXPERTS_MAX + 1) * 8 + 15) / 16 * 16)
 #define SMEM_ROWS_OFF (SMEM_SCALES_OFF + RING_STAGES * STAGE_SCALE_BYTES) /* a gathered A's rows (stage_ring) */
-#define COMPUTE_SMEM_BYTES (1024 + SMEM_ROWS_OFF + TILE_BM * 4)
+#define COMPUTE_SMEM_BYTES (1024 + SMEM_ROWS_OFF + TILE_BM * 8)
 static_assert(COMPUTE_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
@@ -569,7 +569,7 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
     sh.prep = (task_prep *)(aligned + SMEM_PREP_OFF);
     const int loaders = handoff_on<Runner>(p) ? 32 : LOADER_THREADS; /* NOTE (handoff) */
     r.loaders = loaders;
-    r.rows = (int32_t *)(aligned + SMEM_ROWS_OFF);
+    r.rows = (const uint16_t **)(aligned + SMEM_ROWS_OFF);
     if (threadIdx.x == 0) {
         for (int s = 0; s < RING_STAGES; ++s) {
             mbar_init(r.full + 8 * s, loaders);

@@ -106,7 +106,7 @@ struct stage_ring {
     long long timeout_ns;
     const CUtensorMap *maps; /* the pass's tensor maps (parameter space), or NULL */
     uint32_t scales; /* FP8: shared address of stage 0's scale slot (STAGE_SCALE_BYTES each) */
-    int32_t *rows;   /* a gathered A's source rows (TILE_BM, shared memory; gather_rows) */
+    const uint16_t **rows; /* a gathered A's source rows (TILE_BM, shared memory; gather_rows) */
     int loaders;     /* the threads that load the stages: LOADER_THREADS, or 32 (NOTE (ring protocol)) */
 };
 
@@ -153,25 +153,48 @@ static __device__ __forceinline__ void load_scales(const stage_ring &r, const ti
     }
 }
 
-/* Producer, before a GEMM whose A is gathered (op.a_slots): the source row of each of A's rows into
- * r.rows, for the loaders' copies (0 past a_rows, which read as zeros). The barriers around it:
- * every loader has issued the previous GEMM's copies (which read the table as they issue) before
- * it is written, and sees it whole after. */
+/* Producer, before a GEMM whose A is gathered (op.a_slots): the address of each of A's source rows
+ * into r.rows, for the loaders' copies (row 0 of op.a past a_rows, which read as zeros). The
+ * barriers around it: every loader has issued the previous GEMM's copies (which read the table as
+ * they issue) before it is written, and sees it whole after. */
 static __device__ __forceinline__ void gather_rows(const stage_ring &r, const tile_operands &op, int tid) {
     producer_sync(r.loaders);
-    for (int m = tid; m < TILE_BM; m += r.loaders) r.rows[m] = m < op.a_rows ? op.a_slots[m] / op.a_div : 0;
+    for (int m = tid; m < TILE_BM; m += r.loaders)
+        r.rows[m] = op.a + (m < op.a_rows ? (long long)(op.a_slots[m] / op.a_div) * op.lda : 0);
     producer_sync(r.loaders);
 }
 
-/* Producer, the gathered A of one stage (every loader, tid < n): row m's 64-k slice at k0 from row
- * rows[m] of op.a, 16-byte chunks into the 128B swizzle, 8 threads to a row's 128 bytes. */
-static __device__ __forceinline__ void load_gathered_a(uint32_t a_base, const tile_operands &op, const int32_t *rows,
-                                                       long long k0, int tid, int n) {
-#pragma unroll 4
-    for (int idx = tid; idx < TILE_BM * 8; idx += n) {
-        const int row = idx >> 3, chunk = idx & 7;
-        const bool valid = row < op.a_rows;
-        cp_async_16(a_base + swizzle(row, chunk), op.a + (long long)rows[row] * op.lda + k0 + chunk * 8, valid);
+/* Producer, the gathered A of one stage, from N loaders (tid < N, N a multiple of 8): row m's 64-k
+ * slice at k0 from rows[m], 16-byte chunks into the 128B swizzle. A thread keeps one chunk (tid %
+ * 8, so 8 threads fill a row's 128 bytes) of rows tid / 8 + i N / 8; as N / 8 is 4 mod 8, a row's
+ * swizzle (chunk ^ row % 8) takes two values, by i's parity, and the unrolled loop's shared
+ * addresses are immediates. The row addresses come from shared memory 8 at a time, ahead of
+ * their copies: the loop is the producer's instruction stream for every stage, one warp of it
+ * against 1024 chunks where the consumers spend ~1000 cycles a stage. */
+template <int N>
+static __device__ __forceinline__ void load_gathered_a(uint32_t a_base, const tile_operands &op,
+                                                       const uint16_t *const *rows, long long k0, int tid) {
+    static_assert(N % 8 == 0 && (N / 8) % 8 == 4, "a row's swizzle takes two values");
+    constexpr int STEP = N / 8, ITERS = (TILE_BM + STEP - 1) / STEP, BATCH = 8;
+    /* r0 < STEP (the mask tells the compiler so where STEP is a power of two: no bound checks) */
+    const int chunk = tid & 7, r0 = (STEP & (STEP - 1)) == 0 ? (tid >> 3) & (STEP - 1) : tid >> 3;
+    const uint32_t even = a_base + r0 * 128 + ((chunk ^ (r0 & 7)) << 4);
+    const uint32_t odd = a_base + r0 * 128 + ((chunk ^ ((r0 + 4) & 7)) << 4);
+    const long long col = k0 + chunk * 8;
+#pragma unroll
+    for (int b = 0; b < ITERS; b += BATCH) {
+        const uint16_t *src[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int row = r0 + (b + j) * STEP;
+            src[j] = b + j < ITERS && ((b + j + 1) * STEP <= TILE_BM || row < TILE_BM) ? rows[row] : nullptr;
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = b + j, row = r0 + i * STEP;
+            if (i >= ITERS || ((i + 1) * STEP > TILE_BM && row >= TILE_BM)) break;
+            cp_async_16((i & 1 ? odd : even) + i * STEP * 128, src[j] + col, row < op.a_rows);
+        }
     }
 }
 
@@ -181,11 +204,11 @@ static __device__ __forceinline__ void load_gathered_a(uint32_t a_base, const ti
 #define LOAD_ITERS_A ((1024 + LOADER_THREADS - 1) / LOADER_THREADS)
 #define LOAD_ITERS_B ((64 * TILE_BN / 8 + LOADER_THREADS - 1) / LOADER_THREADS)
 template <bool A_MN, bool B_MN, bool KSPLIT = false>
-static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_operands &op, const int32_t *rows,
-                                                  long long k0, int tid) {
+static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_operands &op,
+                                                  const uint16_t *const *rows, long long k0, int tid) {
     const uint32_t b_base = a_base + STAGE_A_BYTES;
     if (!A_MN && op.a_slots) {
-        load_gathered_a(a_base, op, rows, k0, tid, LOADER_THREADS);
+        load_gathered_a<LOADER_THREADS>(a_base, op, rows, k0, tid);
     } else if (A_MN) {
 #pragma unroll 2
         for (int i = 0; i < LOAD_ITERS_A; ++i) {
@@ -293,7 +316,8 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
             }
         }
         if (gathered) {
-            load_gathered_a(a, op, r.rows, (long long)kt * TILE_BK, tid, r.loaders);
+            if (r.loaders == 32) load_gathered_a<32>(a, op, r.rows, (long long)kt * TILE_BK, tid);
+            else load_gathered_a<LOADER_THREADS>(a, op, r.rows, (long long)kt * TILE_BK, tid);
             cp_async_arrive(full);
         } else if (tid != 0 && FP8) {
             load_scales<FP8>(r, op, kt, tid);
