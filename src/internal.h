@@ -135,7 +135,6 @@ static inline mok_plan_workspace mok__plan_workspace(const mok_workspace *ws, mo
     w.nranks = ws->group->nranks;
     w.context_rows = ws->context_rows;
     w.tiles = tiles;
-    w.x_in_place = 0;
     return w;
 }
 

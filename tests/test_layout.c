@@ -106,7 +106,7 @@ MOK_TEST(plan_transfer_switches) {
     c.fwd_dispatch = MOK_PUSH;
     c.bwd_dispatch = MOK_PULL;
     c.bwd_combine = MOK_PUSH;
-    const mok_plan_workspace w = {&s, &c, 2, 128, {.n_tile = 64, .n_tile_h = 64, .wgrad_tile = 64}, 1};
+    const mok_plan_workspace w = {&s, &c, 2, 128, {.n_tile = 64, .n_tile_h = 64, .wgrad_tile = 64}};
     int64_t start[5] = {0}, rows[4] = {0};
     mok_sched_header header;
     memset(&header, 0, sizeof header);
@@ -130,27 +130,6 @@ MOK_TEST(plan_transfer_switches) {
               "pass %d: its fields", kinds[i]);
     }
     CHECK(mok__config_turned(&c), "every transfer turned");
-    /* x in place: one rank, bf16, forward or recompute, the forward's default directions */
-    mok_config d = mok_config_default();
-    mok_plan_workspace one = {&s, &d, 1, 128, {.n_tile = 64, .n_tile_h = 64, .wgrad_tile = 64}, 1};
-    for (int i = 0; i < 3; ++i) {
-        const mok_plan_pass pass = {.kind = kinds[i], .rank = 0, .num_tokens = 10, .sched = &v};
-        CHECK(mok__plan_pass(&one, &pass).x_in_place == (kinds[i] != MOK_PASS_BACKWARD), "one rank, pass %d: in place",
-              kinds[i]);
-        CHECK(!mok__plan_pass(&w, &pass).x_in_place, "two ranks, pass %d: not in place", kinds[i]);
-    }
-    const mok_plan_pass fwd = {.kind = MOK_PASS_FORWARD, .rank = 0, .num_tokens = 10, .sched = &v};
-    one.x_in_place = 0;
-    CHECK(!mok__plan_pass(&one, &fwd).x_in_place, "a backend that does not read x in place");
-    one.x_in_place = 1;
-    d.fwd_combine = MOK_PULL;
-    CHECK(!mok__plan_pass(&one, &fwd).x_in_place, "combine_pull: not in place");
-    d.fwd_combine = MOK_PUSH;
-    d.fwd_dispatch = MOK_PUSH;
-    CHECK(!mok__plan_pass(&one, &fwd).x_in_place, "dispatch_push: not in place");
-    d.fwd_dispatch = MOK_PULL;
-    s.precision = MOK_PRECISION_FP8;
-    CHECK(!mok__plan_pass(&one, &fwd).x_in_place, "FP8: not in place");
     const mok_config plain = mok_config_default();
     CHECK(!mok__config_turned(&plain), "the default directions turn nothing");
 }

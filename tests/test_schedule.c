@@ -272,7 +272,6 @@ typedef struct plan_case {
     int minibatch_rows, ring_rows;
     int64_t context_rows;
     int wide_h; /* H tiles of 128 columns (down, dx) where H allows */
-    int x_in_place; /* forward, recompute: the gate/up tiles read x in place (mok_plan) */
 } plan_case;
 
 static const char *plan_name(const plan_case *c) {
@@ -302,23 +301,20 @@ static mok_plan plan_from(const plan_case *c, const mok_sched_view *v, int L, in
     p.wgrad_tile_n = c->wide_h ? 128 : 0; /* rectangular weight-gradient tiles, as the GPU's */
     p.expert_start = v->expert_start;
     p.expert_rows = v->expert_rows;
-    p.x_in_place = c->x_in_place;
     return p;
 }
 
 /* The ring's users in a one-rank list with the default transfers, per row tile: the tasks that
  * read or write its rows (DISPATCH, GATEUP, DOWN, COMBINE, PULL, DH, DX, PUSH: row tile a; a
  * WGRAD: every row tile that its expert's rows in its macrobatch touch). A task that refills a
- * ring slot (DISPATCH or PULL into a minibatch >= ring_mbs, row tile a; with x in place the
- * GATEUP, which writes h there) overwrites the rows of row tile a - shift, whose users must all be
- * done when it starts. A WGRAD task continues the
+ * ring slot (DISPATCH or PULL into a minibatch >= ring_mbs, row tile a) overwrites the rows of
+ * row tile a - shift, whose users must all be done when it starts. A WGRAD task continues the
  * sum of the same tile of its expert's weight gradients from an earlier macrobatch (through the
  * carry slot, or the caller's buffer when accumulating): that task, prior[i], must be done when
  * it starts. */
 typedef struct ring_users {
     int64_t tiles, shift;  /* row tiles of the pass; ring slots in row tiles */
     int ring_mbs;
-    int x_in_place;        /* the plan's: GATEUP refills */
     int64_t *first, *list; /* users of tile t: list[first[t] .. first[t + 1]) */
     int64_t *prior;        /* [n]: a WGRAD task's predecessor on its output tile, -1 none */
 } ring_users;
@@ -346,7 +342,6 @@ static ring_users ring_users_build(const mok_plan *p, const mok_task *tasks, int
     u.tiles = p->padded_rows / MOK_ROW_TILE;
     u.shift = p->ring_rows / MOK_ROW_TILE;
     u.ring_mbs = p->ring_rows / p->minibatch_rows;
-    u.x_in_place = p->x_in_place;
     u.first = calloc((size_t)u.tiles + 2, sizeof(int64_t));
     for (int pass = 0; pass < 2; ++pass) { /* count, then place */
         int64_t *fill = pass ? calloc((size_t)u.tiles + 1, sizeof(int64_t)) : NULL;
@@ -400,9 +395,7 @@ static void ring_users_free(ring_users *u) {
  * its predecessor on its weight-gradient tile not done (a WGRAD); 0 for other tasks. */
 static int64_t ring_hazards(const ring_users *u, int64_t i, const mok_task *t, const char *done) {
     if (t->kind == MOK_TASK_WGRAD) return u->prior[i] >= 0 && !done[u->prior[i]];
-    const int refill = t->kind == MOK_TASK_DISPATCH || t->kind == MOK_TASK_PULL ||
-                       (u->x_in_place && t->kind == MOK_TASK_GATEUP);
-    if (!refill || t->minibatch < u->ring_mbs) return 0;
+    if ((t->kind != MOK_TASK_DISPATCH && t->kind != MOK_TASK_PULL) || t->minibatch < u->ring_mbs) return 0;
     const int64_t prev = t->a - u->shift;
     int64_t pending = 0;
     for (int64_t j = u->first[prev]; j < u->first[prev + 1]; ++j) pending += !done[u->list[j]];
@@ -529,13 +522,11 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
     int64_t width[MOK_TASK_NUM_KINDS] = {0}, height[MOK_TASK_NUM_KINDS] = {0};
     int expected[MOK_TASK_NUM_KINDS] = {0};
     if (!p->backward) {
-        if (!p->x_in_place)
-            expected[MOK_TASK_DISPATCH] = 1, height[MOK_TASK_DISPATCH] = ntiles, width[MOK_TASK_DISPATCH] = 1;
+        expected[MOK_TASK_DISPATCH] = 1, height[MOK_TASK_DISPATCH] = ntiles, width[MOK_TASK_DISPATCH] = 1;
         expected[MOK_TASK_GATEUP] = 1, height[MOK_TASK_GATEUP] = ntiles, width[MOK_TASK_GATEUP] = nI;
         if (!p->recompute) {
             expected[MOK_TASK_DOWN] = 1, height[MOK_TASK_DOWN] = ntiles, width[MOK_TASK_DOWN] = nH;
-            if (!p->x_in_place)
-                expected[MOK_TASK_COMBINE] = 1, height[MOK_TASK_COMBINE] = ntiles, width[MOK_TASK_COMBINE] = 1;
+            expected[MOK_TASK_COMBINE] = 1, height[MOK_TASK_COMBINE] = ntiles, width[MOK_TASK_COMBINE] = 1;
         }
         if (nIs > 0) {
             expected[MOK_TASK_SHARED_UP] = 1, height[MOK_TASK_SHARED_UP] = ntt, width[MOK_TASK_SHARED_UP] = nIs;
@@ -766,13 +757,12 @@ static int check_all_plans(const routing *rt, const mok_sched_layout *lay, void 
     int64_t H = dims[rng_range(r, 0, 2)], I = dims[rng_range(r, 0, 2)], Is = dims[rng_range(r, 0, 2)];
     int mb = (int)rng_range(r, 1, 3) * MOK_ROW_TILE;
     int bad = 0;
-    for (int kind = 0; kind < 6; ++kind) /* forward, recompute, backward, accumulate; the first two in place */
+    for (int kind = 0; kind < 4; ++kind)
         for (int ring = 0; ring < 4; ++ring)
             for (int shared = 0; shared < 2; ++shared) {
                 plan_case c = {0};
-                c.x_in_place = kind >= 4;
-                c.backward = kind == 2 || kind == 3;
-                c.recompute = kind == 1 || kind == 5;
+                c.backward = kind >= 2;
+                c.recompute = kind == 1;
                 c.accumulate = kind == 3;
                 c.shared = shared;
                 c.minibatch_rows = mb;
@@ -786,10 +776,9 @@ static int check_all_plans(const routing *rt, const mok_sched_layout *lay, void 
                 p.raster = rasters[rng_range(r, 0, 3)];
                 char what[256];
                 snprintf(what, sizeof what,
-                         "P %d rank %d E_local %d k %d T %lld padded %lld: %s%s mb %d ring %d shared %d (H %lld/%d I "
-                         "%lld I_s %lld ctx %lld raster %d)",
-                         rt->P, rank, rt->L, rt->k, (long long)rt->T[rank], (long long)p.padded_rows, plan_name(&c),
-                         c.x_in_place ? " (x in place)" : "", mb,
+                         "P %d rank %d E_local %d k %d T %lld padded %lld: %s mb %d ring %d shared %d (H %lld/%d I %lld "
+                         "I_s %lld ctx %lld raster %d)",
+                         rt->P, rank, rt->L, rt->k, (long long)rt->T[rank], (long long)p.padded_rows, plan_name(&c), mb,
                          c.ring_rows, shared, (long long)H, p.n_tile_h, (long long)I, (long long)Is,
                          (long long)c.context_rows, p.raster);
                 bad += check_plan(&p, lay->max_rows, rt->T_max, r, random_sims, what);
@@ -1065,11 +1054,11 @@ MOK_TEST(schedule_tasks_zero_tokens) {
         check_all_plans(&rt, &lay, buf, 1, &r, 2);
         if (all) {
             /* the forward of an empty pass has nothing at all to do */
-            plan_case fc = {0, 0, 0, 1, 256, 512, lay.max_rows, 0, 0};
+            plan_case fc = {0, 0, 0, 1, 256, 512, lay.max_rows, 0};
             mok_plan p = plan_from(&fc, &v, rt.L, 0, 128, 128, 128);
             mok_task tasks[4];
             CHECK(mok__tasks_build(&p, tasks, 4) == 0, "empty forward has tasks");
-            plan_case bc = {1, 0, 0, 1, 256, 512, lay.max_rows, 0, 0};
+            plan_case bc = {1, 0, 0, 1, 256, 512, lay.max_rows, 0};
             p = plan_from(&bc, &v, rt.L, 0, 128, 128, 128);
             mok_task *bt = malloc(sizeof(mok_task) * 4096);
             int64_t n = mok__tasks_build(&p, bt, 4096);
@@ -1135,7 +1124,7 @@ MOK_TEST(schedule_tasks_broken_list) {
     mok_sched_view v = mok__sched_view(&lay, buf);
     CHECK(v.header->padded_rows == 768, "padded rows %lld", (long long)v.header->padded_rows);
 
-    plan_case fc = {0, 0, 0, 0, 256, 512, lay.max_rows, 0, 0};
+    plan_case fc = {0, 0, 0, 0, 256, 512, lay.max_rows, 0};
     mok_plan p = plan_from(&fc, &v, 2, 300, 128, 128, 0);
     mok_counters_layout CL;
     mok__counters_layout(&p, &CL);
@@ -1190,7 +1179,7 @@ MOK_TEST(schedule_tasks_broken_list) {
     free(scratch);
 
     /* backward: a WGRAD of macrobatch 0 ahead of the last DH of macrobatch 0 */
-    plan_case bc = {1, 0, 0, 0, 256, 512, lay.max_rows, 0, 0};
+    plan_case bc = {1, 0, 0, 0, 256, 512, lay.max_rows, 0};
     p = plan_from(&bc, &v, 2, 300, 128, 128, 0);
     mok__counters_layout(&p, &CL);
     cap = mok__tasks_max(&p, lay.max_rows, 300);

@@ -113,25 +113,15 @@ MOK_TEST(tuning_resolve) {
           "DeepSeek-V3: tma %d handoff %d raster %d cols %d / %d / %d", t.tma, t.handoff, t.raster, t.cols_gateup,
           t.cols_dh, t.cols_h);
     CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 0, 132) &&
-              t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 132) && t.x_in_place == 0,
-          "DeepSeek-V3 EP2 comm CTAs %d / %d, x in place %d", t.fwd_comm_ctas, t.bwd_comm_ctas, t.x_in_place);
+              t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 132),
+          "DeepSeek-V3 EP2 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
     t = resolve(&qwen, &config, 1, 1, NULL);
     CHECK(t.raster == 1 && t.cols_gateup == 128 && t.cols_dh == 128 && t.cols_h == 256,
           "Qwen3: raster %d cols %d / %d / %d", t.raster, t.cols_gateup, t.cols_dh, t.cols_h);
-    /* one rank with the default directions: the forward reads x in place and moves no rows, the
-       dx tiles store their rows (direct) */
-    CHECK(t.x_in_place == 1 && t.fwd_comm_ctas == 0 && t.bwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 0, 132),
-          "Qwen3 EP1: x in place %d, comm CTAs %d / %d", t.x_in_place, t.fwd_comm_ctas, t.bwd_comm_ctas);
-    const char *const dispatched[] = {"MOK_CUDA_X_IN_PLACE=0", NULL};
-    t = resolve(&qwen, &config, 1, 1, dispatched);
-    CHECK(t.x_in_place == 0 && t.fwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 0, 132),
-          "Qwen3 EP1 dispatched: x in place %d, forward comm CTAs %d", t.x_in_place, t.fwd_comm_ctas);
-    mok_shape qwen8 = qwen;
-    qwen8.precision = MOK_PRECISION_FP8;
-    CHECK(resolve(&qwen8, &config, 1, 1, NULL).x_in_place == 0, "FP8 dispatches x^ and its scales");
-    mok_config pulled = config;
-    pulled.fwd_combine = MOK_PULL;
-    CHECK(resolve(&qwen, &pulled, 1, 1, NULL).x_in_place == 0, "combine_pull: dispatched");
+    /* one rank with the default directions: the down / dx tiles store their rows (direct) */
+    CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 0, 132) &&
+              t.bwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 0, 132),
+          "Qwen3 EP1 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
     t = resolve(&odd, &config, 1, 1, NULL);
     CHECK(t.cols_gateup == 64 && t.cols_dh == 64 && t.cols_h == 64, "H 320, I 192: cols %d / %d / %d",
           t.cols_gateup, t.cols_dh, t.cols_h);
@@ -163,7 +153,6 @@ MOK_TEST(tuning_resolve) {
     t = resolve(&dsv3, &fixed, 2, 1, NULL);
     CHECK(t.fwd_comm_ctas == 5 && t.bwd_comm_ctas == 131, "configured comm CTAs %d / %d (at most all SMs but one)",
           t.fwd_comm_ctas, t.bwd_comm_ctas);
-    CHECK(resolve(&qwen, &fixed, 1, 1, NULL).fwd_comm_ctas == 0, "configured, x in place: no rows to move");
 }
 
 /* The walk's runs: tile-major where an expert's gate|up weights fit in half the L2, else the power
@@ -185,10 +174,10 @@ MOK_TEST(tuning_raster) {
 
 /* The text: every knob in table order, and snprintf's answer when it does not fit. */
 MOK_TEST(tuning_format) {
-    const mok_cuda_tuning t = {1, 0, 1, 8, 128, 256, 64, 10, 16};
-    const char *want = "tma=1 handoff=0 x_in_place=1 raster=8 cols_gateup=128 cols_dh=256 cols_h=64 fwd_comm_ctas=10 "
-                       "bwd_comm_ctas=16";
-    char text[160];
+    const mok_cuda_tuning t = {1, 0, 8, 128, 256, 64, 10, 16};
+    const char *want =
+        "tma=1 handoff=0 raster=8 cols_gateup=128 cols_dh=256 cols_h=64 fwd_comm_ctas=10 bwd_comm_ctas=16";
+    char text[128];
     memset(text, 'x', sizeof text);
     const size_t n = mok__cuda_tuning_format(&t, text, sizeof text);
     CHECK(n == strlen(want) && strcmp(text, want) == 0, "format: '%s' (%zu)", text, n);

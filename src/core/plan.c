@@ -50,13 +50,7 @@ mok_plan mok__plan_pass(const mok_plan_workspace *w, const mok_plan_pass *pass) 
     p.expert_rows = pass->sched->expert_rows;
     p.rank = pass->rank;
     plan_directions(&p, w->config, pass->kind == MOK_PASS_FORWARD, pass->kind == MOK_PASS_BACKWARD);
-    p.x_in_place = w->x_in_place && mok__plan_x_in_place(w->shape, w->config, w->nranks, pass->kind);
     return p;
-}
-
-int mok__plan_x_in_place(const mok_shape *shape, const mok_config *config, int nranks, int kind) {
-    return nranks == 1 && kind != MOK_PASS_BACKWARD && shape->precision == MOK_PRECISION_BF16 &&
-           config->fwd_dispatch == MOK_PULL && config->fwd_combine == MOK_PUSH;
 }
 
 mok_plan mok__plan_switches(const mok_config *config, int kind) {

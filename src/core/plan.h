@@ -28,7 +28,6 @@ typedef struct mok_plan_workspace {
     int nranks;
     int64_t context_rows; /* the workspace's: routed rows whose gate/up the context keeps */
     mok_plan_tiles tiles;
-    int x_in_place;       /* the backend reads x in place where mok__plan_x_in_place allows */
 } mok_plan_workspace;
 
 /* What one pass on one rank adds: its kind, its tokens and its schedule. */
@@ -52,12 +51,6 @@ mok_plan mok__plan_pass(const mok_plan_workspace *ws, const mok_plan_pass *pass)
  * dispatch_push, dispatch_pull, combine_push; the rest zero): for a backend whose kernels build the
  * rest of the plan themselves. */
 mok_plan mok__plan_switches(const mok_config *config, int kind);
-
-/* Whether a pass of this kind may read x in place (mok_plan's x_in_place): a forward or recompute
- * on one rank, in bf16 (an FP8 dispatch moves x^ with its scales), with the forward's default
- * directions (pull dispatch, push combine: one rank's down tiles then store their rows
- * themselves). The backend decides whether it does. */
-int mok__plan_x_in_place(const mok_shape *shape, const mok_config *config, int nranks, int kind);
 
 /* Whether the config turns any transfer from its default direction (pull dispatch, push combine,
  * pull reverse-combine, push reverse-dispatch): then some pass's list names peers, and peers reach

@@ -124,12 +124,6 @@ typedef struct mok_plan {
     int dispatch_pull;           /* backward: owners gather dx parts and router-weight gradients */
     int dispatch_push;           /* forward (not recompute): owners write x rows into the peers' rings */
     int combine_push;            /* backward: owners write dy, x, w rows into the peers' rings */
-    /* Forward or recompute on one rank (mok__plan_x_in_place): the gate/up tiles read their rows of
-       x in place, so the list has no dispatch and no combine (the down tiles store their rows into
-       the (token, slot) rows themselves) and no comm task at all; a ring slot's gate/up waits
-       instead for its previous occupant's last reader of the ring (its down tiles, in a recompute
-       its gate/up tiles). */
-    int x_in_place;
     int nranks, rank;
     const int64_t *peer_padded_rows; /* [nranks]: every rank's padded rows (either of the two) */
 } mok_plan;

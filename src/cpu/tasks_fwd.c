@@ -1,9 +1,7 @@
 /* tasks_fwd.c — the forward's tasks on the cpu backend (kinds in core/tasks.h) and its
  * epilogue. Buffer ownership: ring rows are written by DISPATCH (x) and GATEUP/DOWN (h, y) of
  * the row tile that owns them and read by later tasks of the same tile; a peer's combine buffer
- * row (token, slot) is written by exactly one COMBINE, of the rank that owns the expert. With x
- * read in place (mok_plan's x_in_place: one rank) GATEUP reads the staged x and DOWN writes the
- * (token, slot) rows itself.
+ * row (token, slot) is written by exactly one COMBINE, of the rank that owns the expert.
  *
  * FP8 (include/mok.h): x is quantized when the pass stages it, and the ring holds its E4M3 rows
  * and scales; h stays bf16 in the ring and the down tile quantizes its rows as it loads them (a
@@ -131,13 +129,7 @@ void mok__cpu_gateup(const cpu_pass *pass, const cpu_tile *tile, int64_t n0, flo
         const void *w_gate = pass->fa ? pass->fa->w_gate : pass->ba->w_gate;
         const void *w_up = pass->fa ? pass->fa->w_up : pass->ba->w_up;
         float *a = scratch_a(scratch), *bg = scratch_bt(pass, scratch, 0), *bu = scratch_bt(pass, scratch, 1);
-        if (pass->plan.x_in_place) { /* the rows' tokens' x, as staged */
-            const uint16_t *x = sym_bf16(pass->R, &pass->cw->sym, pass->R->rank, pass->cw->sym.x);
-            for (int r = 0; r < tile->nreal; ++r)
-                mok__cpu_rows_to_f32(a + (size_t)r * H, x + pass->sched.row_slot[tile->row0 + r] / s->topk * H, H, 1, H);
-        } else {
-            mok__cpu_rows_to_f32(a, pass->R->ring_x + tile->ring0 * H, H, tile->nreal, H);
-        }
+        mok__cpu_rows_to_f32(a, pass->R->ring_x + tile->ring0 * H, H, tile->nreal, H);
         mok__cpu_bt_from_nk(bg, (const uint16_t *)w_gate + (int64_t)tile->expert * I * H, H, n0, NT, H);
         mok__cpu_bt_from_nk(bu, (const uint16_t *)w_up + (int64_t)tile->expert * I * H, H, n0, NT, H);
         mok__cpu_gemm(g, a, tile->nreal, H, bg, NT);
@@ -247,14 +239,9 @@ static void down(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
         mok__cpu_bt_from_nk(bt, (const uint16_t *)pass->fa->w_down + (int64_t)tile.expert * H * I, I, n0, NT, I);
         mok__cpu_gemm(acc, a, tile.nreal, I, bt, NT);
     }
-    for (int r = 0; r < tile.nreal; ++r) {
-        /* x in place (one rank): into the row's (token, slot) row, which no combine moves */
-        uint16_t *y = pass->plan.x_in_place
-                          ? sym_bf16(pass->R, &pass->cw->sym, pass->R->rank, pass->cw->sym.comb) +
-                                (int64_t)pass->sched.row_slot[tile.row0 + r] * H
-                          : pass->R->ring_y + (tile.ring0 + r) * H;
-        for (int n = 0; n < NT; ++n) y[n0 + n] = mok__bf16_from_f32(acc[r * NT + n]);
-    }
+    for (int r = 0; r < tile.nreal; ++r)
+        for (int n = 0; n < NT; ++n)
+            pass->R->ring_y[(tile.ring0 + r) * H + n0 + n] = mok__bf16_from_f32(acc[r * NT + n]);
 }
 
 static void combine(cpu_pass *pass, int64_t rt) {

@@ -130,7 +130,6 @@ mok_status mok__cpu_workspace_create(mok_workspace *ws) {
     if (!cw) return mok__fail(MOK_ERR_OUT_OF_MEMORY, "workspace: out of host memory");
     const mok_plan_tiles tiles = {.n_tile = CPU_N_TILE, .n_tile_h = CPU_N_TILE, .wgrad_tile = CPU_WGRAD_TILE};
     cw->plan = mok__plan_workspace(ws, tiles);
-    cw->plan.x_in_place = 1; /* as the cuda backend's default, whose protocol this one proves */
     sym_layout(&cw->sym, ws, cw);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     /* Auto: every core computes; the movers come on top (they sleep in memcpy-sized bursts). */

@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/plan.h"
 #include "internal.h"
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -64,9 +63,7 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
     t->tma = tma_found && !(tma && tma[0] == '0');
     const char *handoff = env("MOK_CUDA_HANDOFF");
     t->handoff = handoff && (handoff[0] == '0' || handoff[0] == '2') && handoff[1] == '\0' ? handoff[0] - '0' : 1;
-    const char *in_place = env("MOK_CUDA_X_IN_PLACE");
-    t->x_in_place = !(in_place && in_place[0] == '0') && mok__plan_x_in_place(s, c, nranks, MOK_PASS_FORWARD);
-    t->fwd_comm_ctas = t->x_in_place ? 0 : comm_ctas(s, c, nranks, num_sms, 0); /* in place: nothing to move */
+    t->fwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 0);
     t->bwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 1);
     const char *raster = env("MOK_CUDA_RASTER");
     t->raster = raster ? atoi(raster) : 0;

@@ -25,10 +25,6 @@
       "a bf16 forward whose operands all load by TMA hands each gate|up tile's h to the producer warpgroup's "     \
       "warps 1-3 (megakernel/compute_walk.cuh, NOTE (handoff)); 2: its down tiles' row stores too; 0: the "        \
       "consumers do both. The same bits every way")                                                               \
-    X(x_in_place, "MOK_CUDA_X_IN_PLACE", "1",                                                                      \
-      "where core/plan.h allows (a one-rank bf16 forward or recompute with the default directions) the gate|up "   \
-      "tiles read their rows of x in place, gathered by cp.async, and the pass runs no comm CTAs; 0: the comm "    \
-      "CTAs dispatch the rows into the ring first, as across ranks. The same bits either way")                    \
     X(raster, "MOK_CUDA_RASTER", "16 where an expert's gate|up weights exceed half the L2, else 1 (mok__cuda_raster)", \
       "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \
       "neighbouring tickets share a few weight panels in L2; 1: tile-major, where the weights stay in L2 anyway " \
@@ -41,7 +37,7 @@
       "stretches with the width")                                                                                 \
     X(cols_h, "MOK_CUDA_COLS_H", "the widest of 256, 128, 64 that divides H",                                    \
       "columns of H per down and dx task; the variable caps it at 128 or 64")                                     \
-    X(fwd_comm_ctas, NULL, "0 where x_in_place applies, else config.fwd_comm_sms, or for 0 mok__cuda_comm_ctas", \
+    X(fwd_comm_ctas, NULL, "config.fwd_comm_sms, or for 0 mok__cuda_comm_ctas",                                   \
       "CTAs that move rows in the forward; with config 0, a pass whose transfers are turned scales it by its "    \
       "routing (mok__cuda_comm_ctas_scaled)")                                                                         \
     X(bwd_comm_ctas, NULL, "config.bwd_comm_sms, or for 0 mok__cuda_comm_ctas",                                   \

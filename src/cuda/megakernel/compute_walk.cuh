@@ -112,7 +112,7 @@ struct tile_handoff {
  * router weights; backward.cu),
  * the mbarriers (full, empty, qfull, qempty, cfull, cempty, hready, htaken), the queues, the
  * handoff slot, the task preps, the schedule's experts, the stages' scale slots (FP8,
- * gemm_tile.cuh), a gathered A's source rows (gemm_tile.cuh: gather_rows). */
+ * gemm_tile.cuh). */
 #define SMEM_STAGING_OFF (RING_STAGES * STAGE_BYTES)
 #define SMEM_STAGING_BYTES (TILE_BM * TILE_C_LD * 2)
 #define DH_SCRATCH_LD 68 /* floats: 64 columns, padded */
@@ -135,8 +135,7 @@ static_assert(4 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES && SM
 #define SMEM_EXPERTS_MAX 512
 #define SMEM_EXPERTS_OFF (SMEM_PREP_OFF + 2 * (int)sizeof(task_prep))
 #define SMEM_SCALES_OFF ((SMEM_EXPERTS_OFF + (2 * SMEM_EXPERTS_MAX + 1) * 8 + 15) / 16 * 16)
-#define SMEM_ROWS_OFF (SMEM_SCALES_OFF + RING_STAGES * STAGE_SCALE_BYTES) /* a gathered A's rows (stage_ring) */
-#define COMPUTE_SMEM_BYTES (1024 + SMEM_ROWS_OFF + TILE_BM * 8)
+#define COMPUTE_SMEM_BYTES (1024 + SMEM_SCALES_OFF + RING_STAGES * STAGE_SCALE_BYTES)
 static_assert(COMPUTE_SMEM_BYTES <= 227 * 1024, "a compute CTA's shared memory exceeds the 227 KB an SM gives one block");
 
 /* The shared-memory addresses a warp-specialised CTA's roles share. */
@@ -300,7 +299,6 @@ static __device__ __forceinline__ bool variant_used(int variant) {
 
 template <typename Runner>
 static __device__ void produce(stage_ring &r, int variant, const tile_operands &op, int tid) {
-    if (op.a_slots) gather_rows(r, op, tid);
     /* an FP8 runner's E4M3 GEMMs: layouts 0 and 1, both K-major, B maybe split along K; its
        layout 3 (the weight gradients) is bf16 and carries no scales */
     const bool e4m3 = runner_fp8<Runner>::value && (variant_used<Runner, false, false>(variant) ||
@@ -568,8 +566,6 @@ static __device__ __forceinline__ void walk_compute(const pass_params &p, const 
     sh.cq = (volatile done_task *)(aligned + SMEM_DONE_QUEUE_OFF);
     sh.prep = (task_prep *)(aligned + SMEM_PREP_OFF);
     const int loaders = handoff_on<Runner>(p) ? 32 : LOADER_THREADS; /* NOTE (handoff) */
-    r.loaders = loaders;
-    r.rows = (const uint16_t **)(aligned + SMEM_ROWS_OFF);
     if (threadIdx.x == 0) {
         for (int s = 0; s < RING_STAGES; ++s) {
             mbar_init(r.full + 8 * s, loaders);

@@ -10,10 +10,7 @@
  * Buffer ownership: ring rows of a row tile are written by that tile's DISPATCH (x), GATEUP
  * (h) and DOWN (y) and read by the later tasks of the same tile; a ring slot is refilled only
  * after the COMBINE of its previous occupant (the counter wait of DISPATCH). An owner's
- * combine row (token, slot) has exactly one writer: the COMBINE of the rank owning the expert.
- * On one rank (bf16, the default directions: p.x_in_place) the gate|up tiles gather their rows
- * of x in place and the down tiles store the (token, slot) rows: no comm CTA, no DISPATCH, no
- * COMBINE, and a ring slot's h is rewritten only after its previous occupant's down tiles. */
+ * combine row (token, slot) has exactly one writer: the COMBINE of the rank owning the expert. */
 #include <string.h>
 
 #include "cuda/megakernel/comm_walk.cuh"
@@ -120,11 +117,6 @@ static __device__ int fwd_gemm(const pass_params &p, const mok_task_span &span, 
         op->n_valid = 2 * p.n_tile;
         op->b_split = p.n_tile / 64;
         use_tma_k(p, op, MAP_RING_X, t.ring0, MAP_W_GATE, t.expert * I + n0, MAP_W_UP, t.expert * I + n0);
-        if (p.x_in_place) { /* the rows' tokens' x, gathered (their slots t * k + j) */
-            op->a = p.x;
-            op->a_slots = (const int32_t *)((const char *)p.schedule + p.layout.off_row_slot) + t.row0;
-            op->a_div = p.topk;
-        }
         return 1;
     }
     case MOK_TASK_SHARED_UP: {
@@ -495,7 +487,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
         pass_params p;
         /* a recompute pass turns no transfer: it refills the ring by its own pulls (core/tasks.inc) */
         pass_params_init(&p, ws, R, a->num_tokens, a->schedule, recompute ? MOK_PASS_RECOMPUTE : MOK_PASS_FORWARD);
-        p.x_in_place = R->tuning.x_in_place; /* the same rule for both kinds (core/plan.h) */
         /* gate|up tasks: n_tile columns of I each of gate and up, 2 n_tile columns of the tile */
         p.n_tile = R->tuning.cols_gateup;
         pass_params_comm(&p, R, ws->config.fwd_comm_sms, 0);

@@ -68,7 +68,6 @@ struct pass_params {
        these offsets of its window, and `turned` (the counters are in the window: their releases
        and acquires are system-scope) */
     int combine_pull, dispatch_pull, dispatch_push, combine_push, nranks, turned;
-    int x_in_place; /* forward, recompute: the gate|up tiles read x in place (mok_plan's x_in_place) */
     size_t off_sched, off_counters, off_ring_x, off_ring_y, off_ring_dy, off_ring_dyw, off_ring_w, off_ring_rdot;
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, error_word.cuh) */
     long long timeout_ns;
@@ -162,7 +161,6 @@ static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, 
     plan->dispatch_pull = p.dispatch_pull;
     plan->dispatch_push = p.dispatch_push;
     plan->combine_push = p.combine_push;
-    plan->x_in_place = p.x_in_place;
     plan->nranks = p.nranks;
     plan->rank = p.rank;
 }

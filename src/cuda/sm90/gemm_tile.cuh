@@ -22,9 +22,7 @@
  * writes are generic-proxy writes and wgmma reads through the async proxy, so consumers fence
  * the proxies after each full wait. A TMA stage (tma.cuh) keeps the count: thread 0 arms the
  * barrier with the byte count, the other loaders arrive plainly, or (FP8) through
- * cp.async.mbarrier.arrive.noinc once their copies of the stage's scales have landed; with a
- * gathered A (cp.async, beside B's boxes) thread 0 arms B's bytes alone and every loader arrives
- * through cp.async.mbarrier.arrive.noinc, and the consumers fence as on the cp.async path.
+ * cp.async.mbarrier.arrive.noinc once their copies of the stage's scales have landed.
  *
  * NOTE (faults): every mbarrier wait is bounded (mbar_wait), but for mbar_wait_idle's, which the
  * threads that complete its phase end by their own bounded waits. A wait that outlives the pass's
@@ -106,8 +104,6 @@ struct stage_ring {
     long long timeout_ns;
     const CUtensorMap *maps; /* the pass's tensor maps (parameter space), or NULL */
     uint32_t scales; /* FP8: shared address of stage 0's scale slot (STAGE_SCALE_BYTES each) */
-    const uint16_t **rows; /* a gathered A's source rows (TILE_BM, shared memory; gather_rows) */
-    int loaders;     /* the threads that load the stages: LOADER_THREADS, or 32 (NOTE (ring protocol)) */
 };
 
 static __device__ __forceinline__ void ring_advance(stage_ring &r) {
@@ -153,63 +149,15 @@ static __device__ __forceinline__ void load_scales(const stage_ring &r, const ti
     }
 }
 
-/* Producer, before a GEMM whose A is gathered (op.a_slots): the address of each of A's source rows
- * into r.rows, for the loaders' copies (row 0 of op.a past a_rows, which read as zeros). The
- * barriers around it: every loader has issued the previous GEMM's copies (which read the table as
- * they issue) before it is written, and sees it whole after. */
-static __device__ __forceinline__ void gather_rows(const stage_ring &r, const tile_operands &op, int tid) {
-    producer_sync(r.loaders);
-    for (int m = tid; m < TILE_BM; m += r.loaders)
-        r.rows[m] = op.a + (m < op.a_rows ? (long long)(op.a_slots[m] / op.a_div) * op.lda : 0);
-    producer_sync(r.loaders);
-}
-
-/* Producer, the gathered A of one stage, from N loaders (tid < N, N a multiple of 8): row m's 64-k
- * slice at k0 from rows[m], 16-byte chunks into the 128B swizzle. A thread keeps one chunk (tid %
- * 8, so 8 threads fill a row's 128 bytes) of rows tid / 8 + i N / 8; as N / 8 is 4 mod 8, a row's
- * swizzle (chunk ^ row % 8) takes two values, by i's parity, and the unrolled loop's shared
- * addresses are immediates. The row addresses come from shared memory 8 at a time, ahead of
- * their copies: the loop is the producer's instruction stream for every stage, one warp of it
- * against 1024 chunks where the consumers spend ~1000 cycles a stage. */
-template <int N>
-static __device__ __forceinline__ void load_gathered_a(uint32_t a_base, const tile_operands &op,
-                                                       const uint16_t *const *rows, long long k0, int tid) {
-    static_assert(N % 8 == 0 && (N / 8) % 8 == 4, "a row's swizzle takes two values");
-    constexpr int STEP = N / 8, ITERS = (TILE_BM + STEP - 1) / STEP, BATCH = 8;
-    /* r0 < STEP (the mask tells the compiler so where STEP is a power of two: no bound checks) */
-    const int chunk = tid & 7, r0 = (STEP & (STEP - 1)) == 0 ? (tid >> 3) & (STEP - 1) : tid >> 3;
-    const uint32_t even = a_base + r0 * 128 + ((chunk ^ (r0 & 7)) << 4);
-    const uint32_t odd = a_base + r0 * 128 + ((chunk ^ ((r0 + 4) & 7)) << 4);
-    const long long col = k0 + chunk * 8;
-#pragma unroll
-    for (int b = 0; b < ITERS; b += BATCH) {
-        const uint16_t *src[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int row = r0 + (b + j) * STEP;
-            src[j] = b + j < ITERS && ((b + j + 1) * STEP <= TILE_BM || row < TILE_BM) ? rows[row] : nullptr;
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int i = b + j, row = r0 + i * STEP;
-            if (i >= ITERS || ((i + 1) * STEP > TILE_BM && row >= TILE_BM)) break;
-            cp_async_16((i & 1 ? odd : even) + i * STEP * 128, src[j] + col, row < op.a_rows);
-        }
-    }
-}
-
 /* Producer, one stage: the LOADER_THREADS threads (tid) copy A and B's 64-k slice at k0 (tile_operands.cuh's
- * layout): 1024 16-byte chunks of A, 2048 of B; a gathered A from the rows in `rows`. KSPLIT:
- * K-major B may have a K split (bk_split, the FP8 kernels only; the bf16 ones compile without it). */
+ * layout): 1024 16-byte chunks of A, 2048 of B. KSPLIT: K-major B may have a K split (bk_split,
+ * the FP8 kernels only; the bf16 ones compile without it). */
 #define LOAD_ITERS_A ((1024 + LOADER_THREADS - 1) / LOADER_THREADS)
 #define LOAD_ITERS_B ((64 * TILE_BN / 8 + LOADER_THREADS - 1) / LOADER_THREADS)
 template <bool A_MN, bool B_MN, bool KSPLIT = false>
-static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_operands &op,
-                                                  const uint16_t *const *rows, long long k0, int tid) {
+static __device__ __forceinline__ void load_stage(uint32_t a_base, const tile_operands &op, long long k0, int tid) {
     const uint32_t b_base = a_base + STAGE_A_BYTES;
-    if (!A_MN && op.a_slots) {
-        load_gathered_a<LOADER_THREADS>(a_base, op, rows, k0, tid);
-    } else if (A_MN) {
+    if (A_MN) {
 #pragma unroll 2
         for (int i = 0; i < LOAD_ITERS_A; ++i) {
             int idx = tid + i * LOADER_THREADS;
@@ -269,7 +217,7 @@ static __device__ void produce_gemm(stage_ring &r, const tile_operands &op, int 
     const int ktiles = k_steps(op);
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
-        load_stage<A_MN, B_MN, FP8>(r.stages + r.stage * STAGE_BYTES, op, r.rows, (long long)kt * TILE_BK, tid);
+        load_stage<A_MN, B_MN, FP8>(r.stages + r.stage * STAGE_BYTES, op, (long long)kt * TILE_BK, tid);
         load_scales<FP8>(r, op, kt, tid);
         cp_async_arrive(r.full + 8 * r.stage);
         ring_advance(r);
@@ -278,24 +226,20 @@ static __device__ void produce_gemm(stage_ring &r, const tile_operands &op, int 
 
 /* Producer, TMA: thread 0 arms full[s] with the stage's byte count and issues the boxes; the
  * other loaders arrive plainly (FP8: once their scale copies have landed), so full[s] keeps its
- * count of loaders on both paths. A gathered A (bf16 only) comes by cp.async from every loader
- * instead: thread 0 arms B's bytes without arriving, and each loader arrives through
- * cp.async.mbarrier.arrive.noinc once its chunks of A have landed. */
+ * count of LOADER_THREADS on both paths. */
 template <bool FP8 = false>
 static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int tid) {
     const int ktiles = k_steps(op);
-    const bool gathered = !FP8 && op.a_slots != nullptr;
-    const uint32_t bytes = ((gathered ? 0 : op.a_halves) + op.b_halves) * SWIZZLE_BLOCK_BYTES;
+    const uint32_t bytes = (op.a_halves + op.b_halves) * SWIZZLE_BLOCK_BYTES;
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.empty + 8 * r.stage, r.phase ^ 1, r.abort, r.error, r.timeout_ns);
         const uint32_t a = r.stages + r.stage * STAGE_BYTES, full = r.full + 8 * r.stage;
         if (tid == 0) {
             const int k0 = kt * TILE_BK;
-            if (gathered) mbar_expect_tx(full, bytes);
-            else mbar_arrive_expect_tx(full, bytes);
+            mbar_arrive_expect_tx(full, bytes);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (gathered || h >= op.a_halves) break;
+                if (h >= op.a_halves) break;
                 if (!op.a_mmajor) tma_load_2d(a + h * SWIZZLE_BLOCK_BYTES, r.maps + op.a_map, k0, op.a_row + 64 * h, full);
                 else tma_load_2d(a + h * SWIZZLE_BLOCK_BYTES, r.maps + op.a_map, op.a_col + 64 * h, op.a_row + k0, full);
             }
@@ -314,15 +258,10 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
                                 lo ? op.b_row[0] + 64 * h : op.b_row[1] + 64 * (ks ? h : h - op.b_split), full);
                 else tma_load_2d(dst, r.maps + map_n, op.b_col + 64 * h, krow, full);
             }
-        }
-        if (gathered) {
-            if (r.loaders == 32) load_gathered_a<32>(a, op, r.rows, (long long)kt * TILE_BK, tid);
-            else load_gathered_a<LOADER_THREADS>(a, op, r.rows, (long long)kt * TILE_BK, tid);
-            cp_async_arrive(full);
-        } else if (tid != 0 && FP8) {
+        } else if (FP8) {
             load_scales<FP8>(r, op, kt, tid);
             cp_async_arrive(full);
-        } else if (tid != 0) {
+        } else {
             mbar_arrive(full);
         }
         ring_advance(r);
@@ -344,7 +283,7 @@ static __device__ __forceinline__ void consume_gemm(stage_ring &r, const tile_op
     for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
         __syncwarp();
-        if (!op.tma || op.a_slots) fence_proxy_async(); /* TMA writes through the async proxy already */
+        if (!op.tma) fence_proxy_async(); /* TMA writes through the async proxy already */
         const uint32_t a = r.stages + r.stage * STAGE_BYTES, b = a + STAGE_A_BYTES;
         const uint32_t a_half = a + consumer * SWIZZLE_BLOCK_BYTES;
         wgmma_fence();

@@ -64,10 +64,6 @@ static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.as
 static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
-/* The same without the arrival (the thread arrives otherwise, e.g. through cp_async_arrive). */
-static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
 
 /* One box (c0 along the columns, c1 along the rows) into shared memory; completes its bytes on bar. */
 static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {

@@ -22,11 +22,6 @@ typedef struct tile_operands {
                               M-major: A(m, k) = a[k * lda + m], m < a_rows (64 or 128) */
     long long lda;
     int a_rows;
-    /* K-major A gathered (a_slots not NULL: a gate|up tile reading x in place): A(m, k) =
-       a[(a_slots[m] / a_div) * lda + k], m < a_rows, by cp.async from the loaders even where the
-       tile's B comes by TMA (gemm_tile.cuh: gather_rows) */
-    const int32_t *a_slots;
-    int a_div;
     const uint16_t *b_lo;  /* K-major: B rows n < 64 b_split are b_lo[n * ldb + k], the rest
                               b_hi[(n - 64 b_split) * ldb + k] (NULL: zeros); rows n >= n_valid read
                               as zeros. N-major: B(k, n) = b_lo[k * ldb + n] for k < k_split,
