@@ -3,8 +3,10 @@
     python3 bench/layers.py RANKS      # one case per line: name experts tokens skew (for bench/run.sh)
 
 DeepSeek-V3 and Qwen3-30B-A3B are DESIGN §6's baselines; the four MoK benchmark layers run at the
-per-GPU load of their 64-GPU run (E/64 experts per GPU, 2048 tokens per GPU); Mixtral-8x7B (few,
-wide experts, top-2) is the one-GPU case where LigerCute's lead over mok was largest.
+per-GPU load of their 64-GPU run (E/64 experts per GPU, 2048 tokens per GPU) across GPUs, and on one
+GPU Kimi K2.7, DeepSeek-V4-Pro and GLM-5.2 at an 8-GPU run's (E/8 experts, 8192 tokens), beside
+DeepSeek-V3 at the same load; Mixtral-8x7B (few, wide experts, top-2) is the one-GPU case where
+LigerCute's lead over mok was largest.
 """
 import sys
 
@@ -23,8 +25,9 @@ MOK_LAYERS = ("kimi-k2.7", "glm-5.2", "qwen3.5-397b-a17b", "deepseek-v4-pro")
 def cases(ranks):
     """The standard cases for an EP size."""
     if ranks == 1:
+        wide = [(name, LAYERS[name]["experts"] // 8, 8192, 0.0) for name in ("kimi-k2.7", "deepseek-v4-pro", "glm-5.2")]
         return [("deepseek-v3", 32, 8192, 0.0), ("qwen3-30b-a3b", 128, 8192, 0.0), ("qwen3-30b-a3b", 128, 16384, 0.0),
-                ("mixtral-8x7b", 8, 8192, 0.0)]
+                ("mixtral-8x7b", 8, 8192, 0.0)] + wide
     mok = [(name, LAYERS[name]["experts"] // 64 * ranks, 2048, 0.0) for name in MOK_LAYERS]
     if ranks == 2:
         return [("deepseek-v3", 256, 8192, 0.0), ("deepseek-v3", 256, 8192, 1.5), ("qwen3-30b-a3b", 128, 16384, 0.0),
