@@ -22,8 +22,8 @@
       "GEMM operands load through TMA where the operand allows; 0 (the variable set to 0): every load through "    \
       "cp.async, a comparison path that computes the same bits")                                                  \
     X(handoff, "MOK_CUDA_HANDOFF", "1",                                                                            \
-      "a forward whose operands all load by TMA hands each gate|up tile's h (FP8: h^) to the producer "           \
-      "warpgroup's warps 1-3 (megakernel/compute_walk.cuh, NOTE (handoff)); 2: its down tiles' row stores too; 0: the " \
+      "a bf16 forward whose operands all load by TMA hands each gate|up tile's h to the producer warpgroup's "     \
+      "warps 1-3 (megakernel/compute_walk.cuh, NOTE (handoff)); 2: its down tiles' row stores too; 0: the "        \
       "consumers do both. The same bits every way")                                                               \
     X(raster, "MOK_CUDA_RASTER", "16 where an expert's gate|up weights exceed half the L2, else 1 (mok__cuda_raster)", \
       "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \

@@ -40,10 +40,9 @@
  * happen before), then fences at gpu scope and releases the counters.
  *
  * NOTE (handoff): in a pass with p.handoff set (every operand by TMA, so warp 0 alone loads: full[s]
- * counts 32, and in FP8 its lanes 1-31 copy the stages' scales), a Runner with HANDOFF may leave
- * the last part of a tile's epilogue to warps 1-3 (the forward's gate|up tile: its h, or FP8 h^'s
- * codes and scales, from the bf16 g|u the consumers put in the staging region as TMA store boxes;
- * with p.handoff 2 its down tiles too: their bf16 rows, from boxes the same way).
+ * counts 32), a Runner with HANDOFF may leave the last part of a tile's epilogue to warps 1-3 (the
+ * forward's gate|up tile: its h from the bf16 g|u the consumers put in the staging region as TMA
+ * store boxes; with p.handoff 2 its down tiles too: their bf16 rows, from boxes the same way).
  * Consumer thread 0 fills the handoff slot (tile_handoff: what and where the rows go) and counts
  * it in `posted`, every consumer thread then arrives on hready (count CONSUMER_THREADS), and the
  * task is posted to the done queue as any other. Warps 1 and 2 wait on each phase of hready in
@@ -92,23 +91,20 @@ struct done_task { /* a finished task, for the completer */
 };
 #define DONE_QUEUE 4
 
-/* The part of an epilogue handed to warps 1-3 (NOTE (handoff)): `rows` rows of `cols` values to
- * out (row r at element r * ld, or with a row map at rowmap[r] * ld; bf16 values, or E4M3 codes
- * with the rows' scales at scales + r * scales_ld), of the kind the Runner's `handed` knows
- * (forward.cu: h or h^ from g|u, or a tile's rows as they are). posted counts the handoffs so
- * far, stop ends the workers (consumer thread 0 writes both). */
+/* The part of an epilogue handed to warps 1-3 (NOTE (handoff)): `rows` rows of `cols` bf16
+ * values to out (row r at out + r * ld, or with a row map at out + rowmap[r] * ld), of the kind
+ * the Runner's `handed` knows (forward.cu: h from g|u, or a tile's rows as they are). posted
+ * counts the handoffs so far, stop ends the workers (consumer thread 0 writes both). */
 struct tile_handoff {
-    void *out;
+    uint16_t *out;
     const int32_t *rowmap;
-    float *scales;
-    long long ld, scales_ld;
+    long long ld;
     int rows, cols, kind;
     unsigned posted, stop;
 };
-#define HANDOFF_PARTS 3      /* warps 1-3 */
-#define HANDOFF_SWIGLU 0     /* kinds: h = SwiGLU of g|u boxes (swiglu.cuh's swiglu_handoff) */
-#define HANDOFF_ROWS 1       /* a bf16 tile's rows from boxes (row_stores.cuh's rows_handoff) */
-#define HANDOFF_SWIGLU_FP8 2 /* h^ = Q(h) of g|u boxes, codes and scales (swiglu_handoff<128, true>) */
+#define HANDOFF_PARTS 3  /* warps 1-3 */
+#define HANDOFF_SWIGLU 0 /* kinds: h = SwiGLU of g|u boxes (swiglu.cuh's swiglu_handoff) */
+#define HANDOFF_ROWS 1   /* a bf16 tile's rows from boxes (row_stores.cuh's rows_handoff) */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
@@ -164,14 +160,11 @@ static __device__ __forceinline__ handoff_view handoff_of(uint16_t *staging) {
 
 /* Consumer thread 0: the next handoff into the slot (the other fields of tile_handoff), counted in
  * `posted`; every consumer thread then arrives on hready. */
-static __device__ __forceinline__ void handoff_fill(const handoff_view &hv, int kind, void *out,
-                                                    const int32_t *rowmap, long long ld, int rows, int cols,
-                                                    float *scales = nullptr, long long scales_ld = 0) {
+static __device__ __forceinline__ void handoff_fill(const handoff_view &hv, int kind, uint16_t *out,
+                                                    const int32_t *rowmap, long long ld, int rows, int cols) {
     hv.slot->out = out;
     hv.slot->rowmap = rowmap;
-    hv.slot->scales = scales;
     hv.slot->ld = ld;
-    hv.slot->scales_ld = scales_ld;
     hv.slot->rows = rows;
     hv.slot->cols = cols;
     hv.slot->kind = kind;
@@ -305,14 +298,12 @@ static __device__ __forceinline__ bool variant_used(int variant) {
 }
 
 template <typename Runner>
-static __device__ void produce(stage_ring &r, int variant, const tile_operands &op, int tid, int loaders) {
+static __device__ void produce(stage_ring &r, int variant, const tile_operands &op, int tid) {
     /* an FP8 runner's E4M3 GEMMs: layouts 0 and 1, both K-major, B maybe split along K; its
-       layout 3 (the weight gradients) is bf16 and carries no scales. Warp 0 alone loads (32
-       loaders) only in a pass that hands off, where every operand comes by TMA. */
+       layout 3 (the weight gradients) is bf16 and carries no scales */
     const bool e4m3 = runner_fp8<Runner>::value && (variant_used<Runner, false, false>(variant) ||
                                                     variant_used<Runner, false, true>(variant));
-    if (op.tma && e4m3 && runner_handoff<Runner>::value && loaders == 32) produce_tma<true, 32>(r, op, tid);
-    else if (op.tma && e4m3) produce_tma<true>(r, op, tid);
+    if (op.tma && e4m3) produce_tma<true>(r, op, tid);
     else if (op.tma) produce_tma<false>(r, op, tid);
     else if (e4m3) produce_gemm<false, false, true>(r, op, tid);
     else if (variant_used<Runner, false, false>(variant)) produce_gemm<false, false>(r, op, tid);
@@ -403,7 +394,7 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
             tile_operands op;
             const int kind = Runner::gemm(p, span, rt, nt, tp, i, &op);
             if (!kind) break;
-            produce<Runner>(r, kind - 1, op, tid, loaders);
+            produce<Runner>(r, kind - 1, op, tid);
         }
     }
     cp_async_wait_all();
@@ -485,12 +476,6 @@ static __device__ __forceinline__ bool handoff_take(const pass_params &p, const 
         ho.out = hv.slot->out;
         ho.rowmap = hv.slot->rowmap;
         ho.ld = hv.slot->ld;
-        ho.scales = nullptr;
-        ho.scales_ld = 0;
-        if constexpr (runner_fp8<Runner>::value) { /* (volatile reads: none where unused) */
-            ho.scales = hv.slot->scales;
-            ho.scales_ld = hv.slot->scales_ld;
-        }
         ho.rows = hv.slot->rows;
         ho.cols = hv.slot->cols;
         ho.kind = hv.slot->kind;

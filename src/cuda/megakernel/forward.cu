@@ -232,13 +232,6 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
     }
 }
 
-/* The map a gate|up tile's g|u go out through by TMA (the map's rows bound what is kept), or NULL
- * when none of its rows is kept. */
-static __device__ __forceinline__ const CUtensorMap *context_map(const CUtensorMap *maps, bool routed,
-                                                                 const uint16_t *ctx, long long row0, long long rows) {
-    return ctx && row0 < rows ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
-}
-
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
  * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers). The
  * walk's closing barrier orders the stores before the release. */
@@ -248,7 +241,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
                                     const CUtensorMap *maps) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     const handoff_view hv = handoff_of(staging);
-    if (p.handoff) {
+    if (!FP8 && p.handoff) {
         /* every path below writes the staging region: warps 1-3 must have read the last handed-off
            tile from it, and the TMA stores of a gate|up tile's g|u (issued by thread 0) too */
         if (threadIdx.x == PRODUCER_THREADS) bulk_wait_read();
@@ -283,17 +276,13 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             h = p.sh_h;
             hs = p.sh_hs;
         }
-        if constexpr (FP8) { /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
-            uint8_t *codes = (uint8_t *)h + h_row * inter;
-            float *scales = hs + h_row * (inter / MOK_FP8_BLOCK);
-            if (p.handoff) /* h^ to warps 1-3, g|u out by TMA, as below */
-                swiglu_handoff<128, true>(acc, rows, (int)ctx_row0, context_map(maps, routed, ctx, ctx_row0, ctx_rows), (int)inter, (int)(nt * 128), codes, inter,
-                                          staging, hv, scales, inter / MOK_FP8_BLOCK);
-            else
-                swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, codes, inter,
-                                         p.limit, staging, scales, inter / MOK_FP8_BLOCK);
-        } else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
-            const CUtensorMap *cm = context_map(maps, routed, ctx, ctx_row0, ctx_rows);
+        if constexpr (FP8) /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
+            swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
+                                     (uint8_t *)h + h_row * inter, inter, p.limit, staging,
+                                     hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
+        else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
+            const bool keep = ctx && ctx_row0 < ctx_rows;
+            const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
             if (p.n_tile == 128)
                 swiglu_handoff<128>(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 128), h + h_row * inter,
                                     inter, staging, hv);
@@ -321,7 +310,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
                    of a tile are real, each with its own slot */
                 const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
                 uint16_t *comb = (uint16_t *)(p.peers[p.rank] + p.off_comb);
-                if (p.handoff >= 2)
+                if (!FP8 && p.handoff >= 2)
                     rows_handoff(acc, rows, p.n_tile_h, comb, H, nt * p.n_tile_h, staging, v.row_slot + t.row0, hv);
                 else
                     store_staged<true>(acc, rows, p.n_tile_h, comb, H, nt * p.n_tile_h, staging, v.row_slot + t.row0);
@@ -333,7 +322,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
             out = p.sh_out + t0 * H;
         }
-        if (p.handoff >= 2) rows_handoff(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging, nullptr, hv);
+        if (!FP8 && p.handoff >= 2) rows_handoff(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging, nullptr, hv);
         else store_staged(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging);
         break;
     }
@@ -360,7 +349,7 @@ template <bool FP8_>
 struct forward_compute {
     static constexpr int VARIANTS = 1; /* K-major operands only */
     static constexpr bool FP8 = FP8_;  /* the FP8 function's GEMMs and epilogues (include/mok.h) */
-    static constexpr bool HANDOFF = true; /* the gate|up tiles' h (h^), the down tiles' rows (warps 1-3) */
+    static constexpr bool HANDOFF = !FP8_; /* bf16: the gate|up tiles' h, the down tiles' rows (warps 1-3) */
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long, task_prep *tp) {
         if (span.kind == MOK_TASK_GATEUP || span.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
@@ -383,8 +372,7 @@ struct forward_compute {
         fwd_epilogue<FP8>(p, span, rt, nt, tp, acc, staging, maps);
     }
     static __device__ void handed(const pass_params &p, const tile_handoff &ho, const uint16_t *staging, int part) {
-        if (FP8 && ho.kind == HANDOFF_SWIGLU_FP8) swiglu_handed_fp8(ho, staging, p.limit, part, HANDOFF_PARTS);
-        else if (!FP8 && ho.kind == HANDOFF_SWIGLU) swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
+        if (ho.kind == HANDOFF_SWIGLU) swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
         else rows_handed(ho, staging, part, HANDOFF_PARTS);
     }
     static __device__ void plain(const pass_params &, const mok_task_span &, long long, long long,
@@ -425,7 +413,7 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
 
 /* The same for an FP8 pass: the E4M3 matrices seen as bf16-sized pairs of codes ([rows, cols / 2],
  * boxes of 64 pairs: a 128-byte row of 128 codes, tile_operands.cuh), the weights' codes in place
- * of the bf16 weights; the contexts' g|u are bf16 as in forward_maps. */
+ * of the bf16 weights. */
 static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
     const long long H = p->hidden, I = p->inter, Is = p->shared_inter, E = p->num_local_experts;
     const long long ring = p->ring_rows, T = p->num_tokens;
@@ -448,12 +436,10 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
                {MAP_S_DOWN, Is ? p->wq[MOK_FP8_S_DOWN] : NULL, H, Is}};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
         mask |= (unsigned)tma_encode(&maps->m[all[i].map], all[i].ptr, all[i].rows, all[i].cols / 2, 64) << all[i].map;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_CTX], p->context, p->context_rows, 2 * I, 128) << MAP_CTX;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_CTX], Is ? p->context_shared : NULL, T, 2 * Is, 128) << MAP_SH_CTX;
     return mask;
 }
 
-/* How much of a forward's epilogues goes to warps 1-3 (compute_walk.cuh, NOTE (handoff)):
+/* How much of a bf16 forward's epilogues goes to warps 1-3 (compute_walk.cuh, NOTE (handoff)):
  * the tuning's handoff (1: the gate|up tiles' h, 2: the down tiles' rows too) where every map its
  * tasks use is usable, so warp 0 alone loads every stage and the contexts' g|u go out by TMA; else
  * 0, none. */
@@ -516,7 +502,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                              (float *)p.xs, s->hidden / MOK_FP8_BLOCK, R->num_sms, stream);
             if (st != MOK_OK) return st;
             p.tma_mask = forward_maps_fp8(R, &p, &maps);
-            p.handoff = forward_handoff(R, &p);
         } else {
             if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */
                 CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,

@@ -153,7 +153,7 @@ static __device__ __forceinline__ void rows_handed(const tile_handoff &ho, const
         }
 #pragma unroll
         for (int u = 0; u < ROWS_BATCH; ++u)
-            if (idx0 + u * step < n) *(int4 *)((uint16_t *)ho.out + at[u]) = v[u];
+            if (idx0 + u * step < n) *(int4 *)(ho.out + at[u]) = v[u];
     }
 }
 

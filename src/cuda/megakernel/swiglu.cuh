@@ -115,22 +115,18 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
     consumer_sync();
 }
 
-/* A gate|up tile's epilogue with h left to warps 1-3 (compute_walk.cuh, NOTE (handoff)): the
+/* A bf16 gate|up tile's epilogue with h left to warps 1-3 (compute_walk.cuh, NOTE (handoff)): the
  * consumers round g and u to bf16 (padding rows as zeros) into the staging region as TMA store
  * boxes (g in boxes 0 .. NT / 64 - 1, u in the next NT / 64; row_stores.cuh's STSM_BOXES), thread 0
  * stores them into the context rows ctx_row0.. by TMA through ctx_map (the map's rows bound what
  * is kept; none when ctx_map is NULL) and fills the handoff slot: nreal rows of NT values of h to
  * h_out (h_ld apart). Warps 1-3 then compute h from the same bf16 g and u with the same
- * mok__swiglu (swiglu_handed), so h is bit for bit swiglu_staged's. FP8 (NT = 128): h_out is h^'s
- * codes (h_ld bytes apart) and the scales go to h_scales (hs_ld apart), swiglu_handed_fp8's
- * quantization being swiglu_staged's. The caller waited on the last handoff and on the last TMA
- * stores' reads (fwd_epilogue). */
-template <int NT, bool FP8 = false>
+ * mok__swiglu (swiglu_handed), so h is bit for bit swiglu_staged's. The caller waited on the
+ * last handoff and on the last TMA stores' reads (fwd_epilogue). */
+template <int NT>
 static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_ACC], int nreal, int ctx_row0,
-                                                      const CUtensorMap *ctx_map, int inter, int n0, void *h_out,
-                                                      long long h_ld, uint16_t *c, const handoff_view &hv,
-                                                      float *h_scales = nullptr, long long hs_ld = 0) {
-    static_assert(!FP8 || NT == MOK_FP8_BLOCK, "an FP8 gate|up tile covers whole blocks of h");
+                                                      const CUtensorMap *ctx_map, int inter, int n0, uint16_t *h_out,
+                                                      long long h_ld, uint16_t *c, const handoff_view &hv) {
     static_assert(2 * NT / 64 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "the boxes fit");
     const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
@@ -152,11 +148,7 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
             }
             bulk_commit();
         }
-        if constexpr (FP8)
-            handoff_fill(hv, HANDOFF_SWIGLU_FP8, (uint8_t *)h_out + n0, nullptr, h_ld, nreal, NT,
-                         h_scales + n0 / MOK_FP8_BLOCK, hs_ld);
-        else
-            handoff_fill(hv, HANDOFF_SWIGLU, (uint16_t *)h_out + n0, nullptr, h_ld, nreal, NT);
+        handoff_fill(hv, HANDOFF_SWIGLU, h_out + n0, nullptr, h_ld, nreal, NT);
     }
     mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warps 1-3 */
 }
@@ -181,53 +173,7 @@ static __device__ __forceinline__ void swiglu_handed(const tile_handoff &ho, con
             hp[k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(gp[k] << 16), __uint_as_float(up[k] << 16), limit),
                                     mok__swiglu(__uint_as_float(gp[k] & 0xffff0000u),
                                                 __uint_as_float(up[k] & 0xffff0000u), limit));
-        *(int4 *)((uint16_t *)ho.out + r * ho.ld + 8 * c8) = h;
-    }
-}
-
-/* The FP8 form (HANDOFF_SWIGLU_FP8, 128 columns: one block of h^ per row): a row's 16 chunks are
- * on 16 adjacent lanes, each lane's 8 values of h computed as in swiglu_handed; the row's amax is
- * the maximum over those lanes (shuffles, exact and order-free), so its scale and codes are
- * swiglu_staged's. Each lane stores its 8 codes, the row's first lane the scale. The loop runs
- * whole warps (the shuffles), rows past ho.rows computing zeros and storing nothing. */
-static __device__ __forceinline__ void swiglu_handed_fp8(const tile_handoff &ho, const uint16_t *c, float limit,
-                                                         int part, int parts) {
-    static_assert(MOK_FP8_BLOCK / 8 == 16, "a row's chunks fill half a warp");
-    const uint8_t *boxes = (const uint8_t *)c;
-    const int lane = threadIdx.x & 31, n = ho.rows * 16, u_box = MOK_FP8_BLOCK / 64;
-#pragma unroll 1
-    for (int base = 32 * part; base < n; base += 32 * parts) {
-        const int idx = base + lane, r = idx / 16, c8 = idx % 16, box = c8 / 8;
-        const bool real = idx < n;
-        int4 g = make_int4(0, 0, 0, 0), u = g;
-        if (real) {
-            g = *(const int4 *)(boxes + box * STORE_BOX_BYTES + swizzle(r, c8 % 8));
-            u = *(const int4 *)(boxes + (u_box + box) * STORE_BOX_BYTES + swizzle(r, c8 % 8));
-        }
-        const uint32_t *gp = (const uint32_t *)&g, *up = (const uint32_t *)&u;
-        float h[8], amax = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const uint32_t pair =
-                bf16x2_from_f32(mok__swiglu(__uint_as_float(gp[k] << 16), __uint_as_float(up[k] << 16), limit),
-                                mok__swiglu(__uint_as_float(gp[k] & 0xffff0000u), __uint_as_float(up[k] & 0xffff0000u),
-                                            limit));
-            h[2 * k] = __uint_as_float(pair << 16);
-            h[2 * k + 1] = __uint_as_float(pair & 0xffff0000u);
-            amax = mok__fp8_amax(amax, h[2 * k]);
-            amax = mok__fp8_amax(amax, h[2 * k + 1]);
-        }
-#pragma unroll
-        for (int m = 1; m < 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-        const int e = mok__fp8_scale_exp(amax);
-        const float inverse = mok__fp8_pow2(-e);
-        uint2 codes;
-        codes.x = e4m3x2_from_f32(h[0] * inverse, h[1] * inverse) | e4m3x2_from_f32(h[2] * inverse, h[3] * inverse) << 16;
-        codes.y = e4m3x2_from_f32(h[4] * inverse, h[5] * inverse) | e4m3x2_from_f32(h[6] * inverse, h[7] * inverse) << 16;
-        if (real) {
-            *(uint2 *)((uint8_t *)ho.out + r * ho.ld + 8 * c8) = codes;
-            if (c8 == 0) ho.scales[r * ho.scales_ld] = mok__fp8_pow2(e);
-        }
+        *(int4 *)(ho.out + r * ho.ld + 8 * c8) = h;
     }
 }
 

@@ -117,23 +117,24 @@ static __device__ __forceinline__ int k_steps(const tile_operands &op) { return 
 
 /* FP8: each stage carries its K block's scales beside its codes, a slot of STAGE_SCALES floats:
  * A's row scales (row m at m, 0 for rows past a_rows), then B's per 128-column chunk c (at
- * TILE_BM + c, 0 for a chunk past n_valid). Loader threads 1 .. NL - 1 of the NL loading the
- * stage copy them with cp.async, which their arrival on full[s] waits for (thread 0 arms the TMA
- * barrier), so the consumers read them from shared memory after the full wait: no global load,
- * and none of the operands' pointers, on their loop's path. */
+ * TILE_BM + c, 0 for a chunk past n_valid). Loader threads 1.. copy them with cp.async, which
+ * their arrival on full[s] waits for (thread 0 arms the TMA barrier), so the consumers read
+ * them from shared memory after the full wait: no global load, and none of the operands'
+ * pointers, on their loop's path. */
 #define STAGE_SCALES (TILE_BM + TILE_BN / 128 + 2)
 #define STAGE_SCALE_BYTES (STAGE_SCALES * 4)
+#define SCALE_LOADERS (LOADER_THREADS - 1)
+static_assert(2 * SCALE_LOADERS >= TILE_BM + TILE_BN / 128, "two scales per loader thread fill a slot");
 
-template <bool FP8, int NL = LOADER_THREADS>
+template <bool FP8>
 static __device__ __forceinline__ void load_scales(const stage_ring &r, const tile_operands &op, int kb, int tid) {
-    constexpr int COPIERS = NL - 1, PER = (TILE_BM + TILE_BN / 128 + COPIERS - 1) / COPIERS;
     if (!FP8 || tid == 0) return;
     const uint32_t slot = r.scales + r.stage * STAGE_SCALE_BYTES;
     const int ks = (int)(op.bk_split / TILE_BK);
     const bool after = op.bk_split > 0 && kb >= ks; /* B's K blocks past its K split */
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int idx = tid - 1 + i * COPIERS;
+    for (int i = 0; i < 2; ++i) {
+        const int idx = tid - 1 + i * SCALE_LOADERS;
         const float *src = nullptr;
         if (idx < TILE_BM) {
             if (idx < op.a_rows) src = op.sa + idx * op.sa_ld + kb;
@@ -225,8 +226,8 @@ static __device__ void produce_gemm(stage_ring &r, const tile_operands &op, int 
 
 /* Producer, TMA: thread 0 arms full[s] with the stage's byte count and issues the boxes; the
  * other loaders arrive plainly (FP8: once their scale copies have landed), so full[s] keeps its
- * count of loaders on both paths. FP8: NL loaders (LOADER_THREADS, or warp 0 alone: 32). */
-template <bool FP8 = false, int NL = LOADER_THREADS>
+ * count of LOADER_THREADS on both paths. */
+template <bool FP8 = false>
 static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int tid) {
     const int ktiles = k_steps(op);
     const uint32_t bytes = (op.a_halves + op.b_halves) * SWIZZLE_BLOCK_BYTES;
@@ -258,7 +259,7 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
                 else tma_load_2d(dst, r.maps + map_n, op.b_col + 64 * h, krow, full);
             }
         } else if (FP8) {
-            load_scales<FP8, NL>(r, op, kt, tid);
+            load_scales<FP8>(r, op, kt, tid);
             cp_async_arrive(full);
         } else {
             mbar_arrive(full);
