@@ -276,17 +276,11 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             h = p.sh_h;
             hs = p.sh_hs;
         }
-        if constexpr (FP8) { /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
-            const int map = routed ? MAP_CTX : MAP_SH_CTX;
-            uint8_t *codes = (uint8_t *)h + h_row * inter;
-            float *scales = hs + h_row * (inter / MOK_FP8_BLOCK);
-            if (p.tma_mask >> map & 1u) /* g|u out by TMA (the map's rows bound what is kept) */
-                swiglu_fp8_ctx_tma(acc, rows, (int)ctx_row0, ctx_row0 < ctx_rows ? maps + map : nullptr, (int)inter,
-                                   (int)(nt * 128), codes, inter, p.limit, staging, scales, inter / MOK_FP8_BLOCK);
-            else
-                swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128, codes, inter,
-                                         p.limit, staging, scales, inter / MOK_FP8_BLOCK);
-        } else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
+        if constexpr (FP8) /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
+            swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
+                                     (uint8_t *)h + h_row * inter, inter, p.limit, staging,
+                                     hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
+        else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
             const bool keep = ctx && ctx_row0 < ctx_rows;
             const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
             if (p.n_tile == 128)
@@ -419,7 +413,7 @@ static unsigned forward_maps(const cuda_rank *R, const pass_params *p, pass_maps
 
 /* The same for an FP8 pass: the E4M3 matrices seen as bf16-sized pairs of codes ([rows, cols / 2],
  * boxes of 64 pairs: a 128-byte row of 128 codes, tile_operands.cuh), the weights' codes in place
- * of the bf16 weights; the contexts' g|u are bf16, as in forward_maps (swiglu_fp8_ctx_tma). */
+ * of the bf16 weights. */
 static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_maps *maps) {
     const long long H = p->hidden, I = p->inter, Is = p->shared_inter, E = p->num_local_experts;
     const long long ring = p->ring_rows, T = p->num_tokens;
@@ -442,8 +436,6 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
                {MAP_S_DOWN, Is ? p->wq[MOK_FP8_S_DOWN] : NULL, H, Is}};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
         mask |= (unsigned)tma_encode(&maps->m[all[i].map], all[i].ptr, all[i].rows, all[i].cols / 2, 64) << all[i].map;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_CTX], p->context, p->context_rows, 2 * I, 128) << MAP_CTX;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_CTX], Is ? p->context_shared : NULL, T, 2 * Is, 128) << MAP_SH_CTX;
     return mask;
 }
 

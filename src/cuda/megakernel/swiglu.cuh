@@ -36,55 +36,6 @@ static __device__ __forceinline__ void gu_pairs(const float (&acc)[TILE_ACC], in
  * amax is theirs by two shuffles (exact and order-free: the scale of fp8_rows.cuh's warp form);
  * the codes go out through the staging tile as rows of FP8_CODES_LD bytes. */
 #define FP8_CODES_LD 144 /* bytes: 128 codes, padded so that the 8 rows of a warp's store hit other banks */
-
-/* FP8: the scale exponents of a consumer thread's two rows of h (h[p]: block p / 2 of row row0 +
- * 8 (p % 2), NT = 128 columns), each the amax of the row's 128 values over the four lanes that
- * share lane / 4 (two shuffles: exact and order-free, the scale of fp8_rows.cuh's warp form). */
-static __device__ __forceinline__ void fp8_row_exps(const uint32_t (&h)[MOK_FP8_BLOCK / 4], int (&e)[2]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int b = 0; b < MOK_FP8_BLOCK / 8; ++b) {
-            amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] << 16));
-            amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] & 0xffff0000u));
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        e[half] = mok__fp8_scale_exp(amax);
-    }
-}
-
-/* FP8: h^ = Q(h) of the thread's two rows out: the codes into the staging tile c as rows of
- * FP8_CODES_LD bytes, the scales of rows < nreal to h_scales (hs_ld apart; column block n0 / 128),
- * then, after a consumer barrier, the codes of rows < nreal to h_out (h_ld bytes apart) in
- * 16-byte chunks. Returns with the consumers synchronised. */
-static __device__ __forceinline__ void fp8_codes_out(const uint32_t (&h)[MOK_FP8_BLOCK / 4], const int (&e)[2], int nreal,
-                                                     long long n0, uint8_t *h_out, long long h_ld, uint16_t *c,
-                                                     float *h_scales, long long hs_ld) {
-    static_assert(TILE_BM * FP8_CODES_LD <= TILE_BM * TILE_C_LD * 2, "the codes fit the staging tile");
-    const int t = threadIdx.x - PRODUCER_THREADS, row0 = (t >> 5) * 16 + ((t & 31) >> 2), col = 2 * (t & 3);
-    uint8_t *codes = (uint8_t *)c;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = row0 + 8 * half;
-        const float inverse = mok__fp8_pow2(-e[half]);
-#pragma unroll
-        for (int b = 0; b < MOK_FP8_BLOCK / 8; ++b) {
-            const uint32_t pair = h[2 * b + half];
-            *(uint16_t *)(codes + row * FP8_CODES_LD + 8 * b + col) = (uint16_t)e4m3x2_from_f32(
-                __uint_as_float(pair << 16) * inverse, __uint_as_float(pair & 0xffff0000u) * inverse);
-        }
-        if ((t & 3) == 0 && row < nreal) h_scales[row * hs_ld + n0 / MOK_FP8_BLOCK] = mok__fp8_pow2(e[half]);
-    }
-    consumer_sync();
-    uint8_t *out = h_out + n0;
-    for (int idx = t; idx < TILE_BM * (MOK_FP8_BLOCK / 16); idx += CONSUMER_THREADS) {
-        const int r = idx / (MOK_FP8_BLOCK / 16), c16 = (idx % (MOK_FP8_BLOCK / 16)) * 16;
-        if (r < nreal) *(int4 *)(out + r * h_ld + c16) = *(const int4 *)(codes + r * FP8_CODES_LD + c16);
-    }
-    consumer_sync();
-}
 template <int NT, bool FP8 = false>
 static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC], int nreal, long long ctx_row0,
                                                      long long ctx_rows, uint16_t *ctx, long long ctx_ld, long long inter,
@@ -108,8 +59,22 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
         stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
         stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
     }
+    /* FP8: each of the thread's two rows' scale exponent (h[p] is block p / 2 of row row0 + 8 (p % 2)) */
     int e[2] = {0, 0};
-    if constexpr (FP8) fp8_row_exps(h, e);
+    if constexpr (FP8) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int b = 0; b < NT / 8; ++b) {
+                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] << 16));
+                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] & 0xffff0000u));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            e[half] = mok__fp8_scale_exp(amax);
+        }
+    }
     const long long left = ctx ? ctx_rows - ctx_row0 : 0;
     const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
     consumer_sync();
@@ -119,60 +84,35 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
     }
     consumer_sync();
     if constexpr (FP8) {
-        fp8_codes_out(h, e, nreal, n0, (uint8_t *)h_out, h_ld, c, h_scales, hs_ld);
+        static_assert(TILE_BM * FP8_CODES_LD <= TILE_BM * TILE_C_LD * 2, "the codes fit the staging tile");
+        uint8_t *codes = (uint8_t *)c;
+        const int col = 2 * (t & 3);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 8 * half;
+            const float inverse = mok__fp8_pow2(-e[half]);
+#pragma unroll
+            for (int b = 0; b < NT / 8; ++b) {
+                const uint32_t pair = h[2 * b + half];
+                *(uint16_t *)(codes + row * FP8_CODES_LD + 8 * b + col) = (uint16_t)e4m3x2_from_f32(
+                    __uint_as_float(pair << 16) * inverse, __uint_as_float(pair & 0xffff0000u) * inverse);
+            }
+            if ((t & 3) == 0 && row < nreal) h_scales[row * hs_ld + n0 / MOK_FP8_BLOCK] = mok__fp8_pow2(e[half]);
+        }
+        consumer_sync();
+        uint8_t *out = (uint8_t *)h_out + n0;
+        for (int idx = t; idx < TILE_BM * (MOK_FP8_BLOCK / 16); idx += CONSUMER_THREADS) {
+            const int r = idx / (MOK_FP8_BLOCK / 16), c16 = (idx % (MOK_FP8_BLOCK / 16)) * 16;
+            if (r < nreal) *(int4 *)(out + r * h_ld + c16) = *(const int4 *)(codes + r * FP8_CODES_LD + c16);
+        }
     } else {
 #pragma unroll
         for (int j = 0; j < NT / 8; j += 2)
             stsm_pairs<STSM_PADDED>(base, w16, j, h[2 * j], h[2 * j + 1], h[2 * j + 2], h[2 * j + 3]);
         consumer_sync();
         copy_staged(c, nreal, NT, (uint16_t *)h_out + n0, h_ld);
-        consumer_sync();
     }
-}
-
-/* The FP8 gate|up epilogue with the context's g|u out by TMA (where the pass has the map): the
- * consumers round g and u to bf16 into the staging region as TMA store boxes, as swiglu_handoff
- * does, and thread 0 stores them into the context rows ctx_row0.. through ctx_map (its rows bound
- * what is kept; none when ctx_map is NULL), while every thread goes on to h and its rows' scales;
- * once the stores have read the boxes (thread 0 waits for that, so the staging region is free
- * again on return), h^ goes out as in swiglu_staged, whose bits these are (the same h, the same
- * quantization). The consumers issue no global store of the context: it drains while they go on. */
-static __device__ __forceinline__ void swiglu_fp8_ctx_tma(const float (&acc)[TILE_ACC], int nreal, int ctx_row0,
-                                                          const CUtensorMap *ctx_map, int inter, int n0, uint8_t *h_out,
-                                                          long long h_ld, float limit, uint16_t *c, float *h_scales,
-                                                          long long hs_ld) {
-    constexpr int NT = MOK_FP8_BLOCK;
-    static_assert(2 * NT / 64 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "the boxes fit");
-    const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
-    uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
-#pragma unroll
-    for (int j = 0; j < NT / 8; j += 2) {
-        uint32_t g[4], u[4];
-        gu_pairs<NT>(acc, j, row0, nreal, g, u);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) /* blocks j, j + 1; rows row0, row0 + 8 */
-            h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
-                                           mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
-                                                       __uint_as_float(u[k] & 0xffff0000u), limit));
-        stsm_pairs<STSM_BOXES>(base, w16, j, g[0], g[1], g[2], g[3]);
-        stsm_pairs<STSM_BOXES>(base, w16, j + NT / 8, u[0], u[1], u[2], u[3]);
-    }
-    fence_proxy_async(); /* the generic-proxy writes, before the TMA unit reads them */
     consumer_sync();
-    if (t == 0 && ctx_map) {
-#pragma unroll
-        for (int b = 0; b < NT / 64; ++b) {
-            tma_store_2d(ctx_map, n0 + 64 * b, ctx_row0, base + b * STORE_BOX_BYTES);
-            tma_store_2d(ctx_map, inter + n0 + 64 * b, ctx_row0, base + (NT / 64 + b) * STORE_BOX_BYTES);
-        }
-        bulk_commit();
-    }
-    int e[2];
-    fp8_row_exps(h, e);
-    if (t == 0) bulk_wait_read(); /* the boxes are read: the codes may take their place */
-    consumer_sync();
-    fp8_codes_out(h, e, nreal, n0, h_out, h_ld, c, h_scales, hs_ld);
 }
 
 /* A bf16 gate|up tile's epilogue with h left to warps 1-3 (compute_walk.cuh, NOTE (handoff)): the
