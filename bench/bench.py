@@ -365,53 +365,6 @@ def profile_case(group, ranks, name, experts, tokens, skew, config):
         run.close()
 
 
-def print_idle(ev, rank, window, windows=10):
-    """Where a rank's compute CTAs are not in a task: before their first, between tasks (the gaps
-    a CTA waits for its next task to be posted or its inputs to be ready), after their last; the
-    gaps by the kind of the task that ends them (what the CTA was waiting to start); and the idle
-    share of each of `windows` equal slices of the pass (where in the pass the waiting is).
-    window: the rank's own (start, end) in the trace's time: its kernel's bounds when known, else its
-    tasks' span. Each rank is measured against its own window: the trace puts every rank on one
-    time axis, and two GPUs' global timers need not agree."""
-    t0, t1 = window
-    by_cta = {}
-    for e in ev:
-        if e["pid"] == rank and e["cat"] == "compute":
-            by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
-    if not by_cta:
-        return
-    lead = tail = between = 0.0
-    gaps, before_kind = [], {}
-    width = (t1 - t0) / windows if t1 > t0 else 1.0
-    busy = [0.0] * windows
-    for spans in by_cta.values():
-        spans.sort()
-        lead += spans[0][0] - t0
-        tail += t1 - spans[-1][1]
-        for (_, end, _), (start, _, kind) in zip(spans, spans[1:]):
-            gap = max(0.0, start - end)
-            gaps.append(gap)
-            before_kind[kind] = before_kind.get(kind, 0.0) + gap
-        for start, end, _ in spans:  # each task's time into the slices it overlaps
-            w = max(0, min(windows - 1, int((start - t0) / width)))
-            while w < windows and t0 + w * width < end:
-                lo, hi = max(start, t0 + w * width), min(end, t0 + (w + 1) * width)
-                busy[w] += max(0.0, hi - lo)
-                w += 1
-    between = sum(gaps)
-    gaps.sort()
-    total = (t1 - t0) * len(by_cta)
-    q = lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else 0.0
-    print(f"  rank {rank} compute idle: {(lead + between + tail) / 1e3:9.2f} SM-ms of {total / 1e3:.2f} "
-          f"({100 * (lead + between + tail) / total:.1f}%): before the first task {lead / 1e3:.2f}, between tasks "
-          f"{between / 1e3:.2f} (gap p50/p90/p99 {q(0.5):.1f}/{q(0.9):.1f}/{q(0.99):.1f} us), after the last "
-          f"{tail / 1e3:.2f}", flush=True)
-    waits = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(before_kind.items(), key=lambda kv: -kv[1]) if v > 0)
-    print(f"  rank {rank} compute gaps by the task that ends them (SM-ms): {waits or 'none'}", flush=True)
-    idle = " ".join(f"{max(0.0, 100 * (1 - b / (width * len(by_cta)))):.0f}" for b in busy)
-    print(f"  rank {rank} compute idle % per tenth of the pass: {idle}", flush=True)
-
-
 def trace_case(group, ranks, name, experts, tokens, skew, config, out, precision="bf16"):
     """One traced forward and backward: Chrome JSON, a Gantt PNG and a per-kind summary each (a pass
     the backend refuses is skipped with its reason)."""
@@ -440,37 +393,8 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out, precision
             ev = timeline.load(path, pass_name=pass_name)
             timeline.draw(ev, path[:-5] + ".png", title=f"{name}, EP{ranks}, {tokens} tokens/GPU: {phase}")
             residents = timeline.load(path, resident=True, pass_name=pass_name)
-            first0 = None
-            for r in sorted({e["pid"] for e in ev}):
-                mine = [e for e in ev if e["pid"] == r]
-                t0, t1 = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
-                kb = timeline.kernel_bounds([e for e in residents if e["pid"] == r], mine)
-                extra = (f"; kernel {kb['kernel_us'] / 1e3:.3f} ms on the GPU, {kb['lead_us'] / 1e3:.3f} ms before "
-                         f"the first task, {kb['tail_us'] / 1e3:.3f} ms after the last" if kb else "")
-                first0 = t0 if first0 is None else first0
-                skew_note = (f"; first task {(t0 - first0) / 1e3:+.3f} ms from rank 0's on the trace's axis (the "
-                             f"GPUs' timers)" if r else "")
-                print(f"trace {name} EP{ranks} skew {skew} {phase} rank {r}: span {(t1 - t0) / 1e3:.3f} ms{extra}"
-                      f"{skew_note}", flush=True)
-                print_idle(ev, r, (t0 - kb["lead_us"], t1 + kb["tail_us"]) if kb else (t0, t1))
-            per = {}
-            for e in ev:
-                if e["pid"] != 0:
-                    continue
-                c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0, 0.0])
-                c[0] += 1
-                c[1] += e["dur"] / 1e3
-                c[3].append(e["dur"])
-                c[4] += e.get("args", {}).get("gemm_us", 0.0)
-                c[5] += e.get("args", {}).get("epilogue_us", 0.0)
-            for kind, (n, busy, cat, durs, gemm, epi) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-                tf = f"{flops[kind] / (busy * 1e-3) / 1e12:6.2f} TFLOP/s per busy SM" if kind in flops else ""
-                durs.sort()
-                pct = "/".join(f"{durs[min(len(durs) - 1, int(q * len(durs)))]:.1f}" for q in (0.0, 0.1, 0.5, 0.9))
-                loop = (f"  main loops {gemm / n:6.1f}, epilogue {epi / n:6.1f}, before {(busy * 1e3 - gemm - epi) / n:6.1f} "
-                        f"us/task" if gemm else "")
-                print(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  "
-                      f"min/p10/p50/p90 {pct} us{loop}  {tf}", flush=True)
+            for line in timeline.report(ev, residents, f"trace {name} EP{ranks} skew {skew} {phase}", flops):
+                print(line, flush=True)
     finally:
         run.close()
 
