@@ -69,7 +69,8 @@ void tools_usage(FILE *out) {
             "                      gathers its dx parts and router-weight gradients)\n"
             "  --trace PATH        write the last run's forward and backward tasks as Chrome trace\n"
             "                      JSON (Perfetto, chrome://tracing): a process per rank and pass,\n"
-            "                      a thread per worker\n"
+            "                      a thread per worker; `python3 bench/timeline.py PATH --report`\n"
+            "                      summarizes it (idle workers, each task kind's times)\n"
             "\n"
             "Exit status: 0 success, 1 --check failed, 2 bad arguments or a library error.\n",
             TOOLS_SCALE_MAX, MOK_DIM_TILE, MOK_FP8_BLOCK, CHECK_TOKENS_LARGE);
