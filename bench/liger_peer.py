@@ -13,7 +13,10 @@ NVSHMEM host library preloaded, its CUDA 12 runtime on the library path) is benc
 
 Timed, CUDA-event medians after a warm-up:
   forward_nograd_ms  the forward under torch.no_grad() (inference: nothing kept for a backward);
-  forward_ms         the forward as a training step runs it (autograd on, intermediates kept);
+  forward_ms         the forward as a training step runs it (autograd on, intermediates kept), each
+                     queued behind the previous step's backward, whose launches the host has made:
+                     the forward's host work overlaps GPU work (bench.py's time_in_step times
+                     mok's forward so for the ratio);
   forward_backward_ms forward + backward of every input that has a gradient (x, the router weights,
                      the three expert weights).
 memory_bytes: the most device memory the case held beyond its inputs (the allocator's peak plus

@@ -43,7 +43,7 @@ def test_bench_smoke(tmp_path, ranks):
     data = json.loads((out / f"bench_ep{ranks}.json").read_text())
     assert len(data["cases"]) == 2 and len(data["sweeps"]) == 2
     for row in data["cases"]:
-        assert row["forward_ms"] > 0 and row["backward_ms"] > 0
+        assert row["forward_ms"] > 0 and row["backward_ms"] > 0 and row["forward_in_step_ms"] > 0
     # --host: a line per case with mok's host time per call (and PyTorch's on one rank)
     assert len(data["host"]) == 2
     for h in data["host"]:
@@ -85,3 +85,28 @@ def test_liger_peer_launch(tmp_path, monkeypatch, ranks):
 
     monkeypatch.setattr(peers.subprocess, "run", failing)
     assert "no NVSHMEM" in peers.run_liger(str(tmp_path), "deepseek-v3", 256, 8192, 0.0, 3, ranks)["skipped"]
+
+
+def test_peer_ratios(monkeypatch, capsys):
+    """peer_rows's ratios against LigerCute compare times taken the same way (the training-step
+    forwards, both queued behind the previous backward; mok's from-idle forward with LigerCute's
+    from-idle no_grad one), and print_peers prints them: a peer's result stood in for (no GPU)."""
+    pytest.importorskip("torch")
+    import bench
+
+    lc = dict(forward_ms=2.0, forward_nograd_ms=2.5, forward_backward_ms=8.0, memory_bytes=3 * 2**30,
+              max_rel_err_vs_torch=1e-3)
+    monkeypatch.setattr(bench.PEERS, "run_liger", lambda *args: dict(lc))
+    row = dict(layer="qwen3-30b-a3b", experts=128, tokens=8192, forward_ms=2.2, forward_in_step_ms=1.8,
+               backward_ms=4.2, memory_bytes=2**30)
+    assert bench.LAYERS["qwen3-30b-a3b"]["shared"] == 0  # the case's own row is mok's routed-only row
+    bench.peer_rows(None, 1, "qwen3-30b-a3b", 128, 8192, 0.0, None, 3, row, "site")
+    p = row["ligercute"]
+    assert p["mok_forward_vs_peer"] == pytest.approx(1.8 / 2.0)
+    assert p["mok_forward_idle_vs_peer_nograd"] == pytest.approx(2.2 / 2.5)
+    assert p["mok_forward_backward_vs_peer"] == pytest.approx((2.2 + 4.2) / 8.0)
+    bench.print_peers([row])
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("qwen3-30b-a3b")][0]
+    cells = [c.split() for c in line.split("|")]
+    assert cells[1] == ["1.800", "2.000", "0.90"] and cells[2] == ["2.200", "2.500", "0.88"]
+    assert cells[3] == ["6.400", "8.000", "0.80"] and cells[4] == ["1.00", "3.00"]
