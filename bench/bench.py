@@ -66,33 +66,43 @@ def sync_all(ranks):
 SETTLE_S = 0.5
 
 
-def time_ranks(fn, ranks, reps):
-    """Median over reps of the slowest rank's CUDA-event time of fn()."""
-    if SMOKE:
-        times = []
-        for _ in range(reps):
+def timed_median(fn, ranks, reps, after=None):
+    """Median over reps of the slowest rank's time of fn(), then after() (when given) launched before
+    the wait: CUDA events around fn() on every rank's current stream (SMOKE: the host's clock)."""
+    times = []
+    for _ in range(reps):
+        if SMOKE:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
-    sync_all(ranks)
-    time.sleep(SETTLE_S)
-    for _ in range(2):
-        fn()
-    sync_all(ranks)
-    times = []
-    for _ in range(reps):
+            if after:
+                after()
+            continue
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
         for r in range(ranks):
             ev[r][0].record(torch.cuda.current_stream(r))
         fn()
         for r in range(ranks):
             ev[r][1].record(torch.cuda.current_stream(r))
+        if after:
+            after()
         for r in range(ranks):
             ev[r][1].synchronize()
         times.append(max(a.elapsed_time(b) for a, b in ev))
     times.sort()
     return times[len(times) // 2]
+
+
+def time_ranks(fn, ranks, reps):
+    """Median over reps of the slowest rank's CUDA-event time of fn(), each call started on idle
+    GPUs (the wait for its end event comes before the next call)."""
+    if not SMOKE:
+        sync_all(ranks)
+        time.sleep(SETTLE_S)
+        for _ in range(2):
+            fn()
+        sync_all(ranks)
+    return timed_median(fn, ranks, reps)
 
 
 def time_in_step(forward, backward, ranks, reps):
@@ -102,34 +112,15 @@ def time_in_step(forward, backward, ranks, reps):
     its events hold GPU time (bench/liger_peer.py times LigerCute's training forward so). time_ranks
     starts every call on idle GPUs instead, so there the host's time shows wherever it outlasts
     the GPU work queued before it."""
-    if SMOKE:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+    if not SMOKE:
+        sync_all(ranks)
+        time.sleep(SETTLE_S)
+        for _ in range(2):  # the last backward is left running: the first timed forward queues behind it
             forward()
-            times.append((time.perf_counter() - t0) * 1e3)
             backward()
-        return sorted(times)[len(times) // 2]
+    t = timed_median(forward, ranks, reps, after=backward)
     sync_all(ranks)
-    time.sleep(SETTLE_S)
-    for _ in range(2):  # the last backward is left running: the first timed forward queues behind it
-        forward()
-        backward()
-    times = []
-    for _ in range(reps):
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
-        for r in range(ranks):
-            ev[r][0].record(torch.cuda.current_stream(r))
-        forward()
-        for r in range(ranks):
-            ev[r][1].record(torch.cuda.current_stream(r))
-        backward()
-        for r in range(ranks):
-            ev[r][1].synchronize()
-        times.append(max(a.elapsed_time(b) for a, b in ev))
-    sync_all(ranks)
-    times.sort()
-    return times[len(times) // 2]
+    return t
 
 
 def baseline_step(i):
