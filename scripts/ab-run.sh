@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--env VAR=V,...]...
+# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--fp8] [--env VAR=V,...]...
 # [--config FIELD=V,...]... [--host] [--reps N] [--only LAYERS] [--rounds K] — on a GPU
 # machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
@@ -15,6 +15,9 @@
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
 # replay, EP1 and EP2) and `mok run --hash --repeat 2` at full size on EP1 in every tree and prints the outputs' hash: equal hashes across trees mean bitwise-equal results
+# --fp8: the EP1 benchmark and traces also in FP8 (bench.py --precision fp8), and with --hash the FP8
+# layers checked against the FP8 reference (`mok run --precision fp8 --fp8-alone --check --repeat 2`:
+# DeepSeek-V3 at scale 4 as above, Qwen3-30B-A3B and Mixtral-8x7B at scale 2, 1000 tokens)
 # (a change meant to keep every sum's order). --reps N: the EP1 benchmark's repetitions (8); --only
 # LAYERS: the benchmarks' layers (bench.py --only); --rounds K: the benchmarks K times, the trees
 # in turn each round (the machine drifts by a few % between minutes: interleaved rounds show how
@@ -24,7 +27,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
-tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 host=0 envs=() reps1=8 rounds=1 only=() ep2only=deepseek-v3,qwen3-30b-a3b
+tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 host=0 fp8=0 envs=() reps1=8 rounds=1 only=() ep2only=deepseek-v3,qwen3-30b-a3b
 while [ $# -gt 0 ]; do
     a=$1
     shift
@@ -37,6 +40,7 @@ while [ $# -gt 0 ]; do
     --no-base) base=0 ;;
     --probe) probe=1 ;;
     --hash) hash=1 ;;
+    --fp8) fp8=1 ;;
     --host) host=1 ;;
     --reps) reps1=$1; shift ;;
     --rounds) rounds=$1; shift ;;
@@ -46,6 +50,8 @@ while [ $# -gt 0 ]; do
     *) echo "ab-run: unknown option $a" >&2; exit 2 ;;
     esac
 done
+precision=()
+[ $fp8 -eq 1 ] && precision=(--precision fp8)
 nccl_home=$(bash scripts/nccl-home.sh)
 args=(CUDA=1)
 [ -n "$nccl_home" ] && args+=(NCCL_HOME="$nccl_home")
@@ -81,6 +87,15 @@ hash_tree() {
         done
         timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --tokens 1024 --hash --repeat 2 2>&1 |
             grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash EP1 full size: /"
+        if [ "$fp8" -eq 1 ]; then
+            timeout 120 ./build/mok run --backend cuda --preset deepseek-v3 --scale 4 --tokens 2048 --minibatch 1024 \
+                --ring 4096 --context-rows 4096 --precision fp8 --fp8-alone --check --repeat 2 2>&1 |
+                grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash FP8 deepseek-v3 scale 4: /"
+            for preset in qwen3-30b-a3b mixtral-8x7b; do
+                timeout 120 ./build/mok run --backend cuda --preset $preset --scale 2 --tokens 1000 --precision fp8 \
+                    --fp8-alone --check --repeat 2 2>&1 | grep -E "^(outputs|PASS|FAIL)" | sed "s/^/hash FP8 $preset scale 2: /"
+            done
+        fi
     ) >"$2" 2>&1
 }
 start=$SECONDS
@@ -107,11 +122,13 @@ for round in $(seq 1 "$rounds"); do
             cd "$t" || exit 1
             export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
             [ $tests -eq 1 ] && [ "$round" -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
-            timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps "$reps1" ${only[@]+"${only[@]}"} ${envs[@]+"${envs[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
+            timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps "$reps1" ${only[@]+"${only[@]}"} ${envs[@]+"${envs[@]}"} \
+                ${precision[@]+"${precision[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
             [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
                 --only "$ep2only" --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
             [ $trace -eq 1 ] && [ "$round" -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
-                --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 | grep -E "^trace|rank 0 (compute|comm)"
+                ${precision[@]+"${precision[@]}"} --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 |
+                grep -E "^trace|rank 0 (compute|comm)"
             # --host: EP1 host time per call, GPU time queued back to back, and every kernel's time
             [ $host -eq 1 ] && [ "$round" -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps 5 --host --profile \
                 --out "/tmp/ab$name-h" 2>&1 | grep -E "^host |^profile |forward_kernel|backward_kernel|slot_sums|epilogue|sched_|spans_|groups_|Memset|Memcpy|elementwise|fill|Self CUDA time total"
@@ -120,7 +137,7 @@ for round in $(seq 1 "$rounds"); do
                 --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank [0-9]+ (compute|comm)"
         ) >>"$log" 2>&1
         echo "==== $t, round $round ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
-        if [ "$round" -eq 1 ]; then grep -E "^(deepseek|qwen|hash|host )" "$log"; else sed -n "/^-- round $round\$/,\$p" "$log" | grep -E "^(deepseek|qwen)"; fi | cut -c1-200
+        if [ "$round" -eq 1 ]; then grep -E "^(deepseek|qwen|mixtral|hash|host )" "$log"; else sed -n "/^-- round $round\$/,\$p" "$log" | grep -E "^(deepseek|qwen|mixtral)"; fi | cut -c1-200
     done
 done
 if [ $nccl -eq 1 ]; then
