@@ -193,8 +193,8 @@ static unsigned weight_maps(const pass_params *p, pass_maps *maps) {
     return mask;
 }
 
-/* TMA for a GEMM with K-major B when its maps are usable (else the cp.async path runs), after
- * op->a_rows is set: A rows a_row.. of a_map (the second 64 only where a_rows exceeds 64); B's op->n_valid rows in 64-row blocks, the first op->b_split from
+/* TMA for a GEMM with K-major B when its maps are usable (else the cp.async path runs):
+ * A rows a_row.. of a_map; B's op->n_valid rows in 64-row blocks, the first op->b_split from
  * rows row_lo.. of b_lo, the rest from rows row_hi.. of b_hi (a gate|up tile's two weights). */
 static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_operands *op, int a_map, long long a_row,
                                                  int b_lo, long long row_lo, int b_hi, long long row_hi) {
@@ -204,7 +204,7 @@ static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_oper
     op->a_map = a_map;
     op->a_row = (int)a_row;
     op->a_mmajor = 0;
-    op->a_halves = op->a_rows > 64 ? 2 : 1; /* rows past a_rows are discarded (consumer_idle) */
+    op->a_halves = 2;
     op->b_nmajor = 0;
     op->b_halves = (op->n_valid + 63) / 64;
     op->b_map[0] = b_lo;
@@ -219,7 +219,7 @@ static __device__ __forceinline__ void use_tma_k(const pass_params &p, tile_oper
     use_tma_k(p, op, a_map, a_row, b_map, b_row, b_map, 0);
 }
 
-/* TMA for a GEMM with N-major B (columns col.., `halves` 64-column halves), A as use_tma_k's: k rows from row0 of
+/* TMA for a GEMM with N-major B (columns col.., `halves` 64-column halves): k rows from row0 of
  * b0 while k < op->k_split, from row1 of b1 after (a dx tile's gate and up weights). */
 static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_operands *op, int a_map, long long a_row,
                                                  int b0, long long row0, int b1, long long row1, long long col,
@@ -230,7 +230,7 @@ static __device__ __forceinline__ void use_tma_n(const pass_params &p, tile_oper
     op->a_map = a_map;
     op->a_row = (int)a_row;
     op->a_mmajor = 0;
-    op->a_halves = op->a_rows > 64 ? 2 : 1; /* rows past a_rows are discarded (consumer_idle) */
+    op->a_halves = 2;
     op->b_nmajor = 1;
     op->b_halves = halves;
     op->b_col = (int)col;

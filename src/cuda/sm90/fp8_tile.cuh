@@ -90,10 +90,6 @@ static __device__ __forceinline__ void fp8_b_scales_split(tile_operands *op, con
 static __device__ __forceinline__ void consume_gemm_fp8(stage_ring &r, const tile_operands &op, float (&acc)[TILE_ACC]) {
     const int kblocks = k_steps(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
     if (kblocks == 0) return;
-    if (consumer_idle(op)) { /* a stage's scales are read only by the warpgroups that multiply */
-        consume_idle(r, kblocks);
-        return;
-    }
     const int t = threadIdx.x - PRODUCER_THREADS, row0 = (t >> 5) * 16 + (lane >> 2);
     const bool two = op.sb[1] != nullptr;
     float part[WGMMA_N128_ACC];

@@ -268,27 +268,6 @@ static __device__ void produce_tma(stage_ring &r, const tile_operands &op, int t
     }
 }
 
-/* Consumer: whether this warpgroup's 64 rows of A all lie past a_rows (a tile of 64 rows or fewer:
- * an expert's last row tile, the last token tile). Their outputs are discarded (tile_operands.cuh),
- * so the warpgroup issues no wgmma and the other one has the tensor cores to itself (TMA then
- * loads only A's first half: use_tma_k). */
-static __device__ __forceinline__ bool consumer_idle(const tile_operands &op) {
-    return ((int)(threadIdx.x >> 7) - 1) * 64 >= op.a_rows;
-}
-
-/* An idle consumer warpgroup's part in the ring: each stage waited for and released, so that
- * the stages' phases advance as the other warpgroup's do (a warpgroup that released stages it
- * had not seen filled could complete a later phase alone). acc keeps its starting values. */
-static __device__ __forceinline__ void consume_idle(stage_ring &r, int ksteps) {
-    const int lane = threadIdx.x & 31;
-    for (int kt = 0; kt < ksteps; ++kt) {
-        mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(r.empty + 8 * r.stage);
-        ring_advance(r);
-    }
-}
-
 /* Consumer: acc += the GEMM's product over its stages (acc holds the starting values).
  * NOTE: the accumulators must be written on every path before this (the runner's preset does
  * it): an accumulator that may still hold the previous GEMM's wgmma result, or a write in a
@@ -297,10 +276,6 @@ template <bool A_MN, bool B_MN>
 static __device__ __forceinline__ void consume_gemm(stage_ring &r, const tile_operands &op, float (&acc)[TILE_ACC]) {
     const int ktiles = k_steps(op), consumer = (threadIdx.x >> 7) - 1, lane = threadIdx.x & 31;
     if (ktiles == 0) return;
-    if (consumer_idle(op)) {
-        consume_idle(r, ktiles);
-        return;
-    }
 
     const uint32_t a_lbo = A_MN ? SWIZZLE_BLOCK_BYTES : 16, b_lbo = B_MN ? SWIZZLE_BLOCK_BYTES : 16;
     const uint32_t k16 = A_MN ? 2048 : 32, k16b = B_MN ? 2048 : 32;
