@@ -86,7 +86,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     mok_status st = layer_run_reference(&L, &ref);
     CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
     if (st == MOK_OK) {
-        const gpu_variant width = {0, 0, 0, 0, 0, cols_dh, 0};
+        const gpu_variant width = {0, 0, 0, 0, 0, cols_dh};
         gpu_variant_env(&width, 1);
         st = gpu_run(&L, gpu_cfg, accumulate, 0, &got, message, sizeof message);
         gpu_variant_env(&width, 0);
@@ -172,7 +172,7 @@ MOK_TEST(cuda_fp8_backward_replay) {
     mok_status st = gpu_run(&L, &c, 0, 0, &whole, message, sizeof message);
     CHECK(st == MOK_OK, "whole context: %s", message);
     c.context_rows = 128;
-    const gpu_variant wide = {0, 0, 0, 0, 0, 256, 0};
+    const gpu_variant wide = {0, 0, 0, 0, 0, 256};
     if (st == MOK_OK) {
         gpu_variant_env(&wide, 1);
         st = gpu_run(&L, &c, 0, 0, &replayed, message, sizeof message);
@@ -198,8 +198,7 @@ MOK_TEST(cuda_fp8_backward_replay) {
 
 /* dx, d_router_w and the gradients bitwise equal across two runs and across workspaces with other
  * comm CTA counts, minibatch and ring sizes, turned transfers, the cp.async path
- * (MOK_CUDA_TMA=0), 256-column dh tiles and the forward's staged gate|up epilogue
- * (MOK_CUDA_HANDOFF=0: the context the backward reads stored the other way). */
+ * (MOK_CUDA_TMA=0) and 256-column dh tiles. */
 MOK_TEST(cuda_fp8_backward_determinism) {
     if (skip("cuda_fp8_backward_determinism")) return;
     const int64_t t1[1] = {700};

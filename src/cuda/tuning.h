@@ -24,8 +24,7 @@
     X(handoff, "MOK_CUDA_HANDOFF", "1",                                                                            \
       "a bf16 forward whose operands all load by TMA hands each gate|up tile's h to the producer warpgroup's "     \
       "warps 1-3 (megakernel/compute_walk.cuh, NOTE (handoff)); 2: its down tiles' row stores too; 0: the "        \
-      "consumers do both. An FP8 forward's gate|up tiles store g|u by TMA and h^'s codes from their registers "    \
-      "(megakernel/swiglu.cuh, swiglu_fp8_boxes) unless 0. The same bits every way")                              \
+      "consumers do both. The same bits every way")                                                               \
     X(raster, "MOK_CUDA_RASTER", "16 where an expert's gate|up weights exceed half the L2, else 1 (mok__cuda_raster)", \
       "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \
       "neighbouring tickets share a few weight panels in L2; 1: tile-major, where the weights stay in L2 anyway " \

@@ -248,10 +248,6 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         handoff_wait(hv, p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, p.error, p.timeout_ns);
         consumer_sync();
     }
-    if (FP8 && p.ctx_tma) { /* the same for the last FP8 gate|up tile's g|u (swiglu_fp8_boxes) */
-        if (threadIdx.x == PRODUCER_THREADS) bulk_wait_read();
-        consumer_sync();
-    }
     switch (span.kind) {
     case MOK_TASK_GATEUP:
     case MOK_TASK_SHARED_UP: { /* one call site per width for both: the SwiGLU is most of the kernel's code */
@@ -280,19 +276,11 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             h = p.sh_h;
             hs = p.sh_hs;
         }
-        if constexpr (FP8) { /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
-            if (p.ctx_tma) { /* g|u out by TMA (the map's rows bound what is kept), h^ from the registers */
-                const bool keep = ctx && ctx_row0 < ctx_rows;
-                const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
-                swiglu_fp8_boxes(acc, rows, (int)ctx_row0, cm, (int)inter, (int)(nt * 128),
-                                 (uint8_t *)h + h_row * inter, inter, p.limit, staging,
-                                 hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
-            } else {
-                swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
-                                         (uint8_t *)h + h_row * inter, inter, p.limit, staging,
-                                         hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
-            }
-        } else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
+        if constexpr (FP8) /* h^ = Q(h): codes [., inter] then scales [., inter / 128] (n_tile = 128) */
+            swiglu_staged<128, true>(acc, rows, ctx_row0, ctx_rows, ctx, 2 * inter, inter, nt * 128,
+                                     (uint8_t *)h + h_row * inter, inter, p.limit, staging,
+                                     hs + h_row * (inter / MOK_FP8_BLOCK), inter / MOK_FP8_BLOCK);
+        else if (p.handoff) { /* h to warps 1-3, g|u out by TMA (the map's rows bound what is kept) */
             const bool keep = ctx && ctx_row0 < ctx_rows;
             const CUtensorMap *cm = keep ? maps + (routed ? MAP_CTX : MAP_SH_CTX) : nullptr;
             if (p.n_tile == 128)
@@ -448,19 +436,7 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
                {MAP_S_DOWN, Is ? p->wq[MOK_FP8_S_DOWN] : NULL, H, Is}};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
         mask |= (unsigned)tma_encode(&maps->m[all[i].map], all[i].ptr, all[i].rows, all[i].cols / 2, 64) << all[i].map;
-    /* the contexts' g|u stay bf16, stored in 128-row boxes (swiglu_fp8_boxes) */
-    mask |= (unsigned)tma_encode(&maps->m[MAP_CTX], p->context, p->context_rows, 2 * I, 128) << MAP_CTX;
-    mask |= (unsigned)tma_encode(&maps->m[MAP_SH_CTX], Is ? p->context_shared : NULL, T, 2 * Is, 128) << MAP_SH_CTX;
     return mask;
-}
-
-/* Whether an FP8 forward's gate|up tiles store g|u by TMA and h^ from their registers
- * (swiglu_fp8_boxes): where the context maps are usable and the tuning's handoff is not 0, which
- * keeps every epilogue store on the consumers (swiglu_staged) for comparison. */
-static int forward_ctx_tma(const cuda_rank *R, const pass_params *p) {
-    unsigned need = 1u << MAP_CTX;
-    if (p->shared_inter) need |= 1u << MAP_SH_CTX;
-    return R->tuning.handoff != 0 && (p->tma_mask & need) == need;
 }
 
 /* How much of a bf16 forward's epilogues goes to warps 1-3 (compute_walk.cuh, NOTE (handoff)):
@@ -526,7 +502,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
                                              (float *)p.xs, s->hidden / MOK_FP8_BLOCK, R->num_sms, stream);
             if (st != MOK_OK) return st;
             p.tma_mask = forward_maps_fp8(R, &p, &maps);
-            p.ctx_tma = forward_ctx_tma(R, &p);
         } else {
             if (a->num_tokens > 0 && ws->group->nranks > 1) /* the peers' copy (input_row_base) */
                 CUDA_TRY(cudaMemcpyAsync(R->sym + cw->sym.x, a->x, (size_t)(a->num_tokens * s->hidden) * 2,

@@ -73,7 +73,6 @@ struct pass_params {
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     int handoff;       /* epilogue parts to warps 1-3: 1 gate|up h, 2 down rows too (compute_walk.cuh, NOTE (handoff)) */
-    int ctx_tma;       /* FP8 forward: the gate|up tiles' g|u out by TMA, h^ from the registers (swiglu_fp8_boxes) */
     int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
     mok_task_span *spans; /* built by spans_kernel */
     long long spans_cap;

@@ -22,47 +22,6 @@ static __device__ __forceinline__ void gu_pairs(const float (&acc)[TILE_ACC], in
     }
 }
 
-/* A gate|up tile's g and u (gu_pairs) into shared memory by stmatrix in LAYOUT (row_stores.cuh):
- * g's block j at block j of base_g, u's at block u_block0 + j of base_u; with H, also h =
- * bf16(silu(g) * u) of the same bf16 pairs, h[2 j + k] for block j + k / 2, row row0 + 8 (k % 2). */
-template <int NT, int LAYOUT, bool H>
-static __device__ __forceinline__ void gu_store(const float (&acc)[TILE_ACC], int nreal, float limit, uint32_t base_g,
-                                                uint32_t base_u, int u_block0, uint32_t (&h)[NT / 4]) {
-    const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
-#pragma unroll
-    for (int j = 0; j < NT / 8; j += 2) {
-        uint32_t g[4], u[4];
-        gu_pairs<NT>(acc, j, row0, nreal, g, u);
-        if constexpr (H)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) /* blocks j, j + 1; rows row0, row0 + 8 */
-                h[2 * j + k] = bf16x2_from_f32(
-                    mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
-                    mok__swiglu(__uint_as_float(g[k] & 0xffff0000u), __uint_as_float(u[k] & 0xffff0000u), limit));
-        stsm_pairs<LAYOUT>(base_g, w16, j, g[0], g[1], g[2], g[3]);
-        stsm_pairs<LAYOUT>(base_u, w16, u_block0 + j, u[0], u[1], u[2], u[3]);
-    }
-}
-
-/* The scale exponents of h^ = Q(h) for a thread's two rows (e[half]: row row0 + 8 half) of an FP8
- * gate|up tile, h as gu_store gives it: a row's 128 values of h are 32 in each of the four lanes
- * that share lane / 4, so its amax is theirs by two shuffles (exact and order-free: the scale of
- * fp8_rows.cuh's warp form). */
-static __device__ __forceinline__ void fp8_row_exps(const uint32_t (&h)[MOK_FP8_BLOCK / 4], int (&e)[2]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int b = 0; b < MOK_FP8_BLOCK / 8; ++b) {
-            amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] << 16));
-            amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] & 0xffff0000u));
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        e[half] = mok__fp8_scale_exp(amax);
-    }
-}
-
 /* A gate|up tile's epilogue: a thread's columns 8j + 2(lane % 4) (+1) hold g for j < NT / 8 and
  * u, the same columns + NT, for the next NT / 8 (NT = n_tile: the accumulators are indexed by
  * constants only). g and u rounded to bf16 go into the context rows (padding rows as zeros; rows
@@ -73,8 +32,9 @@ static __device__ __forceinline__ void fp8_row_exps(const uint32_t (&h)[MOK_FP8_
  * warp store. */
 /* FP8 (NT = 128, one quantization block per row): h_out is h^'s codes (h_ld of them per row) and
  * h^ = Q(h) goes there, its scales to h_scales (hs_ld per row), instead of h. Q runs on the
- * registers (fp8_row_exps); the codes go out through the staging tile as rows of FP8_CODES_LD
- * bytes. */
+ * registers: a row's 128 values of h are 32 in each of the four lanes that share lane / 4, so its
+ * amax is theirs by two shuffles (exact and order-free: the scale of fp8_rows.cuh's warp form);
+ * the codes go out through the staging tile as rows of FP8_CODES_LD bytes. */
 #define FP8_CODES_LD 144 /* bytes: 128 codes, padded so that the 8 rows of a warp's store hit other banks */
 template <int NT, bool FP8 = false>
 static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC], int nreal, long long ctx_row0,
@@ -87,10 +47,34 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
     uint16_t *c2 = c + TILE_BM * TILE_C_LD;
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(c), base2 = (uint32_t)__cvta_generic_to_shared(c2);
     uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
-    gu_store<NT, STSM_PADDED, true>(acc, nreal, limit, base, base2, 0, h);
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t g[4], u[4];
+        gu_pairs<NT>(acc, j, row0, nreal, g, u);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) /* blocks j, j + 1; rows row0, row0 + 8 */
+            h[2 * j + k] = bf16x2_from_f32(mok__swiglu(__uint_as_float(g[k] << 16), __uint_as_float(u[k] << 16), limit),
+                                           mok__swiglu(__uint_as_float(g[k] & 0xffff0000u),
+                                                       __uint_as_float(u[k] & 0xffff0000u), limit));
+        stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
+        stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
+    }
     /* FP8: each of the thread's two rows' scale exponent (h[p] is block p / 2 of row row0 + 8 (p % 2)) */
     int e[2] = {0, 0};
-    if constexpr (FP8) fp8_row_exps(h, e);
+    if constexpr (FP8) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int b = 0; b < NT / 8; ++b) {
+                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] << 16));
+                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] & 0xffff0000u));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            e[half] = mok__fp8_scale_exp(amax);
+        }
+    }
     const long long left = ctx ? ctx_rows - ctx_row0 : 0;
     const int keep = (int)(left < 0 ? 0 : left > TILE_BM ? TILE_BM : left); /* context rows of this tile */
     consumer_sync();
@@ -144,10 +128,15 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
                                                       const CUtensorMap *ctx_map, int inter, int n0, uint16_t *h_out,
                                                       long long h_ld, uint16_t *c, const handoff_view &hv) {
     static_assert(2 * NT / 64 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "the boxes fit");
-    const int t = threadIdx.x - PRODUCER_THREADS;
+    const int t = threadIdx.x - PRODUCER_THREADS, w16 = (t >> 5) * 16, row0 = w16 + ((t & 31) >> 2);
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
-    uint32_t unused[NT / 4];
-    gu_store<NT, STSM_BOXES, false>(acc, nreal, 0.0f, base, base, NT / 8, unused);
+#pragma unroll
+    for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t g[4], u[4];
+        gu_pairs<NT>(acc, j, row0, nreal, g, u);
+        stsm_pairs<STSM_BOXES>(base, w16, j, g[0], g[1], g[2], g[3]);
+        stsm_pairs<STSM_BOXES>(base, w16, j + NT / 8, u[0], u[1], u[2], u[3]);
+    }
     fence_proxy_async(); /* the generic-proxy writes, before the TMA unit reads them */
     consumer_sync();
     if (t == 0) {
@@ -162,88 +151,6 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
         handoff_fill(hv, HANDOFF_SWIGLU, h_out + n0, nullptr, h_ld, nreal, NT);
     }
     mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warps 1-3 */
-}
-
-/* An FP8 gate|up tile's epilogue with its stores off the consumers' path: g and u rounded to bf16
- * (padding rows as zeros) into the staging region as TMA store boxes and out to the context rows
- * ctx_row0.. by thread 0 through ctx_map (as swiglu_handoff; none when ctx_map is NULL), while the
- * consumers quantize h (swiglu_staged's h^ = Q(h), bit for bit: the same h, amax and codes) and
- * store its codes to h_out straight from their registers: the four lanes that share a row hold its
- * 128 codes two by two, 8 columns apart, and trade them (fp8_quad_chunks) so that each lane holds
- * 8 consecutive codes of each row and a warp's store covers 32 contiguous bytes of each of 8 rows.
- * The scales go to h_scales (hs_ld per row). The caller waited on the last TMA stores' reads
- * (fwd_epilogue); no barrier after: the codes never pass through shared memory. */
-static __device__ __forceinline__ void fp8_quad_chunks(const uint32_t (&v)[MOK_FP8_BLOCK / 8], int i, uint32_t (&w)[4]) {
-    /* v[b]: this lane's codes of block b (columns 8 b + 2 q, + 1; q = lane % 4) for its two rows,
-       row0's in the low half. After: w[m] = lane m's of block 4 i + q, so that the 8 codes of block
-       4 i + q are w[0..3] in column order. Round r: the lane sends its codes of block 4 i + (q ^ r),
-       which lane q ^ r keeps as w[q]. */
-    const int q = threadIdx.x & 3;
-    uint32_t y[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int s = q ^ r;
-        const uint32_t x = s == 0 ? v[4 * i] : s == 1 ? v[4 * i + 1] : s == 2 ? v[4 * i + 2] : v[4 * i + 3];
-        y[r] = r ? __shfl_xor_sync(0xffffffffu, x, r) : x;
-    }
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const int r = q ^ m;
-        w[m] = r == 0 ? y[0] : r == 1 ? y[1] : r == 2 ? y[2] : y[3];
-    }
-}
-
-static __device__ __forceinline__ void swiglu_fp8_boxes(const float (&acc)[TILE_ACC], int nreal, int ctx_row0,
-                                                        const CUtensorMap *ctx_map, int inter, int n0, uint8_t *h_out,
-                                                        long long h_ld, float limit, uint16_t *c, float *h_scales,
-                                                        long long hs_ld) {
-    constexpr int NT = MOK_FP8_BLOCK; /* one quantization block per row */
-    static_assert(2 * NT / 64 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "the boxes fit");
-    const int t = threadIdx.x - PRODUCER_THREADS, row0 = (t >> 5) * 16 + ((t & 31) >> 2);
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
-    uint32_t h[NT / 4]; /* pair 2 j + half: block j, row row0 + 8 half */
-    gu_store<NT, STSM_BOXES, true>(acc, nreal, limit, base, base, NT / 8, h);
-    fence_proxy_async(); /* the generic-proxy writes, before the TMA unit reads them */
-    consumer_sync();
-    if (t == 0 && ctx_map) {
-#pragma unroll
-        for (int b = 0; b < NT / 64; ++b) {
-            tma_store_2d(ctx_map, n0 + 64 * b, ctx_row0, base + b * STORE_BOX_BYTES);
-            tma_store_2d(ctx_map, inter + n0 + 64 * b, ctx_row0, base + (NT / 64 + b) * STORE_BOX_BYTES);
-        }
-        bulk_commit();
-    }
-    int e[2];
-    fp8_row_exps(h, e);
-    uint32_t v[NT / 8]; /* block b's two codes of row row0 (low half) and of row0 + 8 (high half) */
-#pragma unroll
-    for (int b = 0; b < NT / 8; ++b) v[b] = 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const float inverse = mok__fp8_pow2(-e[half]);
-#pragma unroll
-        for (int b = 0; b < NT / 8; ++b) {
-            const uint32_t pair = h[2 * b + half];
-            v[b] |= e4m3x2_from_f32(__uint_as_float(pair << 16) * inverse, __uint_as_float(pair & 0xffff0000u) * inverse)
-                    << (16 * half);
-        }
-        const int row = row0 + 8 * half;
-        if ((t & 3) == 0 && row < nreal) h_scales[row * hs_ld + n0 / MOK_FP8_BLOCK] = mok__fp8_pow2(e[half]);
-    }
-    uint8_t *out = h_out + n0 + 8 * (t & 3);
-#pragma unroll
-    for (int i = 0; i < NT / 32; ++i) {
-        uint32_t w[4];
-        fp8_quad_chunks(v, i, w);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + 8 * half, sh = 16 * half;
-            if (row < nreal)
-                *(uint2 *)(out + row * h_ld + 32 * i) =
-                    make_uint2(((w[0] >> sh) & 0xffffu) | ((w[1] >> sh) & 0xffffu) << 16,
-                               ((w[2] >> sh) & 0xffffu) | ((w[3] >> sh) & 0xffffu) << 16);
-        }
-    }
 }
 
 /* Warp `part` of `parts`' share of swiglu_handoff's h, every lane: h = bf16(mok__swiglu(g, u)) of
