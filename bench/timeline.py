@@ -179,10 +179,7 @@ def report(ev, residents, label, flops=None):
     per rank its span, the kernel's bounds on the GPU when the residency events give them, and
     where its compute CTAs idle (idle_lines); then per task kind of rank 0 the tasks, their busy
     SM-ms, the spread of a task's time, and where the backend measured them its time in GEMM main
-    loops (args gemm_us) and after the last one (args epilogue_us), and the producer's time to post
-    each task (prep_us, of it wait_us on counters), how long it then sat queued (queued_us) and
-    the consumers' wait for its first stage of operands (fill_us, part of gemm_us);
-    with flops ({kind: FLOPs of
+    loops (args gemm_us) and after the last one (args epilogue_us); with flops ({kind: FLOPs of
     the pass}), each kind's TFLOP/s per busy SM. label starts each rank's line."""
     lines = []
     first0 = None
@@ -201,24 +198,18 @@ def report(ev, residents, label, flops=None):
     for e in ev:
         if e["pid"] != 0:
             continue
-        c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0, 0.0, [0.0, 0.0, 0.0, 0.0]])
+        c = per.setdefault(e["name"], [0, 0.0, e["cat"], [], 0.0, 0.0])
         c[0] += 1
         c[1] += e["dur"] / 1e3
         c[3].append(e["dur"])
-        args = e.get("args", {})
-        c[4] += args.get("gemm_us", 0.0)
-        c[5] += args.get("epilogue_us", 0.0)
-        for i, key in enumerate(("prep_us", "wait_us", "queued_us", "fill_us")):
-            c[6][i] += args.get(key, 0.0)
-    for kind, (n, busy, cat, durs, gemm, epi, prod) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        c[4] += e.get("args", {}).get("gemm_us", 0.0)
+        c[5] += e.get("args", {}).get("epilogue_us", 0.0)
+    for kind, (n, busy, cat, durs, gemm, epi) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         tf = f"{flops[kind] / (busy * 1e-3) / 1e12:6.2f} TFLOP/s per busy SM" if flops and kind in flops else ""
         durs.sort()
         pct = "/".join(f"{durs[min(len(durs) - 1, int(q * len(durs)))]:.1f}" for q in (0.0, 0.1, 0.5, 0.9))
         loop = (f"  main loops {gemm / n:6.1f}, epilogue {epi / n:6.1f}, before {(busy * 1e3 - gemm - epi) / n:6.1f} "
                 f"us/task" if gemm else "")
-        if prod[0]:  # the producer's side (cuda compute tasks): see mok_trace_event in src/internal.h
-            loop += (f"; producer {prod[0] / n:5.1f} us/task to post it ({prod[1] / n:5.1f} on its counters), "
-                     f"queued {prod[2] / n:5.1f}, first operands after {prod[3] / n:5.1f}")
         lines.append(f"  rank 0 {cat:<7} {kind:<13} {n:6d} tasks  busy {busy:9.2f} SM-ms  avg {busy / n * 1e3:8.1f} us  "
                      f"min/p10/p50/p90 {pct} us{loop}  {tf}")
     return lines

@@ -106,13 +106,6 @@ typedef struct mok_trace_event {
                            included (the rest of the task is presets and epilogues); 0 otherwise */
     int32_t epi_ns;     /* GPU compute tasks: from the end of the last main loop to the task's end
                            (its epilogue and closing barrier); 0 otherwise */
-    int32_t prep_ns;    /* GPU compute tasks: the producer's time from taking the task up (the loads
-                           of the one before issued) to posting it to the consumers, wait_ns included */
-    int32_t wait_ns;    /* GPU compute tasks: of prep_ns, the wait on the task's counters */
-    int32_t queued_ns;  /* GPU compute tasks: from its posting to the consumers taking it up (near 0:
-                           they were waiting for the producer) */
-    int32_t fill_ns;    /* GPU compute tasks: of gemm_ns, the consumers' wait for the task's first
-                           stage of operands (the pipeline filling after the task before) */
     int64_t start_ns, end_ns;
 } mok_trace_event;
 /* The kind of a worker's residency event (entry to exit of a GPU CTA), beside the task kinds. */

@@ -53,13 +53,11 @@ static void write_event(FILE *f, int *first, const mok_trace_event *e, int pass,
     const int resident = e->kind == MOK_TRACE_RESIDENT;
     fprintf(f,
             "%s{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-            "\"args\":{\"rank\":%d,\"pass\":\"%s\",\"minibatch\":%d,\"gemm_us\":%.3f,\"epilogue_us\":%.3f,"
-            "\"prep_us\":%.3f,\"wait_us\":%.3f,\"queued_us\":%.3f,\"fill_us\":%.3f}}",
+            "\"args\":{\"rank\":%d,\"pass\":\"%s\",\"minibatch\":%d,\"gemm_us\":%.3f,\"epilogue_us\":%.3f}}",
             next(first), resident ? "resident" : mok__task_kind_name(e->kind),
             resident ? "resident" : e->comm ? "comm" : "compute", pid_of(e->rank, pass), e->worker,
             (double)(e->start_ns - origin) / 1e3, (double)(e->end_ns - e->start_ns) / 1e3, e->rank, pass_names[pass],
-            e->minibatch, (double)e->gemm_ns / 1e3, (double)e->epi_ns / 1e3, (double)e->prep_ns / 1e3,
-            (double)e->wait_ns / 1e3, (double)e->queued_ns / 1e3, (double)e->fill_ns / 1e3);
+            e->minibatch, (double)e->gemm_ns / 1e3, (double)e->epi_ns / 1e3);
 }
 
 mok_status mok__trace_write_json(const char *path, const mok_trace_event *const *events, const int64_t *counts,

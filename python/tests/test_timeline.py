@@ -1,7 +1,7 @@
 """test_timeline.py — bench/timeline.py's report of a trace, on a synthetic trace with known
 numbers (no library, no GPU): the idle compute time before, between and after tasks, the gaps by
 the kind that ends them, the idle share per tenth of the pass, and per kind the tasks' busy time,
-main loops and epilogues and, where recorded, the producer's time to post them; and the command line's --report on a written file."""
+main loops and epilogues; and the command line's --report on a written file."""
 import json
 import os
 import subprocess
@@ -11,19 +11,18 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
-def event(name, cat, tid, ts, dur, gemm=0.0, epi=0.0, pass_name="forward", prep=(0.0, 0.0, 0.0, 0.0)):
+def event(name, cat, tid, ts, dur, gemm=0.0, epi=0.0, pass_name="forward"):
     return {"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur,
-            "args": {"rank": 0, "pass": pass_name, "minibatch": 0, "gemm_us": gemm, "epilogue_us": epi,
-                     "prep_us": prep[0], "wait_us": prep[1], "queued_us": prep[2], "fill_us": prep[3]}}
+            "args": {"rank": 0, "pass": pass_name, "minibatch": 0, "gemm_us": gemm, "epilogue_us": epi}}
 
 
 # Two compute CTAs over 0 .. 100 us: CTA 1 runs gateup 0-40 and down 50-100 (a 10 us gap before the
 # down); CTA 2 runs gateup 20-60 (20 us before it) and down 60-80 (20 us after it). One comm CTA.
 EVENTS = [event("dispatch", "comm", 0, 0.0, 20.0),
           event("gateup", "compute", 1, 0.0, 40.0, gemm=30.0, epi=8.0),
-          event("down", "compute", 1, 50.0, 50.0, gemm=40.0, epi=6.0, prep=(3.0, 1.0, 0.0, 2.0)),
+          event("down", "compute", 1, 50.0, 50.0, gemm=40.0, epi=6.0),
           event("gateup", "compute", 2, 20.0, 40.0, gemm=32.0, epi=6.0),
-          event("down", "compute", 2, 60.0, 20.0, gemm=12.0, epi=4.0, prep=(5.0, 2.0, 0.5, 1.0))]
+          event("down", "compute", 2, 60.0, 20.0, gemm=12.0, epi=4.0)]
 
 
 def test_report_numbers():
@@ -42,9 +41,6 @@ def test_report_numbers():
     assert "2 tasks  busy      0.08 SM-ms  avg     40.0 us" in kinds["gateup"]
     assert "main loops   31.0, epilogue    7.0, before    2.0 us/task" in kinds["gateup"]
     assert "main loops   26.0, epilogue    5.0, before    4.0 us/task" in kinds["down"]
-    assert ("producer   4.0 us/task to post it (  1.5 on its counters), queued   0.2, first operands after   1.5"
-            in kinds["down"])
-    assert "producer" not in kinds["gateup"]  # no producer times recorded (cpu backend, comm CTAs)
     assert "12.50 TFLOP/s per busy SM" in kinds["gateup"]  # 1e9 FLOPs over 80 busy us
     assert "main loops" not in kinds["dispatch"]  # no GEMM: no loop figures
 

@@ -36,7 +36,7 @@ static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v,
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
         Runner::run(p, v, span, rt, nt, smem);
         __syncthreads();
-        if (threadIdx.x == 0) finish_task(p, span, rt, role, {start, TRACE_ON(p) ? globaltimer_ns() : 0, 0, 0, 0, 0, 0, 0});
+        if (threadIdx.x == 0) finish_task(p, span, rt, role, start, TRACE_ON(p) ? globaltimer_ns() : 0);
     }
 }
 

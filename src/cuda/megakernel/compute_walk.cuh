@@ -78,7 +78,6 @@
 struct queued_task {
     long long g, rt, nt;
     long long stop;
-    long long posted, prep_ns, wait_ns; /* config.trace: when producer thread 0 posted it, its time on it */
 };
 
 /* config.trace: a task's time inside its GEMM main loops and when the last one ended. */
@@ -87,7 +86,7 @@ struct task_clock {
 };
 
 struct done_task { /* a finished task, for the completer */
-    long long g, rt, start, end, gemm_ns, gemm_end, prep_ns, wait_ns, queued_ns, fill_ns;
+    long long g, rt, start, end, gemm_ns, gemm_end;
     long long stop, handed; /* handed: the task left part of its epilogue to warps 1-3 */
 };
 #define DONE_QUEUE 4
@@ -352,7 +351,6 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
                                      int loaders) {
     const uint32_t qfull = sh.qfull, qempty = sh.qempty;
     volatile queued_task *queue = sh.queue;
-    __shared__ long long s_times[2]; /* config.trace, thread 0: when it took the task up, its counter wait */
     const int tid = threadIdx.x;
     unsigned long long *ticket = p.counters + p.counters_cap + MOK_COUNTER_SLOT_TICKET + MOK_ROLE_COMPUTE;
     const long long num_spans = *p.num_spans;
@@ -366,10 +364,6 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
         if (tid == 0) {
             long long g = 0, rt = 0, nt = 0, stop = 1;
             const long long t = (long long)next;
-            if (TRACE_ON(p)) { /* kept in shared memory, not in registers */
-                s_times[0] = globaltimer_ns();
-                s_times[1] = 0;
-            }
             task_prep tp = {};
             if (cursor_seek(p, MOK_ROLE_COMPUTE, num_spans, cur, t)) {
                 const mok_task_span span = p.spans[cur.g];
@@ -379,10 +373,8 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
                 tp.span = span;
                 Runner::prepare(p, v, span, rt, nt, &tp);
                 /* compute tasks wait on their own rank's counters, most on wait[0] alone */
-                if (TRACE_ON(p)) s_times[1] = globaltimer_ns();
                 stop = !(wait_counter_seen(p, wait, span.target[0], &seen) &&
                          wait_counter_thread(p, span.wait[1], span.target[1]));
-                if (TRACE_ON(p)) s_times[1] = globaltimer_ns() - s_times[1];
             }
             mbar_wait(qempty + 8 * q, (uint32_t)((n >> 1) & 1) ^ 1, r.abort, r.error, r.timeout_ns);
             if (!stop) sh.prep[q] = tp;
@@ -390,11 +382,6 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
             queue[q].rt = rt;
             queue[q].nt = nt;
             queue[q].stop = stop;
-            if (TRACE_ON(p)) {
-                queue[q].posted = globaltimer_ns();
-                queue[q].prep_ns = queue[q].posted - s_times[0];
-                queue[q].wait_ns = s_times[1];
-            }
             mbar_arrive(qfull + 8 * q);
             if (!stop) next = atomicAdd(ticket, 1ull);
         }
@@ -417,7 +404,6 @@ template <typename Runner>
 static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage_ring r, const compute_shared &sh,
                                         uint16_t *staging, float *red) {
     __shared__ int s_stop;
-    __shared__ long long s_times[4]; /* config.trace, consumer thread 0: the task's prep_ns, wait_ns, queued_ns, fill_ns */
     const int ctid = threadIdx.x - PRODUCER_THREADS;
     long long ncq = 0; /* records posted to the completer (meaningful in consumer thread 0) */
     const handoff_view hv = handoff_of(staging);
@@ -432,12 +418,6 @@ static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage
         const bool stop = s_stop;
         const long long g = sh.queue[q].g, rt = sh.queue[q].rt, nt = sh.queue[q].nt;
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;
-        if (TRACE_ON(p) && ctid == 0) { /* kept in shared memory, not in registers across the task */
-            s_times[0] = sh.queue[q].prep_ns;
-            s_times[1] = sh.queue[q].wait_ns;
-            s_times[2] = start - sh.queue[q].posted;
-            s_times[3] = 0;
-        }
         task_clock clk = {0, 0};
         if (!stop) {
             const task_prep &tp = sh.prep[q];
@@ -446,13 +426,6 @@ static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage
                 tile_operands op;
                 const int kind = Runner::gemm(p, span, rt, nt, tp, i, &op);
                 if (!kind) break;
-                if (TRACE_ON(p) && i == 0 && ctid == 0 && k_steps(op) > 0) {
-                    /* fill_ns: the wait for the task's first stage (a wait on the barrier's phase
-                       does not change it: the consumers' own wait then passes at once) */
-                    const long long f0 = globaltimer_ns();
-                    mbar_wait(r.full + 8 * r.stage, r.phase, r.abort, r.error, r.timeout_ns);
-                    s_times[3] = globaltimer_ns() - f0;
-                }
                 consume<Runner>(p, span, rt, nt, tp, i, r, kind - 1, op, staging, red, clk);
             }
             Runner::plain(p, span, rt, nt, tp);
@@ -468,12 +441,6 @@ static __device__ __forceinline__ void consumer_loop(const pass_params &p, stage
             sh.cq[c].end = TRACE_ON(p) ? globaltimer_ns() : 0;
             sh.cq[c].gemm_ns = clk.gemm_ns;
             sh.cq[c].gemm_end = clk.gemm_end;
-            if (TRACE_ON(p)) {
-                sh.cq[c].prep_ns = s_times[0];
-                sh.cq[c].wait_ns = s_times[1];
-                sh.cq[c].queued_ns = s_times[2];
-                sh.cq[c].fill_ns = s_times[3];
-            }
             sh.cq[c].stop = stop;
             if constexpr (runner_handoff<Runner>::value) { /* did this task post a handoff? */
                 const unsigned posted = hv.slot->posted;
@@ -541,8 +508,7 @@ static __device__ void completer_loop(const pass_params &p, const stage_ring &r,
     unsigned taken = 0; /* handoffs run */
     for (long long n = 0;; ++n) {
         const int c = (int)(n % DONE_QUEUE);
-        long long g = 0, rt = 0;
-        task_times tt = {};
+        long long g = 0, rt = 0, start = 0, end = 0, gemm_ns = 0, epi_ns = 0;
         int stop = 1, handed = 0;
         if (lane == 0) {
             mbar_wait(sh.cfull + 8 * c, (uint32_t)((n / DONE_QUEUE) & 1), r.abort, r.error, r.timeout_ns);
@@ -550,16 +516,10 @@ static __device__ void completer_loop(const pass_params &p, const stage_ring &r,
             if (!stop) {
                 g = sh.cq[c].g;
                 rt = sh.cq[c].rt;
-                if (TRACE_ON(p)) {
-                    tt.start = sh.cq[c].start;
-                    tt.end = sh.cq[c].end;
-                    tt.gemm_ns = sh.cq[c].gemm_ns;
-                    tt.epi_ns = sh.cq[c].gemm_end ? tt.end - sh.cq[c].gemm_end : 0;
-                    tt.prep_ns = sh.cq[c].prep_ns;
-                    tt.wait_ns = sh.cq[c].wait_ns;
-                    tt.queued_ns = sh.cq[c].queued_ns;
-                    tt.fill_ns = sh.cq[c].fill_ns;
-                }
+                start = sh.cq[c].start;
+                end = sh.cq[c].end;
+                gemm_ns = sh.cq[c].gemm_ns;
+                epi_ns = sh.cq[c].gemm_end ? end - sh.cq[c].gemm_end : 0;
                 handed = (int)sh.cq[c].handed;
                 mbar_arrive(sh.cempty + 8 * c);
             }
@@ -575,7 +535,7 @@ static __device__ void completer_loop(const pass_params &p, const stage_ring &r,
             if (lane == 0) mbar_wait(hv.taken, taken & 1, r.abort, r.error, r.timeout_ns);
             ++taken;
         }
-        if (lane == 0) finish_task(p, p.spans[g], rt, MOK_ROLE_COMPUTE, tt);
+        if (lane == 0) finish_task(p, p.spans[g], rt, MOK_ROLE_COMPUTE, start, end, gemm_ns, epi_ns);
     }
 }
 

@@ -85,16 +85,10 @@ static __device__ bool wait_counter(const pass_params &p, long long c, long long
     return ok;
 }
 
-/* A task's times for its trace event (config.trace): start and end, and for compute tasks the
- * parts mok_trace_event names (internal.h). */
-struct task_times {
-    long long start, end, gemm_ns, epi_ns, prep_ns, wait_ns, queued_ns, fill_ns;
-};
-
 /* One thread, after the task's writes are ordered before it (bar.sync, or an mbarrier after
- * one): the trace event, then the release of the task's done counters. */
+ * one): the trace event (start, end), then the release of the task's done counters. */
 static __device__ void finish_task(const pass_params &p, const mok_task_span &span, long long rt, int role,
-                                   const task_times &tt) {
+                                   long long start, long long end, long long gemm_ns = 0, long long epi_ns = 0) {
     if (TRACE_ON(p)) {
         unsigned long long n = atomicAdd(p.trace_count, 1ull);
         if ((long long)n < p.trace_cap) {
@@ -104,14 +98,10 @@ static __device__ void finish_task(const pass_params &p, const mok_task_span &sp
             e.minibatch = span.minibatch;
             e.rank = p.rank;
             e.comm = role == MOK_ROLE_COMM;
-            e.gemm_ns = (int32_t)tt.gemm_ns;
-            e.epi_ns = (int32_t)tt.epi_ns;
-            e.prep_ns = (int32_t)tt.prep_ns;
-            e.wait_ns = (int32_t)tt.wait_ns;
-            e.queued_ns = (int32_t)tt.queued_ns;
-            e.fill_ns = (int32_t)tt.fill_ns;
-            e.start_ns = tt.start;
-            e.end_ns = tt.end;
+            e.gemm_ns = (int32_t)gemm_ns;
+            e.epi_ns = (int32_t)epi_ns;
+            e.start_ns = start;
+            e.end_ns = end;
             p.trace[n] = e;
         }
     }
@@ -139,7 +129,8 @@ static __device__ void trace_resident(const pass_params &p, long long entry, int
     e.minibatch = -1;
     e.rank = p.rank;
     e.comm = blockIdx.x < comm;
-    e.gemm_ns = e.epi_ns = e.prep_ns = e.wait_ns = e.queued_ns = e.fill_ns = 0;
+    e.gemm_ns = 0;
+    e.epi_ns = 0;
     e.start_ns = entry;
     e.end_ns = globaltimer_ns();
     p.trace[n] = e;
