@@ -10,18 +10,23 @@ count ("does this task order, or this many comm CTAs, shorten the pass?") before
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --free combine --comm 8,16
     python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --scale gateup=0.87
     python3 scripts/sim_pass.py --layer deepseek-v3 --pass bwd --durations build/traces/trace_deepseek-v3_ep1_skew0.0_bwd.json
+    python3 scripts/sim_pass.py --layer qwen3-30b-a3b --pass fwd --routing random --tail 0.5,0.83
 
 The task kinds (values, names, roles) come from the library's one table, MOK_TASK_KINDS in
 src/core/tasks.h, read when this module loads. It builds scripts/tasks_dump.c against
 build/libmok.a (run `make` first) for the task list; --tasks-c compiles another core/tasks.inc in
 its place (`git show BRANCH:src/core/tasks.inc > F`, for a branch whose tasks.h is this tree's),
-to simulate a branch's order beside main's. The durations (µs per task) were traced
+to simulate a branch's order beside main's. --routing random gives the experts the rows of a
+random top-k routing (each token's k largest of E random logits, as the benchmark's softmax top-k
+of random logits picks them) instead of equal rows, so that experts end in partial row tiles;
+--tail F makes the routed GEMM tasks (gate/up, down, dh, dx) of a row tile with 64 real rows or
+fewer take F times their kind's duration. The durations (µs per task) were traced
 on one H200 (docs/log.md, which also compares the simulation with traced passes); --durations
 takes them from a trace instead (`bench.py --trace` writes one per layer and pass: each kind's
 mean over the pass, the table's value for a kind the trace lacks). A comm task's
 duration does not change with the number of comm CTAs here, which the GPU does not promise: more
 CTAs moving rows at once share the memory system. The model has no claim-ahead, no per-task
-"before" beyond the gap, and equal experts.
+"before" beyond the gap, and one duration per kind whatever a tile's real rows (but --tail).
 """
 import argparse
 import collections
@@ -52,27 +57,27 @@ KIND_NAMES = {value: text for value, (_, text, _) in enumerate(KINDS)}
 KIND_VALUES = {text: value for value, text in KIND_NAMES.items()}
 COMPUTE_KINDS = {value for value, (_, _, role) in enumerate(KINDS) if role == "COMPUTE"}
 
-# E_local, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
+# E_local, top-k, rows per expert, H, I, I_s, T, n_tile (forward, backward) on one GPU (bench/layers.py's
 # EP1 cases: tokens x top-k rows over the local experts), the comm CTAs the library chose
 # (forward, backward), and the traced durations in µs (one H200, `bench.py --ranks 1 --no-sweep
 # --only qwen3-30b-a3b,deepseek-v3 --trace`; the one-rank combine and push store in place, so
 # they take a fraction of a µs).
 LAYERS = {
-    "deepseek-v3": dict(E=32, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256), comm=(4, 8),
+    "deepseek-v3": dict(E=32, topk=8, rows=2048, H=7168, I=2048, Is=2048, T=8192, n_tile=(128, 256), comm=(4, 8),
                         fwd={SHARED_UP: 84.6, SHARED_DOWN: 26.6, DISPATCH: 63.9, GATEUP: 84.2, DOWN: 29.4,
                              COMBINE: 0.3},
                         bwd={SHARED_DH: 104.4, SHARED_DX: 49.6, PULL: 147.0, DH: 105.5, DX: 51.7, PUSH: 0.2,
                              WGRAD: 22.9, SHARED_WGRAD: 88.0}),
-    "qwen3-30b-a3b": dict(E=128, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128), comm=(12, 16),
+    "qwen3-30b-a3b": dict(E=128, topk=8, rows=1024, H=2048, I=768, Is=0, T=16384, n_tile=(128, 128), comm=(12, 16),
                           fwd={DISPATCH: 21.0, GATEUP: 24.9, DOWN: 15.1, COMBINE: 0.3},
                           bwd={PULL: 43.3, DH: 33.8, DX: 21.4, PUSH: 0.2, WGRAD: 13.1}),
 }
 
 
-def simulate(tasks, workers, dur, gap=0.9):
-    """tasks: (kind, role, wait0, target0, wait1, target1, done0, done1) in list order; workers:
-    {role: count}; dur: {kind: µs}. Returns (span µs, {role: busy µs}, tasks left unstarted or
-    waiting when nothing more can happen)."""
+def simulate(tasks, workers, dur, gap=0.9, task_dur=None):
+    """tasks: (kind, role, wait0, target0, wait1, target1, done0, done1[, real rows]) in list order;
+    workers: {role: count}; dur: {kind: µs}, or task_dur: µs per task. Returns (span µs, {role: busy
+    µs}, tasks left unstarted or waiting when nothing more can happen)."""
     by_role = collections.defaultdict(list)
     for i, t in enumerate(tasks):
         by_role[t[1]].append(i)
@@ -87,13 +92,14 @@ def simulate(tasks, workers, dur, gap=0.9):
         seq[0] += 1
 
     def start(worker, task, now):
-        kind, _, w0, t0, w1, t1, _, _ = tasks[task]
+        kind, _, w0, t0, w1, t1 = tasks[task][:6]
         for c, target in ((w0, t0), (w1, t1)):
             if c >= 0 and counters[c] < target:
                 waiting[c].append((target, worker, task))
                 return
-        busy[worker[0]] += dur[kind]
-        post(now + dur[kind] + (gap if kind in COMPUTE_KINDS else 0.0), "done", worker, task)
+        d = task_dur[task] if task_dur else dur[kind]
+        busy[worker[0]] += d
+        post(now + d + (gap if kind in COMPUTE_KINDS else 0.0), "done", worker, task)
 
     for role, n in workers.items():
         for i in range(n):
@@ -120,9 +126,23 @@ def simulate(tasks, workers, dur, gap=0.9):
     return span, busy, left
 
 
-def task_list(layer, backward, ring, minibatch, tasks_c=None):
+def random_rows(layer, seed):
+    """Rows per expert of a random top-k routing of the layer's tokens: each token's k largest of E
+    random logits (softmax keeps their order, so the benchmark's routing picks the same way)."""
+    import random
+    L = LAYERS[layer]
+    rng = random.Random(seed)
+    rows = [0] * L["E"]
+    for _ in range(L["T"]):
+        logits = [rng.random() for _ in range(L["E"])]
+        for e in sorted(range(L["E"]), key=logits.__getitem__)[-L["topk"]:]:
+            rows[e] += 1
+    return rows
+
+
+def task_list(layer, backward, ring, minibatch, tasks_c=None, rows=None):
     """The library's task list of a one-rank pass (scripts/tasks_dump.c against build/libmok.a, or
-    with another tasks.inc)."""
+    with another tasks.inc); rows: each expert's routed rows (default: the layer's equal rows)."""
     L = LAYERS[layer]
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "tasks_dump")
@@ -135,7 +155,8 @@ def task_list(layer, backward, ring, minibatch, tasks_c=None):
         subprocess.run(["cc", "-std=c11", "-O2", "-I" + os.path.join(ROOT, "src"), "-I" + os.path.join(ROOT, "src", "core"),
                         "-I" + os.path.join(ROOT, "include")] + srcs + [os.path.join(ROOT, "build", "libmok.a"), "-lm",
                         "-lpthread", "-o", exe], check=True)
-        out = subprocess.run([exe, str(L["E"]), str(L["rows"]), str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
+        per = ",".join(map(str, rows)) if rows else str(L["rows"])
+        out = subprocess.run([exe, str(L["E"]), per, str(L["H"]), str(L["I"]), str(L["Is"]), str(L["T"]),
                               str(ring), str(minibatch), str(int(backward)), str(L["n_tile"][int(backward)])],
                              check=True, capture_output=True, text=True).stdout
     return [tuple(map(int, line.split())) for line in out.splitlines()]
@@ -168,12 +189,24 @@ def main():
     ap.add_argument("--free", default="",
                     help="task kinds that move nothing (comma-separated names: combine, push, dispatch, pull): "
                          "they keep their place and counters and take no time")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="tokens in place of the layer's (the traced durations stay the layer's)")
+    ap.add_argument("--routing", choices=("equal", "random"), default="equal",
+                    help="the experts' rows: the layer's, equal (default), or a random top-k routing's")
+    ap.add_argument("--seed", type=int, default=1, help="--routing random's seed")
+    ap.add_argument("--tail", default="",
+                    help="duration factors (comma-separated: one simulation each) for the routed GEMM tasks of "
+                         "row tiles with 64 real rows or fewer")
     ap.add_argument("--scale", default="",
                     help="task kinds made faster or slower (comma-separated NAME=FACTOR, e.g. gateup=0.87): their "
                          "duration times FACTOR, to predict a change to one kind's tiles before building it")
     a = ap.parse_args()
     backward = a.which == "bwd"
-    tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c)
+    if a.tokens > 0:
+        L = LAYERS[a.layer]
+        LAYERS[a.layer] = dict(L, T=a.tokens, rows=a.tokens * L["topk"] // L["E"])
+    rows = random_rows(a.layer, a.seed) if a.routing == "random" else None
+    tasks = task_list(a.layer, backward, a.ring, a.minibatch, a.tasks_c, rows)
     dur = dict(LAYERS[a.layer]["bwd" if backward else "fwd"])
     if a.durations:
         traced = traced_durations(a.durations, backward)
@@ -195,13 +228,20 @@ def main():
     if missing:
         sys.exit(f"sim_pass: no duration for task kinds {missing}")
     compute_role = next(t[1] for t in tasks if t[0] in COMPUTE_KINDS)
-    print(f"{a.layer} {a.which}: {len(tasks)} tasks" + (f" ({a.tasks_c})" if a.tasks_c else ""))
+    routed = [t for t in tasks if t[8] > 0]
+    tails = sum(1 for t in routed if t[8] <= 64)
+    print(f"{a.layer} {a.which}: {len(tasks)} tasks" + (f" ({a.tasks_c})" if a.tasks_c else "") +
+          (f"; {a.routing} routing: {tails} of {len(routed)} routed GEMM tasks on row tiles of 64 rows or fewer"
+           if routed else ""))
     comms = a.comm or str(LAYERS[a.layer]["comm"][int(backward)])
-    for comm in (int(c) for c in comms.split(",")):
-        comp = a.sms - comm
-        span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap)
-        print(f"  comm {comm:3d}: span {span / 1e3:7.3f} ms, compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
-              f", comm busy {100 * busy[1 - compute_role] / (span * comm):5.1f}%" + (f", {left} tasks stuck" if left else ""))
+    for factor in [None] + [float(f) for f in filter(None, a.tail.split(","))]:
+        task_dur = None if factor is None else [dur[t[0]] * (factor if 0 < t[8] <= 64 else 1.0) for t in tasks]
+        for comm in (int(c) for c in comms.split(",")):
+            comp = a.sms - comm
+            span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap, task_dur)
+            print(f"  {'' if factor is None else f'tail x{factor}: '}comm {comm:3d}: span {span / 1e3:7.3f} ms, "
+                  f"compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
+                  f", comm busy {100 * busy[1 - compute_role] / (span * comm):5.1f}%" + (f", {left} tasks stuck" if left else ""))
 
 
 if __name__ == "__main__":

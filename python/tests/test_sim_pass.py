@@ -1,6 +1,7 @@
 """test_sim_pass.py — scripts/sim_pass.py: the simulator on small hand-made lists (a dependency
-chain, independent tasks, a wait nothing satisfies, comm feeding compute), and on the library's own
-task lists for the benchmark layers' passes, which must run to the end with no task stuck. Needs
+chain, independent tasks, a wait nothing satisfies, comm feeding compute, per-task durations), and
+on the library's own task lists for the benchmark layers' passes, which must run to the end with no
+task stuck, also with the experts' rows of a random routing. Needs
 cc and build/libmok.a for the second part (skipped without them).
 """
 import os
@@ -62,3 +63,40 @@ def test_library_lists_run_to_the_end(layer, backward):
     work = sum(dur[t[0]] for t in tasks if t[1] == compute)
     assert busy[compute] == pytest.approx(work)
     assert span >= work / 120  # no faster than every compute CTA busy all the time
+
+
+def test_task_durations_override_kinds():
+    tasks = [task(S.GATEUP, COMPUTE, done=0), task(S.DOWN, COMPUTE, wait=(0, 1))]
+    span, busy, left = S.simulate(tasks, {COMPUTE: 1}, {S.GATEUP: 10.0, S.DOWN: 4.0}, gap=0.0, task_dur=[5.0, 2.0])
+    assert left == 0 and span == pytest.approx(7.0) and busy[COMPUTE] == pytest.approx(7.0)
+
+
+def test_random_routing_and_tail_tiles():
+    """--routing random: every token's k experts counted once; the list built from those rows gives
+    each routed GEMM task its row tile's real rows (1..128, the experts' rows in total), and the
+    simulation takes the tail tiles' own durations."""
+    if not shutil.which("cc") or not os.path.exists(os.path.join(ROOT, "build", "libmok.a")):
+        pytest.skip("needs cc and build/libmok.a (make)")
+    L = S.LAYERS["qwen3-30b-a3b"]
+    small = dict(L, T=512, rows=512 * L["topk"] // L["E"])
+    saved = S.LAYERS["qwen3-30b-a3b"]
+    S.LAYERS["qwen3-30b-a3b"] = small
+    try:
+        rows = S.random_rows("qwen3-30b-a3b", seed=3)
+        assert sum(rows) == 512 * L["topk"] and len(rows) == L["E"] and max(rows) > min(rows)
+        tasks = S.task_list("qwen3-30b-a3b", False, ring=32768, minibatch=2048, rows=rows)
+    finally:
+        S.LAYERS["qwen3-30b-a3b"] = saved
+    gateup = [t for t in tasks if t[0] == S.GATEUP]
+    per_tile = L["I"] // L["n_tile"][0]  # gate/up tasks per row tile
+    assert all(1 <= t[8] <= 128 for t in gateup)
+    assert sum(t[8] for t in gateup) == sum(rows) * per_tile
+    assert any(t[8] <= 64 for t in gateup)
+    dur = L["fwd"]
+    compute = next(t[1] for t in tasks if t[0] in S.COMPUTE_KINDS)
+    workers = {1 - compute: 12, compute: 120}
+    faster = [dur[t[0]] * (0.5 if 0 < t[8] <= 64 else 1.0) for t in tasks]
+    span, busy, left = S.simulate(tasks, workers, dur, task_dur=faster)
+    assert left == 0 and span > 0
+    assert busy[compute] == pytest.approx(sum(d for t, d in zip(tasks, faster) if t[1] == compute))
+    assert busy[compute] < sum(dur[t[0]] for t in tasks if t[1] == compute)
