@@ -584,6 +584,32 @@ mok_status mok__ref_forward_ex(const mok__ref_layer64 *layer, double *const *y, 
     return MOK_OK;
 }
 
+/* A per-rank array of any row type, for the checks that only ask which entries are NULL. */
+#define REF_ROWS(array) ((const void *const *)(array))
+
+/* The backward's per-rank arguments, for both forms of it (bf16, float or double rows): every
+ * array given, a rank's rows wherever it has tokens, the weight gradients on every rank, the
+ * shared expert's where the layer has one. */
+static mok_status ref_check_backward_args(const char *fn, int nranks, const int64_t *num_tokens, int has_shared,
+                                          const void *const *dy, const void *const *dx,
+                                          const void *const *d_router_w, const void *const *dw_gate,
+                                          const void *const *dw_up, const void *const *dw_down,
+                                          const void *const *ds_gate, const void *const *ds_up,
+                                          const void *const *ds_down) {
+    REF_REQUIRE_PER_RANK(fn, dy, "dy", 0, nranks, num_tokens);
+    REF_REQUIRE_PER_RANK(fn, dx, "dx", 0, nranks, num_tokens);
+    REF_REQUIRE_PER_RANK(fn, d_router_w, "d_router_w", 0, nranks, num_tokens);
+    REF_REQUIRE_PER_RANK(fn, dw_gate, "dw_gate", 1, nranks, num_tokens);
+    REF_REQUIRE_PER_RANK(fn, dw_up, "dw_up", 1, nranks, num_tokens);
+    REF_REQUIRE_PER_RANK(fn, dw_down, "dw_down", 1, nranks, num_tokens);
+    if (has_shared) {
+        REF_REQUIRE_PER_RANK(fn, ds_gate, "ds_gate", 1, nranks, num_tokens);
+        REF_REQUIRE_PER_RANK(fn, ds_up, "ds_up", 1, nranks, num_tokens);
+        REF_REQUIRE_PER_RANK(fn, ds_down, "ds_down", 1, nranks, num_tokens);
+    }
+    return MOK_OK;
+}
+
 mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *const *dy, int round,
                                 double *const *dx, double *const *d_router_w,
                                 double *const *dw_gate, double *const *dw_up,
@@ -596,17 +622,10 @@ mok_status mok__ref_backward_ex(const mok__ref_layer64 *layer, const double *con
     const int64_t *num_tokens = layer->num_tokens;
     const mok_shape *shape = layer->shape;
     int has_shared = shape->shared_intermediate > 0;
-    REF_REQUIRE_PER_RANK(fn, dy, "dy", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dx, "dx", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, d_router_w, "d_router_w", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dw_gate, "dw_gate", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dw_up, "dw_up", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dw_down, "dw_down", 1, nranks, num_tokens);
-    if (has_shared) {
-        REF_REQUIRE_PER_RANK(fn, ds_gate, "ds_gate", 1, nranks, num_tokens);
-        REF_REQUIRE_PER_RANK(fn, ds_up, "ds_up", 1, nranks, num_tokens);
-        REF_REQUIRE_PER_RANK(fn, ds_down, "ds_down", 1, nranks, num_tokens);
-    }
+    status = ref_check_backward_args(fn, nranks, num_tokens, has_shared, REF_ROWS(dy), REF_ROWS(dx),
+                                     REF_ROWS(d_router_w), REF_ROWS(dw_gate), REF_ROWS(dw_up), REF_ROWS(dw_down),
+                                     REF_ROWS(ds_gate), REF_ROWS(ds_up), REF_ROWS(ds_down));
+    if (status != MOK_OK) return status;
     int64_t hidden = shape->hidden, inter = shape->intermediate, topk = shape->topk;
     int64_t expert_size = (shape->num_experts / nranks) * inter * hidden;
     int64_t shared_size = shape->shared_intermediate * hidden;
@@ -824,17 +843,10 @@ mok_status mok_ref_backward(const mok_ref_layer *layer, const void *const *dy, v
     const int64_t *num_tokens = layer->num_tokens;
     const mok_shape *shape = layer->shape;
     int has_shared = shape->shared_intermediate > 0;
-    REF_REQUIRE_PER_RANK(fn, dy, "dy", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dx, "dx", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, d_router_w, "d_router_w", 0, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dw_gate, "dw_gate", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dw_up, "dw_up", 1, nranks, num_tokens);
-    REF_REQUIRE_PER_RANK(fn, dw_down, "dw_down", 1, nranks, num_tokens);
-    if (has_shared) {
-        REF_REQUIRE_PER_RANK(fn, ds_gate, "ds_gate", 1, nranks, num_tokens);
-        REF_REQUIRE_PER_RANK(fn, ds_up, "ds_up", 1, nranks, num_tokens);
-        REF_REQUIRE_PER_RANK(fn, ds_down, "ds_down", 1, nranks, num_tokens);
-    }
+    status = ref_check_backward_args(fn, nranks, num_tokens, has_shared, REF_ROWS(dy), REF_ROWS(dx),
+                                     REF_ROWS(d_router_w), REF_ROWS(dw_gate), REF_ROWS(dw_up), REF_ROWS(dw_down),
+                                     REF_ROWS(ds_gate), REF_ROWS(ds_up), REF_ROWS(ds_down));
+    if (status != MOK_OK) return status;
     int64_t hidden = shape->hidden, topk = shape->topk;
     int64_t expert_size = (shape->num_experts / nranks) * shape->intermediate * hidden;
     int64_t shared_size = shape->shared_intermediate * hidden;
