@@ -183,12 +183,13 @@ def unsupported_reason(err):
 
 
 def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, baseline=None, layer=None,
-             precision="bf16"):
+             precision="bf16", in_step=True):
     """One case: mok's forward and backward times and the device memory they held (and, with check
     on one rank, the error against PyTorch and PyTorch's times, or those of `baseline`, an earlier
     row of the same case). layer: the layer's dimensions when not LAYERS[name]'s (a routed-only
     variant). precision "fp8": an FP8 workspace (the row then says "skipped" and why where the
-    backend refuses one), its quantization timed apart (quantize_ms)."""
+    backend refuses one), its quantization timed apart (quantize_ms). in_step: the forward also timed
+    as in a training step (forward_in_step_ms, time_in_step; the sweeps leave it out)."""
     layer = layer or LAYERS[name]
     inputs = make_inputs(layer, experts, tokens, ranks, skew, seed=1234)
     row = dict(layer=name, experts=experts, tokens=tokens, ranks=ranks, skew=skew,
@@ -234,7 +235,8 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
         row["forward_ms"] = time_ranks(run.forward, ranks, reps)
         try:
             row["backward_ms"] = time_ranks(run.backward, ranks, max(3, reps // 2))
-            row["forward_in_step_ms"] = time_in_step(run.forward, run.backward, ranks, reps)
+            if in_step:
+                row["forward_in_step_ms"] = time_in_step(run.forward, run.backward, ranks, reps)
         except mok.MokError as e:
             row["backward_ms"] = None
             row["backward_error"] = str(e)
@@ -600,7 +602,8 @@ def main():
             if bar is None:
                 print(f"[sweep {i + 1}/{len(grid)}] {name} comm {comm} minibatch {mb}", file=sys.stderr, flush=True)
             cfg = base.replace(fwd_comm_sms=comm, bwd_comm_sms=comm, minibatch_rows=mb)
-            row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, max(3, a.reps // 2), check=False)
+            row = run_case(group, a.ranks, name, experts, tokens, skew, cfg, max(3, a.reps // 2), check=False,
+                           in_step=False)
             sweeps.append(row)
             if bar is None:
                 print(json.dumps(row), flush=True)

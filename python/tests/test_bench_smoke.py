@@ -44,6 +44,7 @@ def test_bench_smoke(tmp_path, ranks):
     assert len(data["cases"]) == 2 and len(data["sweeps"]) == 2
     for row in data["cases"]:
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0 and row["forward_in_step_ms"] > 0
+    assert all("forward_in_step_ms" not in row for row in data["sweeps"])  # the sweeps time from idle only
     # --host: a line per case with mok's host time per call (and PyTorch's on one rank)
     assert len(data["host"]) == 2
     for h in data["host"]:
