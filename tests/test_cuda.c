@@ -956,6 +956,60 @@ static int tuning_value(const mok_workspace *ws, const char *name) {
     return -1;
 }
 
+/* The task list built inside the megakernel while its first tasks run (MOK_CUDA_STREAM_SPANS=1,
+ * megakernel/task_list.cuh) is the list spans_kernel builds before it: y and every gradient
+ * bitwise equal, forward and backward, with several macrobatches, replayed rows, uneven tokens and
+ * the shared expert, and on two GPUs also with every transfer turned around (lists that name
+ * peers, built from the peers' padded rows). Each run twice, so a list read before it was
+ * published would show as a run that differs from its twin. */
+MOK_TEST(cuda_stream_spans) {
+    if (skip(1, "cuda_stream_spans")) return;
+    const int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {600, 333};
+    const mok_shape shape = small_shape(512, 256, 8, 4, 256);
+    const env_saved saved = env_save("MOK_CUDA_STREAM_SPANS");
+    layer L;
+    layer_make(&L, &shape, P, tokens, mok_test_seed() + 41, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
+    for (int turned = 0; turned < (P == 2 ? 2 : 1); ++turned) {
+        mok_config cfg = mok_config_default();
+        cfg.minibatch_rows = 128;
+        cfg.ring_rows = 512;
+        cfg.context_rows = 384;
+        if (turned) {
+            cfg.fwd_dispatch = cfg.bwd_combine = MOK_PUSH;
+            cfg.fwd_combine = cfg.bwd_dispatch = MOK_PULL;
+        }
+        layer_result res[4] = {{0}, {0}, {0}, {0}}; /* spans_kernel's list twice, the streamed one twice */
+        int ok = 1;
+        for (int run = 0; run < 4 && ok; ++run) {
+            setenv("MOK_CUDA_STREAM_SPANS", run < 2 ? "0" : "1", 1);
+            gpu_layer G;
+            if (gpu_open(&G, &L, &cfg) != MOK_OK) {
+                CHECK(0, "open: %s", G.message);
+                ok = 0;
+                break;
+            }
+            const int streamed = tuning_value(G.ws, "stream_spans");
+            CHECK(streamed == (run >= 2), "run %d: the workspace's stream_spans is %d", run, streamed);
+            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_layer_backward(&G, &L, 0, NULL, &res[run]) != MOK_OK) {
+                CHECK(0, "%s, run %d: %s", turned ? "turned" : "default", run, G.message);
+                ok = 0;
+            } else {
+                gpu_layer_download_y(&G, &L, &res[run]);
+            }
+            gpu_layer_close(&G);
+        }
+        for (int run = 1; run < 4 && ok; ++run) {
+            char what[256] = "";
+            CHECK(layer_equal(&L, &res[0], &res[run], what, sizeof what), "%s transfers: run %d (%s) against run 0: %s",
+                  turned ? "turned" : "default", run, run < 2 ? "spans_kernel" : "streamed", what);
+        }
+        for (int run = 0; run < 4; ++run) layer_result_free(&res[run]);
+    }
+    layer_free(&L);
+    env_restore(&saved);
+}
+
 /* With config.trace, the kernels record every task; the trace file lists them. */
 MOK_TEST(cuda_trace) {
     if (skip(1, "cuda_trace")) return;

@@ -696,6 +696,52 @@ static int check_raster_permutes(const mok_plan *p, const mok_task *tasks, int64
 }
 
 /* Builds the list of one plan and runs every check on it; returns 0 when all pass. */
+static int same_task(const mok_task *a, const mok_task *b) {
+    return a->kind == b->kind && a->role == b->role && a->minibatch == b->minibatch && a->a == b->a && a->b == b->b &&
+           a->expert == b->expert && a->matrix == b->matrix && a->done[0] == b->done[0] && a->done[1] == b->done[1] &&
+           a->wait[0] == b->wait[0] && a->wait[1] == b->wait[1] && a->target[0] == b->target[0] &&
+           a->target[1] == b->target[1] && a->peer == b->peer && a->wait_peer == b->wait_peer &&
+           a->done_peer == b->done_peer;
+}
+
+/* The span list the GPU walks: within mok__spans_max, its spans expanded in order are the flat list
+ * (n tasks), and a build that publishes as it goes leaves count << 1 in the word (the complete
+ * bit is the caller's), only the spans that fit when the capacity is one short. */
+static int check_spans(const mok_plan *p, int64_t max_rows, int64_t T_max, const mok_task *tasks, int64_t n,
+                       const char *what) {
+    const int64_t cap = mok__spans_max(p, max_rows, T_max), room = cap * 2 + 64;
+    mok_task_span *spans = malloc(sizeof(mok_task_span) * (size_t)room);
+    uint64_t word = 12345;
+    const int64_t ns = mok__spans_build_published(p, spans, room, &word);
+    int bad = !(ns >= 0 && ns <= cap);
+    CHECK(!bad, "%s: %lld spans, bound %lld", what, (long long)ns, (long long)cap);
+    if (bad) {
+        free(spans);
+        return 1;
+    }
+    const uint64_t want = ns > 0 ? (uint64_t)ns << 1 : 12345; /* an empty list publishes nothing */
+    CHECK(word == want, "%s: published word %llu after %lld spans", what, (unsigned long long)word, (long long)ns);
+    bad += word != want;
+    int64_t t = 0, first_bad = -1;
+    for (int64_t g = 0; g < ns; ++g)
+        for (int64_t i = 0; i < (int64_t)spans[g].num_tiles * spans[g].n_tiles; ++i, ++t) {
+            mok_task task;
+            mok__span_task(p, &spans[g], i, &task);
+            if (first_bad < 0 && (t >= n || !same_task(&task, &tasks[t]))) first_bad = t;
+        }
+    CHECK(first_bad < 0 && t == n, "%s: spans expand to %lld tasks of %lld, first differing %lld", what, (long long)t,
+          (long long)n, (long long)first_bad);
+    bad += !(first_bad < 0 && t == n);
+    if (ns > 0) {
+        word = 0;
+        CHECK(mok__spans_build_published(p, spans, ns - 1, &word) == -1 && word == (uint64_t)(ns - 1) << 1,
+              "%s: cap one short: word %llu, want %lld << 1", what, (unsigned long long)word, (long long)(ns - 1));
+        bad += word != (uint64_t)(ns - 1) << 1;
+    }
+    free(spans);
+    return bad;
+}
+
 static int check_plan(const mok_plan *p, int64_t max_rows, int64_t T_max, rng *r, int random_sims, const char *what) {
     int bad = 0;
     int64_t cap = mok__tasks_max(p, max_rows, T_max);
@@ -718,6 +764,7 @@ static int check_plan(const mok_plan *p, int64_t max_rows, int64_t T_max, rng *r
     CHECK(mok__tasks_build(p, tasks, n) == n, "%s: build with cap = count fails", what);
     if (n > 0) CHECK(mok__tasks_build(p, tasks, n - 1) == -1, "%s: build with cap = count - 1 does not fail", what);
     mok__tasks_build(p, tasks, n);
+    bad += check_spans(p, max_rows, T_max, tasks, n, what);
 
     int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(CL.total + 1));
     int64_t first_bad = mok__tasks_check(tasks, n, CL.total, scratch);

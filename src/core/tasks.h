@@ -188,6 +188,12 @@ MOK_CORE int64_t mok__counters_max(const mok_plan *worst_case, int64_t max_rows,
 
 /* The spans in the global order (capacity cap); returns the count, or -1 if cap is too small. */
 MOK_CORE int64_t mok__spans_build(const mok_plan *plan, mok_task_span *spans, int64_t cap);
+/* The same, publishing the list as it grows for readers that run beside the build: after each span
+ * is written, *published = count << 1 (a release store on the device), count the spans written so
+ * far (at most cap). The complete bit (bit 0) is the caller's to set once the build returns:
+ * readers take span g once g < *published >> 1, and know there are no more once bit 0 is set. */
+MOK_CORE int64_t mok__spans_build_published(const mok_plan *plan, mok_task_span *spans, int64_t cap,
+                                            uint64_t *published);
 /* Task t of a span. */
 MOK_CORE void mok__span_task(const mok_plan *plan, const mok_task_span *span, int64_t t, mok_task *task);
 /* The tasks in the global order (the spans expanded); returns the count, or -1. */

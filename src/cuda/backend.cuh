@@ -117,7 +117,7 @@ typedef struct cuda_rank {
     unsigned long long *epoch;          /* device: barriers passed by this rank */
     mok_task_span *spans;              /* device [spans_cap]: the pass's task spans */
     long long spans_cap;
-    long long *num_spans;
+    unsigned long long *spans_published; /* device: the list's count << 1 | complete (task_list.cuh) */
     int *comm_dev;                      /* device: the pass's comm CTA count (spans_kernel) */
     cuda_error_word *error_word;        /* device: the error word (NOTE in error_word.cu) */
     int *error_mirror;                  /* mapped pinned [MIRROR_INTS]: its mirror, the host's view of it */

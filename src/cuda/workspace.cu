@@ -42,11 +42,11 @@ static void rank_release(cuda_rank *R) {
     R->sched_mem = NULL;
     memset(&R->sched, 0, sizeof R->sched);
     cudaFree(R->spans);
-    cudaFree(R->num_spans);
+    cudaFree(R->spans_published);
     cudaFree(R->comm_dev);
     R->comm_dev = NULL;
     R->spans = NULL;
-    R->num_spans = NULL;
+    R->spans_published = NULL;
     mok__cuda_error_word_release(R);
     R->peers = NULL;
     R->ring_x = R->ring_h = R->ring_y = R->sh_h = R->sh_out = NULL;
@@ -120,7 +120,7 @@ static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R
     mok__cuda_sched_scratch(ws, R->num_sms, R->sched_mem, &R->sched);
     R->spans_cap = mok__spans_max(&worst, ws->sched_layout.max_rows, s->max_tokens);
     ALLOC(R->spans, sizeof(mok_task_span) * (size_t)R->spans_cap);
-    ALLOC(R->num_spans, sizeof(long long));
+    ALLOC(R->spans_published, sizeof(unsigned long long));
     ALLOC(R->comm_dev, sizeof(int));
     CUDA_TRY(cudaMemset(R->epoch, 0, sizeof(unsigned long long)));
     return mok__cuda_error_word_create(R, total);

@@ -16,21 +16,24 @@
 /* The CTA loop: claim a ticket of this CTA's role, find its span and task, wait, run, bump. */
 template <typename Runner>
 static __device__ void walk_tasks(const pass_params &p, const mok_sched_view &v, uint16_t *smem) {
-    __shared__ long long s_ticket;
+    __shared__ long long s_g, s_local; /* the task's span (-1: none, stop) and its index there */
     __shared__ int s_flag;
     const int role = MOK_ROLE_COMM; /* compute CTAs run walk_compute (compute_walk.cuh) */
     unsigned long long *ticket = p.counters + p.counters_cap + MOK_COUNTER_SLOT_TICKET + role;
-    const long long num_spans = *p.num_spans;
-    task_cursor cur = {-1, 0, 0};
+    task_cursor cur = TASK_CURSOR_START; /* thread 0's */
     for (;;) {
-        if (threadIdx.x == 0) s_ticket = (long long)atomicAdd(ticket, 1ull);
+        if (threadIdx.x == 0) {
+            const long long t = (long long)atomicAdd(ticket, 1ull);
+            s_g = cursor_seek(p, role, cur, t) ? cur.g : -1;
+            s_local = t - cur.g_first;
+        }
         __syncthreads();
-        const long long t = s_ticket;
+        const long long g = s_g, local = s_local;
         __syncthreads();
-        if (!cursor_seek(p, role, num_spans, cur, t)) break;
-        const mok_task_span span = p.spans[cur.g];
+        if (g < 0) break;
+        const mok_task_span span = p.spans[g];
         long long rt, nt, wait;
-        task_decode(span, t - cur.g_first, &rt, &nt, &wait);
+        task_decode(span, local, &rt, &nt, &wait);
         if (!wait_counter(p, wait, span.target[0], &s_flag, span.wait_peer)) break;
         if (!wait_counter(p, span.wait[1], span.target[1], &s_flag)) break;
         const long long start = TRACE_ON(p) ? globaltimer_ns() : 0;

@@ -353,8 +353,7 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
     volatile queued_task *queue = sh.queue;
     const int tid = threadIdx.x;
     unsigned long long *ticket = p.counters + p.counters_cap + MOK_COUNTER_SLOT_TICKET + MOK_ROLE_COMPUTE;
-    const long long num_spans = *p.num_spans;
-    task_cursor cur = {-1, 0, 0};
+    task_cursor cur = TASK_CURSOR_START;
     /* The next ticket is claimed as soon as the current task is posted: the atomic's round trip
        then overlaps the current task's loads instead of delaying the next task's. */
     unsigned long long next = tid == 0 ? atomicAdd(ticket, 1ull) : 0;
@@ -365,7 +364,7 @@ static __device__ void producer_loop(const pass_params &p, const mok_sched_view 
             long long g = 0, rt = 0, nt = 0, stop = 1;
             const long long t = (long long)next;
             task_prep tp = {};
-            if (cursor_seek(p, MOK_ROLE_COMPUTE, num_spans, cur, t)) {
+            if (cursor_seek(p, MOK_ROLE_COMPUTE, cur, t)) {
                 const mok_task_span span = p.spans[cur.g];
                 long long wait;
                 task_decode(span, t - cur.g_first, &rt, &nt, &wait);

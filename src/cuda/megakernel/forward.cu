@@ -386,6 +386,7 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) forward_kernel(pass_params
     int comm;
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+    stream_spans(p, v, smem_raw);
     if (blockIdx.x < comm) walk_tasks<forward_comm>(p, v, (uint16_t *)smem_raw); /* comm_tile */
     else walk_compute<forward_compute<FP8>>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {

@@ -1,17 +1,18 @@
 /* launch.cu — the launch sequence every pass shares on one rank's stream (mok__cuda_launch_pass),
  * and its two small kernels: sched_publish_kernel (the pass's schedule into the window, for
  * turned transfers) and spans_kernel (one thread: the checks of the pass's schedule and context,
- * the context's tag, and the pass's task list). */
+ * the context's tag, and the pass's task list unless the megakernel builds it). */
 #include "cuda/megakernel/task_list.cuh"
 
-/* One thread: the pass's spans in the global order (core/tasks.inc), for the megakernel, and its
- * comm CTA count; before them the checks of the schedule (and a backward's context) against the
- * pass (pass_refusal), and in a forward or recompute the context's tag. A refused pass, or one
+/* One thread: the pass's spans in the global order (core/tasks.inc), for the megakernel, unless it
+ * builds them itself (stream_spans, task_list.cuh), and its comm CTA count; before them the checks
+ * of the schedule (and a backward's context) against the pass (pass_refusal) and of the peers'
+ * padded rows (pass_plan), and in a forward or recompute the context's tag. A refused pass, or one
  * behind an error already in the word, runs nothing (pass_start) and leaves the context's tag as
  * it was: the pass writes none of the context. */
 __global__ void spans_kernel(pass_params p) {
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-    *p.num_spans = 0;
+    *p.spans_published = 0;
     *p.comm_dev = p.comm_ctas;
     long long found = 0, expected = 0;
     const int refusal = pass_refusal(p, v, &found, &expected);
@@ -23,35 +24,21 @@ __global__ void spans_kernel(pass_params p) {
     }
     if (*(volatile int *)p.error) return;
     mok_plan plan;
-    make_plan(p, v, &plan);
     int64_t padded[MOK_MAX_RANKS];
-    if (mok__plan_names_peers(&plan)) {
-        /* every rank's padded rows, from the schedules the ranks published before the start
-           barrier (sched_publish_kernel); a peer's that is out of range stops the pass */
-        for (int q = 0; q < p.nranks; ++q) {
-            const mok_sched_header *h = (const mok_sched_header *)(p.peers[q] + p.off_sched);
-            padded[q] = *(volatile const int64_t *)&h->padded_rows;
-            if (padded[q] < 0 || padded[q] > p.layout.max_rows || padded[q] % MOK_ROW_TILE) {
-                set_error(p.error, MOK_KERR_SCHEDULE);
-                /* peers waiting on this rank stop */
-                atomicExch(p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, 1ull);
-                return;
-            }
-        }
-        plan.peer_padded_rows = padded;
-    }
-    long long n = mok__spans_build(&plan, p.spans, p.spans_cap);
-    if (n < 0) {
+    if (!pass_plan(p, v, &plan, padded)) { /* a peer's padded rows out of range */
         set_error(p.error, MOK_KERR_SCHEDULE);
-        n = 0;
+        /* peers waiting on this rank stop */
+        atomicExch(p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, 1ull);
+        return;
     }
-    *p.num_spans = n;
+    if (!p.stream_spans && !list_build(p, &plan, false)) set_error(p.error, MOK_KERR_SCHEDULE);
     if (p.comm_auto) /* scaled by the rows this rank moves per FLOP, with turned transfers */
         *p.comm_dev = mok__cuda_comm_ctas_scaled(&plan, p.comm_ctas, p.comm_max, p.num_tokens * p.topk, v.header->routed_rows);
     /* NOTE: the tag of a context the megakernel is about to write (it runs when the word is clear
        here, this thread being the only one of the pass before it), ahead of its rows in stream
-       order. A megakernel that stops in the middle (a timeout, a stall) leaves the group
-       unusable, so no backward reads a context whose tag is ahead of its rows. */
+       order. A megakernel that stops in the middle (a timeout, a stall, a streamed list that
+       does not fit) leaves the group unusable, so no backward reads a context whose tag is
+       ahead of its rows. */
     if (!p.backward && *(volatile int *)p.error == 0)
         mok__context_tag_write(p.context_tag, p.workspace_tag, v.header->build, p.rank);
 }

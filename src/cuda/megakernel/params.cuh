@@ -74,9 +74,11 @@ struct pass_params {
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     int handoff;       /* epilogue parts to warps 1-3: 1 gate|up h, 2 down rows too (compute_walk.cuh, NOTE (handoff)) */
     int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
-    mok_task_span *spans; /* built by spans_kernel */
+    mok_task_span *spans; /* the pass's task list: built by spans_kernel, or in the megakernel
+                             (stream_spans), published through spans_published (task_list.cuh) */
     long long spans_cap;
-    long long *num_spans;
+    unsigned long long *spans_published;
+    int stream_spans; /* the tuning's stream_spans */
     mok_trace_event *trace; /* config.trace: one event per task; NULL when off */
     long long trace_cap;
     unsigned long long *trace_count;
@@ -255,7 +257,8 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     p->timeout_ns = (long long)(ws->config.peer_timeout_ms * 1e6);
     p->spans = R->spans;
     p->spans_cap = R->spans_cap;
-    p->num_spans = R->num_spans;
+    p->spans_published = R->spans_published;
+    p->stream_spans = R->tuning.stream_spans;
     /* the pass's own trace buffer: the forward's (or recompute's) or the backward's (internal.h) */
     p->trace = R->trace ? R->trace + (p->backward ? R->trace_cap : 0) : nullptr;
     p->trace_cap = R->trace_cap;
