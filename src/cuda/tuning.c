@@ -74,7 +74,7 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
                                 cols_env(env, "MOK_CUDA_COLS_DH", s->intermediate >= 2048 ? 256 : 128));
     t->cols_h = mok__cuda_cols(s->hidden, 0, cols_env(env, "MOK_CUDA_COLS_H", 256));
     const char *stream = env("MOK_CUDA_STREAM_SPANS");
-    t->stream_spans = stream && stream[0] == '1' && stream[1] == '\0';
+    t->stream_spans = !(stream && stream[0] == '0' && stream[1] == '\0');
 }
 
 size_t mok__cuda_tuning_format(const mok_cuda_tuning *t, char *text, size_t size) {

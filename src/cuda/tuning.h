@@ -42,10 +42,10 @@
       "routing (mok__cuda_comm_ctas_scaled)")                                                                         \
     X(bwd_comm_ctas, NULL, "config.bwd_comm_sms, or for 0 mok__cuda_comm_ctas",                                   \
       "the same for the backward")                                                                               \
-    X(stream_spans, "MOK_CUDA_STREAM_SPANS", "0",                                                                  \
-      "1: a pass's task list is built inside the megakernel by one thread of its last CTA and published span by " \
+    X(stream_spans, "MOK_CUDA_STREAM_SPANS", "1",                                                                  \
+      "a pass's task list is built inside the megakernel by one thread of its last CTA and published span by " \
       "span while the other CTAs run its first tasks (megakernel/task_list.cuh), instead of by spans_kernel "    \
-      "before the megakernel starts. The same list and bits either way")
+      "before the megakernel starts (0). The same list and bits either way")
 
 typedef struct mok_cuda_tuning {
 #define MOK_X_KNOB(name, env, fallback, what) int name;
