@@ -47,8 +47,7 @@ static __device__ bool list_build(const pass_params &p, const mok_plan *plan, bo
     long long n = spans_build_call(plan, p.spans, p.spans_cap, stream ? (uint64_t *)p.spans_published : nullptr);
     const bool ok = n >= 0;
     if (!ok) n = stream ? p.spans_cap : 0;
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p.spans_published),
-                 "l"((unsigned long long)n << 1 | 1ull) : "memory");
+    st_release_gpu(p.spans_published, (unsigned long long)n << 1 | 1ull);
     return ok;
 }
 
