@@ -1,6 +1,6 @@
 /* gather_probe.cu — experiment: can the gate|up tile read its activation rows straight from the
- * tokens' rows (a row gather by cp.async) instead of from rows a dispatch copied into place (TMA),
- * at the main loop's rate?
+ * tokens' rows (a row gather by cp.async, or by one TMA box per row) instead of from rows a
+ * dispatch copied into place (TMA), at the main loop's rate?
  *
  * The question (docs/log.md, design.md §6): on one rank the forward's dispatch only copies each
  * routed row's token row into expert order, so that the gate|up tiles can load A by TMA, which
@@ -14,7 +14,13 @@
  *           stage's 1024 16-byte cp.async (rows r = (t + 128 i) / 8, their source pointers read once
  *           per tile), then arrives on the stage's full barrier when they land
  *           (cp.async.mbarrier.arrive.noinc); thread 0 arms the same barrier with B's bytes and
- *           issues B's boxes first.
+ *           issues B's boxes first;
+ *   rows    A's rows straight from X by TMA, one box of 1 row x 64 per row and stage (128 bytes,
+ *           128B swizzle: the box lands at its row's place in the stage, where the swizzle is the
+ *           row's), issued by the 32 lanes of warp 0 (4 rows each, their token rows read once per
+ *           tile; rows past M read row T, past X's end, as zeros); lane 0 arms full[s] with the
+ *           stage's bytes and issues B's box. 128 TMA instructions per stage against the
+ *           gather's 1024 cp.async.
  * idx: for each of the M routed rows a random token of X [T, K], each token about M / T times, in
  * no order (as a dispatch's rows, grouped by expert, follow none).
  * The epilogue is the plain staged bf16 store of C (no synthetic work): the question is the main
@@ -28,7 +34,7 @@
 
 #include "cuda/sm90/tile_operands.cuh" /* swizzle(): the 128B pattern */
 
-enum { MODE_TMA = 0, MODE_GATHER = 1, NUM_MODES = 2 };
+enum { MODE_TMA = 0, MODE_GATHER = 1, MODE_ROWS = 2, NUM_MODES = 3 };
 
 struct GatherConfig : Coop256Config {
     static constexpr int LD = 136; /* bf16 per staging row (128 columns, padded) */
@@ -86,11 +92,47 @@ static __device__ __forceinline__ void produce_gather(const CUtensorMap *map_b, 
     cp_async_wait_all();
 }
 
+/* The rows producer (warp 0; NOTE in the header): per stage every lane issues the boxes of its 4
+ * rows, lane 0 first arms full[s] with the whole stage's bytes (a box past X's end still delivers
+ * its bytes, as zeros) and issues B's box. full[s] counts 1. */
+static __device__ __forceinline__ void produce_rows(const CUtensorMap *map_x, const CUtensorMap *map_b, const int *idx,
+                                                    uint32_t ring, uint32_t full_bar, uint32_t empty_bar, int M, int T,
+                                                    int num_m, int num_n, int num_k, int *err) {
+    using Cfg = GatherConfig;
+    const int lane = threadIdx.x;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
+        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
+        int tok[BM / 32];
+#pragma unroll
+        for (int j = 0; j < BM / 32; ++j) {
+            const int row = pos.m0 + lane + 32 * j;
+            tok[j] = row < M ? idx[row] : T;
+        }
+        for (int kb = 0; kb < num_k; ++kb) {
+            if (!mbar_wait(empty_bar + 8 * stage, phase ^ 1, err, KERNEL_EMPTY_TIMEOUT)) return;
+            __syncwarp();
+            const uint32_t a_dst = ring + stage * Cfg::STAGE_BYTES, full = full_bar + 8 * stage;
+            if (lane == 0) {
+                mbar_arrive_expect_tx(full, Cfg::STAGE_BYTES);
+                tma_load_2d(a_dst + Cfg::A_BYTES, map_b, kb * BK, pos.n0, full);
+            }
+#pragma unroll
+            for (int j = 0; j < BM / 32; ++j) tma_load_2d(a_dst + (lane + 32 * j) * 128, map_x, kb * BK, tok[j], full);
+            if (++stage == Cfg::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    }
+}
+
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     gather_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                  const bf16 *__restrict__ X, const int *__restrict__ idx, bf16 *__restrict__ C, int M, int N, int K,
-                  int *err) {
+                  const __grid_constant__ CUtensorMap map_x, const bf16 *__restrict__ X, const int *__restrict__ idx,
+                  bf16 *__restrict__ C, int M, int N, int K, int T, int *err) {
     using Cfg = GatherConfig;
     constexpr int STAGES = Cfg::STAGES;
     extern __shared__ uint8_t smem_raw[];
@@ -102,14 +144,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warpgroup = threadIdx.x / WG_THREADS;
     if (threadIdx.x == 0) {
         if (MODE == MODE_TMA) prefetch_tensormap(&map_a);
+        if (MODE == MODE_ROWS) prefetch_tensormap(&map_x);
         prefetch_tensormap(&map_b);
     }
-    ring_barriers_init<STAGES>(full_bar, empty_bar, MODE == MODE_TMA ? 1 : 1 + WG_THREADS);
+    ring_barriers_init<STAGES>(full_bar, empty_bar, MODE == MODE_GATHER ? 1 + WG_THREADS : 1);
     if (warpgroup == 0) {
         setmaxnreg_dec<GATHER_PRODUCER_REGS>();
         if (MODE == MODE_GATHER)
             produce_gather(&map_b, X, idx, ring, full_bar, empty_bar, M, K, num_m, num_n, num_k, err);
-        else if (threadIdx.x == 0)
+        else if (MODE == MODE_ROWS && threadIdx.x < 32)
+            produce_rows(&map_x, &map_b, idx, ring, full_bar, empty_bar, M, T, num_m, num_n, num_k, err);
+        else if (MODE == MODE_TMA && threadIdx.x == 0)
             produce_tiles<Cfg, 0, 0>(&map_a, &map_b, ring, full_bar, empty_bar, num_m, num_n, num_k, err);
         return;
     }
@@ -131,7 +176,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 /* ------------------------------------------------------------------------------------------ */
 /* Host side.                                                                                 */
 
-static const char *const mode_names[NUM_MODES] = {"tma", "gather"};
+static const char *const mode_names[NUM_MODES] = {"tma", "gather", "rows"};
 
 /* Xg[m] = X[idx[m]]: the dispatch's output, for the TMA mode and the reference. */
 __global__ void gather_rows(const bf16 *__restrict__ X, const int *__restrict__ idx, bf16 *__restrict__ Xg, int M, int K) {
@@ -160,18 +205,20 @@ struct GatherBuffers {
 };
 
 template <int MODE>
-static void launch(const GatherBuffers &g, const Shape &s, int *err) {
+static void launch(const GatherBuffers &g, const Shape &s, int tokens, int *err) {
     const int grid = persistent_grid<GatherConfig, gather_kernel<MODE>>(s);
     const CUtensorMap map_a = make_kmajor_map(g.probe.dev.At, s.M, s.K, BM, "Xg");
     const CUtensorMap map_b = make_kmajor_map(g.probe.dev.B, s.N, s.K, GatherConfig::BN, "B");
-    gather_kernel<MODE><<<grid, THREADS, GatherConfig::SMEM_BYTES>>>(map_a, map_b, g.probe.dev.A, g.idx, g.probe.C, s.M,
-                                                                     s.N, s.K, err);
+    const CUtensorMap map_x = make_kmajor_map(g.probe.dev.A, tokens, s.K, 1, "X rows");
+    gather_kernel<MODE><<<grid, THREADS, GatherConfig::SMEM_BYTES>>>(map_a, map_b, map_x, g.probe.dev.A, g.idx,
+                                                                     g.probe.C, s.M, s.N, s.K, tokens, err);
     CUDA_CHECK(cudaGetLastError());
 }
 
-static void launch_mode(int mode, const GatherBuffers &g, const Shape &s) {
-    if (mode == MODE_TMA) launch<MODE_TMA>(g, s, g.probe.run.err);
-    else launch<MODE_GATHER>(g, s, g.probe.run.err);
+static void launch_mode(int mode, const GatherBuffers &g, const Shape &s, int tokens) {
+    if (mode == MODE_TMA) launch<MODE_TMA>(g, s, tokens, g.probe.run.err);
+    else if (mode == MODE_GATHER) launch<MODE_GATHER>(g, s, tokens, g.probe.run.err);
+    else launch<MODE_ROWS>(g, s, tokens, g.probe.run.err);
 }
 
 /* The routing for s into g.idx, Xg = X[idx] into dev.At, and the reference of Xg · B^T. */
@@ -224,7 +271,7 @@ int main(int argc, char **argv) {
             char what[96];
             snprintf(what, sizeof(what), "%s %s M %d N %d K %d T %d", mode_names[mode], c.name, c.s.M, c.s.N, c.s.K,
                      c.tokens);
-            (probe_self_test(g.probe, c.s, what, [&] { launch_mode(mode, g, c.s); }) ? passed : failed)++;
+            (probe_self_test(g.probe, c.s, what, [&] { launch_mode(mode, g, c.s, c.tokens); }) ? passed : failed)++;
         }
     }
     if (failed) { /* timings of a wrong kernel mean nothing */
@@ -237,20 +284,21 @@ int main(int argc, char **argv) {
            TIMED_RUNS, WARMUP_RUNS);
     printf("%-16s %5s %5s %5s %5s |", "case", "M", "N", "K", "T");
     for (int mode = 0; mode < NUM_MODES; ++mode) printf(" %7s ms  TF/s |", mode_names[mode]);
-    printf(" gather vs tma\n");
+    printf(" gather, rows vs tma\n");
     for (const Case &c : timed) {
         prepare(g, c.s, c.tokens, seed);
         const double flops = 2.0 * c.s.M * c.s.N * c.s.K;
         double ms[NUM_MODES];
         bool ok = true;
         for (int mode = 0; mode < NUM_MODES; ++mode) {
-            ms[mode] = time_median_ms([&] { launch_mode(mode, g, c.s); });
+            ms[mode] = time_median_ms([&] { launch_mode(mode, g, c.s, c.tokens); });
             ok = check_kernel_error(g.probe.run.err, mode_names[mode]) && ok;
         }
         (ok ? passed : failed)++;
         printf("%-16s %5d %5d %5d %5d |", c.name, c.s.M, c.s.N, c.s.K, c.tokens);
         for (int mode = 0; mode < NUM_MODES; ++mode) printf(" %10.3f %5.0f |", ms[mode], flops / ms[mode] * 1e-9);
-        printf(" %+6.1f%%\n", 100.0 * (ms[MODE_GATHER] - ms[MODE_TMA]) / ms[MODE_TMA]);
+        printf(" %+6.1f%% %+6.1f%%\n", 100.0 * (ms[MODE_GATHER] - ms[MODE_TMA]) / ms[MODE_TMA],
+               100.0 * (ms[MODE_ROWS] - ms[MODE_TMA]) / ms[MODE_TMA]);
     }
     CUDA_CHECK(cudaFree(g.idx));
     probe_buffers_free(g.probe);
