@@ -199,6 +199,11 @@ mok_status mok__cuda_sym_release(mok_workspace *ws);
 size_t mok__cuda_fp8_xhat_bytes(const mok_workspace *ws);
 long long mok__cuda_fp8_sh_gq_ld(const mok_workspace *ws);
 int mok__cuda_fp8_shared_codes_fit(const mok_workspace *ws);
+/* The FP8 backward's dy^ code rows (backward_fp8.cuh): their bytes a row, and their offset in the
+ * window's combine region, after bf16(x^) and the shared dg^|du^ where those are there, or -1
+ * where T_max rows do not fit it (k = 1 with a shared expert, or a wide one). */
+long long mok__cuda_fp8_dyq_ld(const mok_workspace *ws);
+long long mok__cuda_fp8_dyq_offset(const mok_workspace *ws);
 
 /* fp8_quantize.cu, on `stream`: x [rows, cols] bf16 into E4M3 codes and scales per row per 128
  * columns (an FP8 pass's x^ before its dispatch, the backward's dy^ for the shared expert), row

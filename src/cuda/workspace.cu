@@ -82,6 +82,22 @@ int mok__cuda_fp8_shared_codes_fit(const mok_workspace *ws) {
     return mok__cuda_fp8_xhat_bytes(ws) + T * (size_t)mok__cuda_fp8_sh_gq_ld(ws) <= comb;
 }
 
+long long mok__cuda_fp8_dyq_ld(const mok_workspace *ws) {
+    const long long H = ws->shape.hidden;
+    return (H + H / MOK_FP8_BLOCK * 4 + 15) / 16 * 16;
+}
+
+long long mok__cuda_fp8_dyq_offset(const mok_workspace *ws) {
+    const size_t T = (size_t)ws->shape.max_tokens, comb = T * (size_t)ws->shape.topk * (size_t)ws->shape.hidden * 2;
+    size_t off = 0;
+    if (ws->shape.shared_intermediate > 0) {
+        off = mok__cuda_fp8_xhat_bytes(ws);
+        if (mok__cuda_fp8_shared_codes_fit(ws)) off += T * (size_t)mok__cuda_fp8_sh_gq_ld(ws);
+    }
+    off = (off + 255) / 256 * 256;
+    return off + T * (size_t)mok__cuda_fp8_dyq_ld(ws) <= comb ? (long long)off : -1;
+}
+
 static mok_status rank_alloc(mok_workspace *ws, cuda_workspace *cw, cuda_rank *R, size_t *total) {
     const mok_shape *s = &ws->shape;
     const size_t ring = (size_t)ws->config.ring_rows, H = (size_t)s->hidden, I = (size_t)s->intermediate;

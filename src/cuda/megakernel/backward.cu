@@ -24,6 +24,12 @@ static __device__ __forceinline__ bool tile_replays(const pass_params &p, long l
     return rt * MOK_ROW_TILE >= p.context_rows;
 }
 
+/* FP8: the token's dy^ code row in rank peer's window, or NULL where the pass has none there
+ * (pass_params.dyq_ld: the pull quantizes dy itself). */
+static __device__ __forceinline__ const uint8_t *dyq_row(const pass_params &p, int peer, long long token) {
+    return p.dyq_ld ? (const uint8_t *)(p.peers[peer] + p.off_dyq) + token * p.dyq_ld : nullptr;
+}
+
 /* Per ring row, one warp: x and dy of its (peer, token) pair, w·dy beside dy and the router
  * weight (FP8: bf16(x^) from the peer's x^, x^ itself when the tile replays, dy^;
  * backward_fp8.cuh); the tile's padding rows of x and w·dy are written as zeros, which the weight
@@ -48,8 +54,8 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
             pull_row_fp8(p.ring_x + ring * p.hidden, replay ? (uint8_t *)(p.ring_y + ring * p.hidden) : nullptr,
                          p.ring_dyw + ring * p.hidden, (uint8_t *)(p.ring_dy + ring * p.hidden),
                          (const uint8_t *)(p.peers[peer] + p.off_x) + token * p.hidden,
-                         (const float *)(p.peers[peer] + p.off_xs) + token * (p.hidden / MOK_FP8_BLOCK), dy, w,
-                         p.hidden);
+                         (const float *)(p.peers[peer] + p.off_xs) + token * (p.hidden / MOK_FP8_BLOCK), dy,
+                         dyq_row(p, peer, token), w, p.hidden);
         else
             pull_row(p.ring_x + ring * p.hidden, p.ring_dy + ring * p.hidden, p.ring_dyw + ring * p.hidden,
                      (const uint16_t *)input_row_base(p, peer, p.off_x, p.x) + token * p.hidden, dy, w, p.hidden);
@@ -123,7 +129,7 @@ static __device__ void run_scatter(const pass_params &p, int q, long long rt, co
                              ring_dyw + ring * p.hidden, (uint8_t *)(ring_dy + ring * p.hidden),
                              (const uint8_t *)(p.peers[p.rank] + p.off_x) + token * p.hidden,
                              (const float *)(p.peers[p.rank] + p.off_xs) + token * (p.hidden / MOK_FP8_BLOCK),
-                             dy + token * p.hidden, w, p.hidden);
+                             dy + token * p.hidden, dyq_row(p, p.rank, token), w, p.hidden);
             else
                 pull_row(ring_x + ring * p.hidden, ring_dy + ring * p.hidden, ring_dyw + ring * p.hidden,
                          x + token * p.hidden, dy + token * p.hidden, w, p.hidden);
@@ -492,7 +498,7 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
     } fp8[] = {{MAP_RING_DY, R->ring_dy, ring, H, 2 * H},
                {MAP_RING_XQ, R->ring_y, ring, H, 2 * H},
                {MAP_RING_GQ, R->ring_gu, ring, 2 * I, 4 * I},
-               {MAP_SH_DYQ, Is ? R->sh_out : NULL, T, H, 2 * H},
+               {MAP_SH_DYQ, Is ? p->sh_dyq : NULL, T, H, p->sh_dyq_ld},
                {MAP_SH_GQ, Is ? p->sh_gq : NULL, T, 2 * Is, p->sh_gq_ld},
                {MAP_W_GATE, p->wq[MOK_FP8_W_GATE], E * I, H, H},
                {MAP_W_UP, p->wq[MOK_FP8_W_UP], E * I, H, H},
@@ -510,8 +516,9 @@ static unsigned backward_maps(const cuda_rank *R, const pass_params *p, pass_map
 }
 
 /* An FP8 pass's inputs and buffers (backward_fp8.cuh), on the rank's stream: x^ into the window
- * (codes, then scales, as the forward's), and with a shared expert bf16(x^) for its weight
- * gradients and its dy^ as code rows in sh_out. */
+ * (codes, then scales, as the forward's); dy^ once per token as code rows into the window's
+ * combine region where they fit (mok__cuda_fp8_dyq_offset), else for a shared expert into sh_out;
+ * with a shared expert bf16(x^) for its weight gradients. */
 static mok_status backward_fp8_setup(mok_workspace *ws, cuda_rank *R, pass_params *p, const mok_backward_args *a,
                                      cudaStream_t stream) {
     const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
@@ -525,15 +532,29 @@ static mok_status backward_fp8_setup(mok_workspace *ws, cuda_rank *R, pass_param
     float *xs = (float *)(R->sym + p->off_xs);
     mok_status st = mok__cuda_fp8_quantize_rows((const uint16_t *)a->x, T, H, xq, H, xs, H / MOK_FP8_BLOCK, R->num_sms,
                                                 stream);
-    if (st != MOK_OK || p->shared_inter == 0) return st;
+    if (st != MOK_OK) return st;
+    const long long dyq_off = mok__cuda_fp8_dyq_offset(ws);
+    if (dyq_off >= 0) {
+        p->off_dyq = cw->sym.comb + (size_t)dyq_off;
+        p->dyq_ld = mok__cuda_fp8_dyq_ld(ws);
+        uint8_t *dyq = (uint8_t *)(R->sym + p->off_dyq);
+        st = mok__cuda_fp8_quantize_rows((const uint16_t *)a->dy, T, H, dyq, p->dyq_ld, (float *)(dyq + H),
+                                         p->dyq_ld / 4, R->num_sms, stream);
+        if (st != MOK_OK) return st;
+        p->sh_dyq = dyq;
+        p->sh_dyq_ld = p->dyq_ld;
+    }
+    if (p->shared_inter == 0) return MOK_OK;
     uint16_t *xhat = (uint16_t *)(R->sym + cw->sym.comb);
     p->x = xhat;
     p->sh_gq = R->sh_gq ? R->sh_gq : (uint8_t *)(R->sym + cw->sym.comb) + mok__cuda_fp8_xhat_bytes(ws);
     p->sh_gq_ld = mok__cuda_fp8_sh_gq_ld(ws);
     st = mok__cuda_fp8_dequantize_rows(xq, xs, T, H, xhat, R->num_sms, stream);
-    if (st != MOK_OK) return st;
-    return mok__cuda_fp8_quantize_rows((const uint16_t *)a->dy, T, H, (uint8_t *)R->sh_out, 2 * H,
-                                       (float *)((uint8_t *)R->sh_out + H), H / 2, R->num_sms, stream);
+    if (st != MOK_OK || dyq_off >= 0) return st;
+    p->sh_dyq = (uint8_t *)R->sh_out; /* until the shared dx tiles write there */
+    p->sh_dyq_ld = 2 * H;
+    return mok__cuda_fp8_quantize_rows((const uint16_t *)a->dy, T, H, p->sh_dyq, 2 * H, (float *)(p->sh_dyq + H),
+                                       H / 2, R->num_sms, stream);
 }
 
 extern "C" mok_status mok__cuda_backward(mok_workspace *ws, const mok_backward_args *args) {

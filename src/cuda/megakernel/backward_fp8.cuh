@@ -2,16 +2,21 @@
  * (backward.cu): the same tasks, counters and ring, with E4M3 operands in the dgrad GEMMs.
  *
  * Before the pass (mok__cuda_backward): x^ = Q(x) into this rank's window, as in the forward
- * (codes, then scales, at off_x / off_xs), where the pulls of every rank read it; with a shared
- * expert also bf16(x^) (its weight gradients' x, pass_params.x, in the window's combine region,
- * which a backward does not use) and its dy^ = Q(dy) as code rows in sh_out.
+ * (codes, then scales, at off_x / off_xs), where the pulls of every rank read it; dy^ = Q(dy)
+ * once per token as code rows in the window's combine region, which a backward does not use
+ * (off_dyq), where the pulls and the shared expert's dh tiles read it: without it every routed
+ * row's pull would quantize its token's dy again, k times a token (where those rows do not fit
+ * the region, the pulls do so, and the shared expert's dy^ goes into sh_out); with a shared expert
+ * also bf16(x^) (its weight gradients' x, pass_params.x, at the region's start).
  *
  * Code rows (params.cuh): a row's n E4M3 codes, then its n / 128 scales, in one row of a buffer.
  *   ring_dy  dy^ of the ring row (pull): the dh GEMM's A;
  *   ring_y   x^ of the ring row, copied by the pull when its tile replays g|u: the replay's A
  *            (the dx tiles write the row's dx part there after every dh tile of the row tile);
  *   ring_gu  dg^|du^ (rows of 4I bytes): the dx GEMM's A, written by the dh tiles;
- *   sh_out   the shared expert's dy^, until its dx tiles write there; sh_gq its dg^|du^.
+ *   dyq      dy^ of each token (window, off_dyq): the pulls' source and the shared dh tiles' A;
+ *   sh_out   the shared expert's dy^ where there is no dyq, until its dx tiles write there;
+ *   sh_gq    the shared expert's dg^|du^.
  * ring_x holds bf16(x^) (exact) for the weight gradients, ring_dyw bf16(w · dy), ring_h bf16(h^),
  * ring_dgu bf16 dg|du: the weight-gradient GEMMs are the bf16 ones, on these operands. A replayed
  * g|u goes into ring_dgu's columns of its tile, which the tile's dh epilogue reads before it
@@ -84,7 +89,7 @@ static __device__ int bwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
     case MOK_TASK_SHARED_DH: {
         if (i > 0) return 0;
         const long long t0 = rt * MOK_ROW_TILE, n0 = nt * p.n_tile;
-        code_row_a(op, p.sh_out, t0, 2 * H, H, token_rows(p, t0));
+        code_row_a(op, p.sh_dyq, t0, p.sh_dyq_ld, H, token_rows(p, t0));
         op->b_lo = (const uint16_t *)(p.wq[MOK_FP8_S_DOWN_T] + n0 * H);
         op->ldb = H / 2;
         op->n_valid = p.n_tile;

@@ -111,16 +111,18 @@ static __device__ __forceinline__ void pull_row(uint16_t *x_out, uint16_t *dy_ou
 /* One warp, a ring row of the FP8 backward (the pull's, or the combine_push's into a peer's ring):
  * bf16(x^) of the token's x^ codes and scales into x_out, its codes and scales also into the code
  * row xq_out when the tile replays (else NULL), bf16(w · dy) into dyw_out, dy^ into the code row
- * dyq_out. PULL_FP8_BLOCKS 128-blocks a step, every load of the step issued before the first store
- * (the blocks' maxima are warp reductions, so a step waits for its loads once): a lane's 16 codes
- * of x in each quarter of the step's x (block lane / 8 of four) and its 4 values of dy in each
- * block, as fp8_quantize_blocks lays them. A row is latency-bound (a comm CTA's warps each hold one
- * row's step in flight, and a step waits for all its loads before its maxima), so the step is as
- * wide as the registers allow (docs/log.md: eight blocks against four). */
+ * dyq_out: copied from the token's code row dyq (made once per token before the pass,
+ * backward_fp8.cuh), or where that is NULL quantized here. PULL_FP8_BLOCKS 128-blocks a step,
+ * every load of the step issued before the first store (the blocks' maxima are warp reductions,
+ * so a step waits for its loads once): a lane's 16 codes of x in each quarter of the step's x
+ * (block lane / 8 of four) and its 4 values of dy (and codes of dy^) in each block, as
+ * fp8_quantize_blocks lays them. A row is latency-bound (a comm CTA's warps each hold one row's
+ * step in flight, and a step waits for all its loads before its maxima), so the step is as wide
+ * as the registers allow (docs/log.md: eight blocks against four). */
 #define PULL_FP8_BLOCKS 8
 static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq_out, uint16_t *dyw_out,
                                                     uint8_t *dyq_out, const uint8_t *xq, const float *xs,
-                                                    const uint16_t *dy, float w, long long H) {
+                                                    const uint16_t *dy, const uint8_t *dyq, float w, long long H) {
     static_assert(PULL_FP8_BLOCKS % 4 == 0, "x moves in quarters of four blocks: 16 codes a lane");
     constexpr int XQ = PULL_FP8_BLOCKS / 4;
     const int lane = threadIdx.x & 31;
@@ -128,11 +130,15 @@ static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq
     float *dy_scales = (float *)(dyq_out + H);
     for (long long b0 = 0; b0 < nb; b0 += PULL_FP8_BLOCKS) {
         uint2 d[PULL_FP8_BLOCKS];
+        uint32_t dq[PULL_FP8_BLOCKS]; /* dy^'s codes, where they come made */
         uint4 codes[XQ];
         float s[XQ];
 #pragma unroll
-        for (int i = 0; i < PULL_FP8_BLOCKS; ++i)
-            d[i] = b0 + i < nb ? *(const uint2 *)(dy + (b0 + i) * MOK_FP8_BLOCK + 4 * lane) : make_uint2(0u, 0u);
+        for (int i = 0; i < PULL_FP8_BLOCKS; ++i) {
+            const bool in = b0 + i < nb;
+            d[i] = in ? *(const uint2 *)(dy + (b0 + i) * MOK_FP8_BLOCK + 4 * lane) : make_uint2(0u, 0u);
+            dq[i] = in && dyq ? *(const uint32_t *)(dyq + (b0 + i) * MOK_FP8_BLOCK + 4 * lane) : 0u;
+        }
 #pragma unroll
         for (int j = 0; j < XQ; ++j) {
             const long long xb = b0 + 4 * j + lane / 8, at = (b0 + 4 * j) * MOK_FP8_BLOCK + 16 * lane;
@@ -156,20 +162,27 @@ static __device__ __forceinline__ void pull_row_fp8(uint16_t *x_out, uint8_t *xq
             v[i][2] = mok__bf16_to_f32((uint16_t)(d[i].y & 0xffffu));
             v[i][3] = mok__bf16_to_f32((uint16_t)(d[i].y >> 16));
         }
+        if (!dyq) { /* (uniform across the warp) */
 #pragma unroll
-        for (int i = 0; i < PULL_FP8_BLOCKS; ++i) e[i] = fp8_warp_scale_exp(v[i]); /* every lane: warp reductions */
+            for (int i = 0; i < PULL_FP8_BLOCKS; ++i) {
+                e[i] = fp8_warp_scale_exp(v[i]); /* every lane: warp reductions */
+                dq[i] = fp8_codes4(v[i], e[i]);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < PULL_FP8_BLOCKS; ++i) {
             if (b0 + i >= nb) continue;
             const long long col = (b0 + i) * MOK_FP8_BLOCK + 4 * lane;
-            *(uint32_t *)(dyq_out + col) = fp8_codes4(v[i], e[i]);
+            *(uint32_t *)(dyq_out + col) = dq[i];
             *(uint2 *)(dyw_out + col) =
                 make_uint2(bf16x2_from_f32(w * v[i][0], w * v[i][1]), bf16x2_from_f32(w * v[i][2], w * v[i][3]));
-            if (lane == 0) dy_scales[b0 + i] = mok__fp8_pow2(e[i]);
+            if (!dyq && lane == 0) dy_scales[b0 + i] = mok__fp8_pow2(e[i]);
         }
     }
-    if (xq_out)
-        for (long long b = lane; b < nb; b += 32) ((float *)(xq_out + H))[b] = xs[b];
+    for (long long b = lane; b < nb; b += 32) {
+        if (dyq) dy_scales[b] = ((const float *)(dyq + H))[b];
+        if (xq_out) ((float *)(xq_out + H))[b] = xs[b];
+    }
 }
 
 /* One warp: a ring row's dx part (h bf16) into its owner's (token, slot) row, and lane 0 the

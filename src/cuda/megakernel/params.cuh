@@ -49,7 +49,7 @@ struct pass_params {
        bf16 size holds both: n codes and n / 32 bytes of scales). The backward keeps its E4M3 rows
        as "code rows": a row's n codes, then its n / 128 scales, in the bf16 row's bytes (ring_dy:
        dy^; ring_y: x^ for a replay, until the dx tiles write there; sh_out: the shared expert's
-       dy^, until its dx tiles write there), or in rows of 4I bytes (ring_gu: dg^|du^) and of
+       dy^ where the window has no dy^ rows, until its dx tiles write there), or in rows of 4I bytes (ring_gu: dg^|du^) and of
        sh_gq_ld bytes (sh_gq: the shared dg^|du^); x is bf16(x^) (the shared weight gradients'),
        backward_fp8.cuh */
     int fp8;
@@ -59,6 +59,14 @@ struct pass_params {
     float *ring_xs, *ring_hs, *sh_hs;
     uint8_t *sh_gq;
     long long sh_gq_ld;
+    /* the backward's dy^ code rows (n = H codes, then the scales, dyq_ld bytes a row) of every
+       window at off_dyq, made once per token before the pass; dyq_ld 0: none, the pulls
+       quantize dy themselves (backward_fp8.cuh). The shared expert's dh tiles read this rank's
+       at sh_dyq (sh_dyq_ld bytes a row): those rows, or where there are none, code rows in sh_out */
+    size_t off_dyq;
+    long long dyq_ld;
+    uint8_t *sh_dyq;
+    long long sh_dyq_ld;
     const uint8_t *wq[MOK_FP8_NUM_MATRICES];
     const float *wqs[MOK_FP8_NUM_MATRICES];
     unsigned long long *counters;
