@@ -20,7 +20,7 @@ int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int t
     int comm = i_eff > 0 ? (int)ceil_div(bytes_term, i_eff) : 1;
     const int floor = direct ? (backward ? 8 : 4) : nranks == 1 ? (backward ? 12 : 8) : backward ? 16 : 10;
     if (comm < floor) comm = floor;
-    if (fp8 && backward) comm = comm * 3 / 2 > 2 * floor ? comm * 3 / 2 : 2 * floor;
+    if (fp8 && backward && comm < 2 * floor) comm = 2 * floor;
     const int cap = num_sms / 4 > 1 ? num_sms / 4 : 1;
     if (comm > cap) comm = cap;
     return comm < num_sms - 1 ? comm : num_sms - 1 > 1 ? num_sms - 1 : 1;

@@ -82,11 +82,12 @@ const mok_cuda_tuning *mok__cuda_workspace_tuning(const mok_workspace *ws);
  *                    themselves, so the comm tasks move rows one way only): 9216, floor 4
  *                    forward (Qwen3's 12 beat 8 and 16 by 13-18%: with 8 its compute CTAs
  *                    idled 16-20% waiting for dispatched rows); 12288, floor 8 backward.
- * An FP8 backward (fp8) takes 1.5 times that, and at least twice the floor: its pulls quantize dy
- * and widen x^ as they copy, about 1.7 times a bf16 pull's time per row. Where the bf16 count is
- * the floor, the bursts of pulls at each minibatch's start set it rather than their average rate,
- * and those bursts take twice the floor (DeepSeek-V3: 16 against 12 and 20; Qwen3, 16 by the
- * term: 20-24 against 16 and 32).
+ * An FP8 backward (fp8) takes at least twice the floor: its pulls widen x^ as they copy (and
+ * copy dy^, made once per token before the pass, backward_fp8.cuh). Where the bf16 count is the
+ * floor, the bursts of pulls at each minibatch's start set it rather than their average rate,
+ * and those bursts take twice the floor (DeepSeek-V3: 16 against 12 and 20). Qwen3 at its term's
+ * 16: 4-6% faster than at 24 once dy^ came made (one H200, docs/log.md), where the pulls that
+ * quantized dy themselves wanted 20-24.
  * At most a quarter of the SMs, and at least one SM left to compute. The floors and terms are the
  * counts that ran fastest on the measured layers (docs/log.md). */
 int mok__cuda_comm_ctas(int64_t intermediate, int64_t shared_intermediate, int topk, int nranks, int backward,
