@@ -610,6 +610,14 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
             continue;
         }
         per_tile[kind][a * width[kind] + b] += 1;
+        /* a dh tile waits for its own row tile's pull (every sender's), which bumps that tile's counter */
+        if (kind == MOK_TASK_DH)
+            EXPECT(t->wait[0] == CL->pulled + a && t->target[0] == (p->combine_push ? p->nranks : 1),
+                   "%s: DH task %lld of row tile %lld waits on counter %d for %d", what, (long long)i, (long long)a,
+                   t->wait[0], t->target[0]);
+        if (kind == MOK_TASK_PULL)
+            EXPECT(t->done[0] == CL->pulled + a, "%s: PULL task %lld of row tile %lld bumps counter %d", what,
+                   (long long)i, (long long)a, t->done[0]);
         int shared_kind = kind == MOK_TASK_SHARED_UP || kind == MOK_TASK_SHARED_DOWN || kind == MOK_TASK_SHARED_DH ||
                           kind == MOK_TASK_SHARED_DX;
         if (!shared_kind)

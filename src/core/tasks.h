@@ -134,7 +134,8 @@ typedef struct mok_counters_layout {
     int64_t dispatched, gateup_done, combined;                  /* per minibatch */
     int64_t gateup_tile, down_tile;                             /* per row tile */
     int64_t shared_up_done;                                     /* per token tile */
-    int64_t pulled, pushed;                                     /* per minibatch */
+    int64_t pushed;                                             /* per minibatch */
+    int64_t pulled;                                             /* per row tile */
     int64_t dh_tile, dx_tile;                                   /* per row tile */
     int64_t wgrad_done, dh_macro_done;                          /* per macrobatch */
     int64_t opened;                                             /* per minibatch (combine_push) */
