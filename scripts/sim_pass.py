@@ -197,11 +197,17 @@ def main():
     ap.add_argument("--tail", default="",
                     help="duration factors (comma-separated: one simulation each) for the routed GEMM tasks of "
                          "row tiles with 64 real rows or fewer")
+    ap.add_argument("--dh-cols", type=int, default=0,
+                    help="columns of I per dh task (the library's MOK_CUDA_COLS_DH) in place of the layer's; "
+                         "pair it with --scale dh=F for the wider task's duration")
     ap.add_argument("--scale", default="",
                     help="task kinds made faster or slower (comma-separated NAME=FACTOR, e.g. gateup=0.87): their "
                          "duration times FACTOR, to predict a change to one kind's tiles before building it")
     a = ap.parse_args()
     backward = a.which == "bwd"
+    if a.dh_cols > 0:
+        L = LAYERS[a.layer]
+        LAYERS[a.layer] = dict(L, n_tile=(L["n_tile"][0], a.dh_cols))
     if a.tokens > 0:
         L = LAYERS[a.layer]
         LAYERS[a.layer] = dict(L, T=a.tokens, rows=a.tokens * L["topk"] // L["E"])
