@@ -122,6 +122,9 @@ MOK_TEST(tuning_resolve) {
     CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 0, 132) &&
               t.bwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 1, 1, 0, 132),
           "Qwen3 EP1 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
+    const mok_shape glm = {5120, 1536, 160, 8, 1536, 8192, MOK_PRECISION_BF16};
+    t = resolve(&glm, &config, 1, 1, NULL);
+    CHECK(t.cols_dh == 256, "I 1536: dh %d columns", t.cols_dh);
     t = resolve(&odd, &config, 1, 1, NULL);
     CHECK(t.cols_gateup == 64 && t.cols_dh == 64 && t.cols_h == 64, "H 320, I 192: cols %d / %d / %d",
           t.cols_gateup, t.cols_dh, t.cols_h);
