@@ -25,8 +25,9 @@ on one H200 (docs/log.md, which also compares the simulation with traced passes)
 takes them from a trace instead (`bench.py --trace` writes one per layer and pass: each kind's
 mean over the pass, the table's value for a kind the trace lacks). A comm task's
 duration does not change with the number of comm CTAs here, which the GPU does not promise: more
-CTAs moving rows at once share the memory system. The model has no claim-ahead, no per-task
-"before" beyond the gap, and one duration per kind whatever a tile's real rows (but --tail).
+CTAs moving rows at once share the memory system. Its compute CTAs claim a task when they are
+free, or with --claim-ahead when they start the one before (as the producer does); it has no
+per-task "before" beyond the gap, and one duration per kind whatever a tile's real rows (but --tail).
 """
 import argparse
 import collections
@@ -74,10 +75,13 @@ LAYERS = {
 }
 
 
-def simulate(tasks, workers, dur, gap=0.9, task_dur=None):
+def simulate(tasks, workers, dur, gap=0.9, task_dur=None, ahead_role=None):
     """tasks: (kind, role, wait0, target0, wait1, target1, done0, done1[, real rows]) in list order;
-    workers: {role: count}; dur: {kind: µs}, or task_dur: µs per task. Returns (span µs, {role: busy
-    µs}, tasks left unstarted or waiting when nothing more can happen)."""
+    workers: {role: count}; dur: {kind: µs}, or task_dur: µs per task. ahead_role: the role whose
+    workers claim their next task as soon as they start one (as the compute CTAs' producers do,
+    compute_walk.cuh): it waits on its counters while the current task runs and starts when both
+    are through. Returns (span µs, {role: busy µs}, tasks left unstarted or waiting when nothing
+    more can happen)."""
     by_role = collections.defaultdict(list)
     for i, t in enumerate(tasks):
         by_role[t[1]].append(i)
@@ -86,20 +90,42 @@ def simulate(tasks, workers, dur, gap=0.9, task_dur=None):
     waiting = collections.defaultdict(list)  # counter -> [(target, worker, task)]
     events, seq = [], [0]
     busy = collections.defaultdict(float)
+    running, queued = set(), {}  # workers in a task; worker -> [claimed task, its counters met]
 
     def post(time, what, worker, task):
         heapq.heappush(events, (time, seq[0], what, worker, task))
         seq[0] += 1
 
-    def start(worker, task, now):
-        kind, _, w0, t0, w1, t1 = tasks[task][:6]
+    def met(worker, task):
+        """Whether the task's counters are through; if not, it waits on the first that is not."""
+        _, _, w0, t0, w1, t1 = tasks[task][:6]
         for c, target in ((w0, t0), (w1, t1)):
             if c >= 0 and counters[c] < target:
                 waiting[c].append((target, worker, task))
-                return
+                return False
+        return True
+
+    def run(worker, task, now):
+        kind = tasks[task][0]
         d = task_dur[task] if task_dur else dur[kind]
         busy[worker[0]] += d
+        running.add(worker)
         post(now + d + (gap if kind in COMPUTE_KINDS else 0.0), "done", worker, task)
+        if worker[0] == ahead_role and cursor[worker[0]] < len(by_role[worker[0]]):
+            nxt = by_role[worker[0]][cursor[worker[0]]]
+            cursor[worker[0]] += 1
+            queued[worker] = [nxt, met(worker, nxt)]
+
+    def through(worker, task, now):
+        """The task's counters are through: a claimed-ahead task runs once its worker is free."""
+        q = queued.get(worker)
+        if q is not None and q[0] == task:
+            q[1] = True
+            if worker not in running:
+                del queued[worker]
+                run(worker, task, now)
+        else:
+            run(worker, task, now)
 
     for role, n in workers.items():
         for i in range(n):
@@ -109,19 +135,28 @@ def simulate(tasks, workers, dur, gap=0.9, task_dur=None):
         now, _, what, worker, task = heapq.heappop(events)
         span = max(span, now)
         if what == "done":
+            running.discard(worker)
             for c in tasks[task][6:8]:
                 if c < 0:
                     continue
                 counters[c] += 1
-                met = [x for x in waiting[c] if counters[c] >= x[0]]
+                ready = [x for x in waiting[c] if counters[c] >= x[0]]
                 waiting[c] = [x for x in waiting[c] if counters[c] < x[0]]
-                for _, w, t in met:
-                    start(w, t, now)
-            post(now, "free", worker, -1)
+                for _, w, t in ready:
+                    if met(w, t):
+                        through(w, t, now)
+            if worker not in running:
+                q = queued.get(worker)
+                if q is None:
+                    post(now, "free", worker, -1)
+                elif q[1]:
+                    del queued[worker]
+                    run(worker, q[0], now)
         elif cursor[worker[0]] < len(by_role[worker[0]]):
             t = by_role[worker[0]][cursor[worker[0]]]
             cursor[worker[0]] += 1
-            start(worker, t, now)
+            if met(worker, t):
+                run(worker, t, now)
     left = sum(len(v) for v in waiting.values()) + sum(len(by_role[r]) - cursor[r] for r in by_role)
     return span, busy, left
 
@@ -203,6 +238,8 @@ def main():
     ap.add_argument("--scale", default="",
                     help="task kinds made faster or slower (comma-separated NAME=FACTOR, e.g. gateup=0.87): their "
                          "duration times FACTOR, to predict a change to one kind's tiles before building it")
+    ap.add_argument("--claim-ahead", action="store_true",
+                    help="each compute CTA claims its next task when it starts one, as the producer does")
     a = ap.parse_args()
     backward = a.which == "bwd"
     if a.dh_cols > 0:
@@ -244,7 +281,8 @@ def main():
         task_dur = None if factor is None else [dur[t[0]] * (factor if 0 < t[8] <= 64 else 1.0) for t in tasks]
         for comm in (int(c) for c in comms.split(",")):
             comp = a.sms - comm
-            span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap, task_dur)
+            span, busy, left = simulate(tasks, {1 - compute_role: comm, compute_role: comp}, dur, a.gap, task_dur,
+                                        compute_role if a.claim_ahead else None)
             print(f"  {'' if factor is None else f'tail x{factor}: '}comm {comm:3d}: span {span / 1e3:7.3f} ms, "
                   f"compute idle {100 * (1 - busy[compute_role] / (span * comp)):5.1f}%"
                   f", comm busy {100 * busy[1 - compute_role] / (span * comm):5.1f}%" + (f", {left} tasks stuck" if left else ""))

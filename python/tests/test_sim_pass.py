@@ -1,8 +1,8 @@
 """test_sim_pass.py — scripts/sim_pass.py: the simulator on small hand-made lists (a dependency
-chain, independent tasks, a wait nothing satisfies, comm feeding compute, per-task durations), and
-on the library's own task lists for the benchmark layers' passes, which must run to the end with no
-task stuck, also with the experts' rows of a random routing. Needs
-cc and build/libmok.a for the second part (skipped without them).
+chain, independent tasks, a wait nothing satisfies, claim-ahead, comm feeding compute, per-task
+durations), and on the library's own task lists for the benchmark layers' passes, which must run
+to the end with no task stuck, also with the experts' rows of a random routing. Needs cc and
+build/libmok.a for the second part (skipped without them).
 """
 import os
 import shutil
@@ -39,6 +39,18 @@ def test_unmet_wait_is_reported():
     tasks = [task(S.GATEUP, COMPUTE, wait=(5, 1)), task(S.DOWN, COMPUTE)]
     _, _, left = S.simulate(tasks, {COMPUTE: 1}, {S.GATEUP: 1.0, S.DOWN: 1.0})
     assert left == 2  # the waiting task, and the one its worker never reaches
+
+
+def test_claim_ahead_ties_the_next_task_to_its_worker():
+    # compute: a long task, one that waits for the comm task (done at 5), a short one
+    tasks = [task(S.GATEUP, COMPUTE), task(S.DOWN, COMPUTE, wait=(0, 1)), task(S.DOWN, COMPUTE),
+             task(S.DISPATCH, COMM, done=0)]
+    dur = {S.GATEUP: 10.0, S.DOWN: 1.0, S.DISPATCH: 5.0}
+    span, _, left = S.simulate(tasks, {COMM: 1, COMPUTE: 2}, dur, gap=0.0)
+    assert left == 0 and span == pytest.approx(10.0)  # the waiting task runs 5-6 on the second CTA
+    span, busy, left = S.simulate(tasks, {COMM: 1, COMPUTE: 2}, dur, gap=0.0, ahead_role=COMPUTE)
+    assert left == 0 and span == pytest.approx(11.0)  # claimed by the first CTA when it began its long task
+    assert busy[COMPUTE] == pytest.approx(12.0)
 
 
 def test_comm_feeds_compute():
