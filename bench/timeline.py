@@ -127,18 +127,19 @@ def kernel_bounds(residents, tasks):
     return {"kernel_us": k1 - k0, "lead_us": t0 - k0, "tail_us": k1 - t1}
 
 
-def idle_lines(ev, rank, window, windows=10):
-    """Where a rank's compute CTAs are not in a task: before their first, between tasks (the gaps
-    a CTA waits for its next task to be posted or its inputs to be ready), after their last; the
-    gaps by the kind of the task that ends them (what the CTA was waiting to start); and the idle
-    share of each of `windows` equal slices of the pass (where in the pass the waiting is).
+def idle_lines(ev, rank, window, windows=10, cat="compute"):
+    """Where a rank's compute (or comm) CTAs are not in a task: before their first, between tasks
+    (the gaps a CTA waits for its next task to be posted or its inputs to be ready: a task's time
+    starts after its counter waits), after their last; the gaps by the kind of the task that ends
+    them (what the CTA was waiting to start); and the idle share of each of `windows` equal slices
+    of the pass (where in the pass the waiting is).
     window: the rank's own (start, end) in the trace's time: its kernel's bounds when known, else its
     tasks' span. Each rank is measured against its own window: the trace puts every rank on one
     time axis, and two GPUs' global timers need not agree."""
     t0, t1 = window
     by_cta = {}
     for e in ev:
-        if e["pid"] == rank and e["cat"] == "compute":
+        if e["pid"] == rank and e["cat"] == cat:
             by_cta.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
     if not by_cta:
         return []
@@ -166,18 +167,18 @@ def idle_lines(ev, rank, window, windows=10):
     q = lambda f: gaps[min(len(gaps) - 1, int(f * len(gaps)))] if gaps else 0.0
     waits = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(before_kind.items(), key=lambda kv: -kv[1]) if v > 0)
     idle = " ".join(f"{max(0.0, 100 * (1 - b / (width * len(by_cta)))):.0f}" for b in busy)
-    return [f"  rank {rank} compute idle: {(lead + between + tail) / 1e3:9.2f} SM-ms of {total / 1e3:.2f} "
+    return [f"  rank {rank} {cat} idle: {(lead + between + tail) / 1e3:9.2f} SM-ms of {total / 1e3:.2f} "
             f"({100 * (lead + between + tail) / total:.1f}%): before the first task {lead / 1e3:.2f}, between tasks "
             f"{between / 1e3:.2f} (gap p50/p90/p99 {q(0.5):.1f}/{q(0.9):.1f}/{q(0.99):.1f} us), after the last "
             f"{tail / 1e3:.2f}",
-            f"  rank {rank} compute gaps by the task that ends them (SM-ms): {waits or 'none'}",
-            f"  rank {rank} compute idle % per tenth of the pass: {idle}"]
+            f"  rank {rank} {cat} gaps by the task that ends them (SM-ms): {waits or 'none'}",
+            f"  rank {rank} {cat} idle % per tenth of the pass: {idle}"]
 
 
 def report(ev, residents, label, flops=None):
     """The text summary of one pass's events (load(..., pass_name=...)) and its residency events:
     per rank its span, the kernel's bounds on the GPU when the residency events give them, and
-    where its compute CTAs idle (idle_lines); then per task kind of rank 0 the tasks, their busy
+    where its compute CTAs idle and where its comm CTAs do (idle_lines); then per task kind of rank 0 the tasks, their busy
     SM-ms, the spread of a task's time, and where the backend measured them its time in GEMM main
     loops (args gemm_us) and after the last one (args epilogue_us); with flops ({kind: FLOPs of
     the pass}), each kind's TFLOP/s per busy SM. label starts each rank's line."""
@@ -193,7 +194,8 @@ def report(ev, residents, label, flops=None):
         skew_note = (f"; first task {(t0 - first0) / 1e3:+.3f} ms from rank 0's on the trace's axis (the "
                      f"GPUs' timers)" if r else "")
         lines.append(f"{label} rank {r}: span {(t1 - t0) / 1e3:.3f} ms{extra}{skew_note}")
-        lines += idle_lines(ev, r, (t0 - kb["lead_us"], t1 + kb["tail_us"]) if kb else (t0, t1))
+        window = (t0 - kb["lead_us"], t1 + kb["tail_us"]) if kb else (t0, t1)
+        lines += idle_lines(ev, r, window) + idle_lines(ev, r, window, cat="comm")
     per = {}
     for e in ev:
         if e["pid"] != 0:

@@ -1,6 +1,6 @@
 """test_timeline.py — bench/timeline.py's report of a trace, on a synthetic trace with known
-numbers (no library, no GPU): the idle compute time before, between and after tasks, the gaps by
-the kind that ends them, the idle share per tenth of the pass, and per kind the tasks' busy time,
+numbers (no library, no GPU): the idle compute and comm time before, between and after tasks, the
+gaps by the kind that ends them, the idle share per tenth of the pass, and per kind the tasks' busy time,
 main loops and epilogues; and the command line's --report on a written file."""
 import json
 import os
@@ -36,7 +36,11 @@ def test_report_numbers():
     assert lines[2].endswith("(SM-ms): down 0.01")
     # tenths of 10 us: CTA 2 idles in tenths 0-1 and 8-9, CTA 1 in tenth 4
     assert lines[3].endswith("idle % per tenth of the pass: 50 50 0 0 50 0 0 0 50 50")
-    kinds = {l.split()[3]: l for l in lines[4:]}
+    # the comm CTA: dispatch 0-20, then idle to the end
+    assert "comm idle:      0.08 SM-ms of 0.10 (80.0%): before the first task 0.00, between tasks 0.00" in lines[4]
+    assert lines[5].endswith("(SM-ms): none")
+    assert lines[6].endswith("idle % per tenth of the pass: 0 0 100 100 100 100 100 100 100 100")
+    kinds = {l.split()[3]: l for l in lines[7:]}
     assert set(kinds) == {"gateup", "down", "dispatch"}
     assert "2 tasks  busy      0.08 SM-ms  avg     40.0 us" in kinds["gateup"]
     assert "main loops   31.0, epilogue    7.0, before    2.0 us/task" in kinds["gateup"]
