@@ -178,8 +178,8 @@ def idle_lines(ev, rank, window, windows=10, cat="compute"):
 def report(ev, residents, label, flops=None):
     """The text summary of one pass's events (load(..., pass_name=...)) and its residency events:
     per rank its span, the kernel's bounds on the GPU when the residency events give them, and
-    where its compute CTAs idle and where its comm CTAs do (idle_lines); then per task kind of rank 0 the tasks, their busy
-    SM-ms, the spread of a task's time, and where the backend measured them its time in GEMM main
+    where its compute and its comm CTAs idle (idle_lines); then per task kind of rank 0 the
+    tasks, their busy SM-ms, the spread of a task's time, and where the backend measured them its time in GEMM main
     loops (args gemm_us) and after the last one (args epilogue_us); with flops ({kind: FLOPs of
     the pass}), each kind's TFLOP/s per busy SM. label starts each rank's line."""
     lines = []

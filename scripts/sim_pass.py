@@ -27,7 +27,8 @@ mean over the pass, the table's value for a kind the trace lacks). A comm task's
 duration does not change with the number of comm CTAs here, which the GPU does not promise: more
 CTAs moving rows at once share the memory system. Its compute CTAs claim a task when they are
 free, or with --claim-ahead when they start the one before (as the producer does); it has no
-per-task "before" beyond the gap, and one duration per kind whatever a tile's real rows (but --tail).
+per-task "before" beyond the gap, and one duration per kind whatever a tile's real rows (but
+--tail).
 """
 import argparse
 import collections

@@ -1,7 +1,7 @@
 """test_timeline.py — bench/timeline.py's report of a trace, on a synthetic trace with known
-numbers (no library, no GPU): the idle compute and comm time before, between and after tasks, the
-gaps by the kind that ends them, the idle share per tenth of the pass, and per kind the tasks' busy time,
-main loops and epilogues; and the command line's --report on a written file."""
+numbers (no library, no GPU): the idle compute and comm time before, between and after tasks,
+the gaps by the kind that ends them, the idle share per tenth of the pass, and per kind the
+tasks' busy time, main loops and epilogues; and the command line's --report on a written file."""
 import json
 import os
 import subprocess
