@@ -516,6 +516,9 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
     const int64_t cI = (p->intermediate + wn - 1) / wn, cH = (p->hidden + wn - 1) / wn;
     const int64_t cIs = (p->shared_intermediate + wn - 1) / wn;
     const int L = p->num_local_experts;
+    /* in place, the down (dx) tiles bump their minibatch's combined (pushed) counter, which the
+       COMBINE (PUSH) tasks they replace would */
+    const int in_place = mok__plan_in_place(p);
 
     /* counts[kind][...]: flat arrays sized per kind */
     int64_t *per_tile[MOK_TASK_NUM_KINDS] = {0};
@@ -526,7 +529,8 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
         expected[MOK_TASK_GATEUP] = 1, height[MOK_TASK_GATEUP] = ntiles, width[MOK_TASK_GATEUP] = nI;
         if (!p->recompute) {
             expected[MOK_TASK_DOWN] = 1, height[MOK_TASK_DOWN] = ntiles, width[MOK_TASK_DOWN] = nH;
-            expected[MOK_TASK_COMBINE] = 1, height[MOK_TASK_COMBINE] = ntiles, width[MOK_TASK_COMBINE] = 1;
+            if (!in_place)
+                expected[MOK_TASK_COMBINE] = 1, height[MOK_TASK_COMBINE] = ntiles, width[MOK_TASK_COMBINE] = 1;
         }
         if (nIs > 0) {
             expected[MOK_TASK_SHARED_UP] = 1, height[MOK_TASK_SHARED_UP] = ntt, width[MOK_TASK_SHARED_UP] = nIs;
@@ -537,7 +541,7 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
         expected[MOK_TASK_PULL] = 1, height[MOK_TASK_PULL] = ntiles, width[MOK_TASK_PULL] = 1;
         expected[MOK_TASK_DH] = 1, height[MOK_TASK_DH] = ntiles, width[MOK_TASK_DH] = nI;
         expected[MOK_TASK_DX] = 1, height[MOK_TASK_DX] = ntiles, width[MOK_TASK_DX] = nH;
-        expected[MOK_TASK_PUSH] = 1, height[MOK_TASK_PUSH] = ntiles, width[MOK_TASK_PUSH] = 1;
+        if (!in_place) expected[MOK_TASK_PUSH] = 1, height[MOK_TASK_PUSH] = ntiles, width[MOK_TASK_PUSH] = 1;
         if (nIs > 0) {
             expected[MOK_TASK_SHARED_DH] = 1, height[MOK_TASK_SHARED_DH] = ntt, width[MOK_TASK_SHARED_DH] = nIs;
             expected[MOK_TASK_SHARED_DX] = 1, height[MOK_TASK_SHARED_DX] = ntt, width[MOK_TASK_SHARED_DX] = nH;
@@ -618,6 +622,11 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
         if (kind == MOK_TASK_PULL)
             EXPECT(t->done[0] == CL->pulled + a, "%s: PULL task %lld of row tile %lld bumps counter %d", what,
                    (long long)i, (long long)a, t->done[0]);
+        if (kind == MOK_TASK_DOWN || kind == MOK_TASK_DX) {
+            const int64_t own = (kind == MOK_TASK_DOWN ? CL->combined : CL->pushed) + t->minibatch;
+            EXPECT(t->done[1] == (in_place ? own : -1), "%s: %s task %lld of minibatch %d bumps counter %d (in place %d)",
+                   what, mok__task_kind_name(kind), (long long)i, t->minibatch, t->done[1], in_place);
+        }
         int shared_kind = kind == MOK_TASK_SHARED_UP || kind == MOK_TASK_SHARED_DOWN || kind == MOK_TASK_SHARED_DH ||
                           kind == MOK_TASK_SHARED_DX;
         if (!shared_kind)
@@ -827,6 +836,8 @@ static int check_all_plans(const routing *rt, const mok_sched_layout *lay, void 
                 c.context_rows = rng_unit(r) < 0.4 ? lay->max_rows
                                                    : rng_range(r, 1, lay->max_rows / MOK_ROW_TILE) * MOK_ROW_TILE;
                 mok_plan p = plan_from(&c, &v, rt->L, rt->T[rank], H, I, Is);
+                p.nranks = rt->P; /* one rank: the down and dx tiles write in place (mok__plan_in_place) */
+                p.rank = rank;
                 static const int rasters[] = {1, 2, 3, 8};
                 p.raster = rasters[rng_range(r, 0, 3)];
                 char what[256];
@@ -1348,7 +1359,7 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
     const int gathers = mode & (LISTS_FWD_GATHER | LISTS_BWD_GATHER), scatters = mode & (LISTS_FWD_SCATTER | LISTS_BWD_SCATTER);
     mok_task *tasks[MAX_P];
     int64_t counts[MAX_P], ncounters[MAX_P], *counters[MAX_P], total = 0;
-    int bad = 0;
+    int bad = 0, in_place = 0;
     for (int r = 0; r < P; ++r) {
         mok_plan p = plan_from(&c, &v[r], rt->L, rt->T[r], 128, 128, 128);
         p.combine_pull = (mode & LISTS_FWD_GATHER) != 0;
@@ -1358,6 +1369,7 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
         p.nranks = P;
         p.rank = r;
         p.peer_padded_rows = padded;
+        in_place = mok__plan_in_place(&p); /* one rank: no combine (push) after the down (dx) tiles */
         mok_counters_layout CL;
         mok__counters_layout(&p, &CL);
         const int64_t cap = mok__tasks_max(&p, lay.max_rows, rt->T_max);
@@ -1399,14 +1411,17 @@ static int check_peer_lists(const routing *rt, int mode, int mb_tiles_per_mb, in
     bad += watch.overwrites != 0;
     for (int r = 0; r < P; ++r) free(watch.done[r]);
     /* rank 0's first GATHER (or SCATTER) of its own tiles moved last: a refill (or its gate/up)
-       that waits on it then blocks the comm tasks before it */
+       that waits on it then blocks the comm tasks before it; in place with no refill, no comm task
+       waits on it (nor on what waits on it) */
     const int moved_kind = scatters ? MOK_TASK_SCATTER : MOK_TASK_GATHER, refill = backward ? MOK_TASK_PULL : MOK_TASK_DISPATCH;
     int64_t first = -1, refills = 0;
     for (int64_t i = 0; i < counts[0]; ++i) {
         if (tasks[0][i].kind == moved_kind && first < 0 && tasks[0][i].peer == 0) first = i;
-        refills += (tasks[0][i].kind == refill || tasks[0][i].kind == MOK_TASK_SCATTER) && tasks[0][i].wait[0] >= 0;
+        const int kind = tasks[0][i].kind; /* a backward's scatters wait on their OPEN, the refill */
+        refills += (kind == refill || kind == MOK_TASK_OPEN || (kind == MOK_TASK_SCATTER && !backward)) &&
+                   tasks[0][i].wait[0] >= 0;
     }
-    if (first >= 0 && (scatters || refills > 0)) {
+    if (first >= 0 && ((scatters && !in_place) || refills > 0)) {
         mok_task moved = tasks[0][first];
         memmove(&tasks[0][first], &tasks[0][first + 1], sizeof(mok_task) * (size_t)(counts[0] - first - 1));
         tasks[0][counts[0] - 1] = moved;

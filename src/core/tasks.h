@@ -229,6 +229,14 @@ MOK_CORE int mok__task_kind_role(int kind);
  * (combine_pull, dispatch_pull, dispatch_push, combine_push). */
 MOK_CORE int mok__plan_names_peers(const mok_plan *plan);
 
+/* Whether the pass's compute tiles write its outputs where its transfers would: on one rank with
+ * the default directions the down tiles write each row's expert output into its (token, slot) row
+ * of the combine buffer, and the dx tiles the dx parts and d_router_w into theirs (both backends).
+ * The list then has no COMBINE (forward) or PUSH (backward) tasks, which would move nothing yet
+ * hold a comm worker behind those tiles: the down / dx tiles bump the minibatch's `combined` /
+ * `pushed` counter themselves, and a refill waits for all of them. */
+MOK_CORE int mok__plan_in_place(const mok_plan *plan);
+
 /* Rows [first, end) of the expert `e` that fall inside macrobatch m. */
 MOK_CORE void mok__expert_rows_in(const mok_plan *plan, int e, int64_t m, int64_t *first, int64_t *end);
 

@@ -222,6 +222,13 @@ static void dh_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     }
 }
 
+/* A row's d_router_w: the sum of its dh tiles' partial dot products, in column order. */
+static float router_grad(const float *rdot, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += rdot[j];
+    return sum;
+}
+
 static void dx_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     const mok_shape *s = &pass->ws->shape;
     const int64_t H = s->hidden, I = s->intermediate;
@@ -231,6 +238,17 @@ static void dx_task(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     const uint16_t *wu = (const uint16_t *)pass->ba->w_up + (int64_t)tile.expert * I * H;
     dx_tile(pass, pass->R->ring_dgu + tile.ring0 * 2 * I, tile.nreal, I, tile.expert, wg, wu, nt * NT, scratch,
             pass->R->ring_y + tile.ring0 * H, H);
+    if (!mok__plan_in_place(&pass->plan)) return;
+    /* in place (mok__plan_in_place): what push does, by each dx tile for its columns; the first
+       column tile also sums the rows' d_router_w partials, which every dh tile of the row tile
+       wrote before this task could start (its wait) */
+    cpu_rank *R = pass->R;
+    const mok_region_layout *L = &pass->cw->sym;
+    for (int r = 0; r < tile.nreal; ++r) {
+        const int64_t slot = pass->sched.row_slot[tile.row0 + r], ring = tile.ring0 + r;
+        memcpy(sym_bf16(R, L, R->rank, L->dxbuf) + slot * H + nt * NT, R->ring_y + ring * H + nt * NT, (size_t)NT * 2);
+        if (nt == 0) ((float *)(R->region + L->drw))[slot] = router_grad(R->ring_rdot + ring * (I / NT), I / NT);
+    }
 }
 
 static void push(cpu_pass *pass, int64_t rt) {
@@ -242,9 +260,7 @@ static void push(cpu_pass *pass, int64_t rt) {
         int p = pass->sched.row_peer[tile.row0 + r];
         int64_t slot = pass->sched.row_slot[tile.row0 + r], ring = tile.ring0 + r;
         memcpy(sym_bf16(R, L, p, L->dxbuf) + slot * H, R->ring_y + ring * H, (size_t)H * 2);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < nI; ++j) sum += R->ring_rdot[ring * nI + j];
-        ((float *)(R->peers[p] + L->drw))[slot] = sum;
+        ((float *)(R->peers[p] + L->drw))[slot] = router_grad(R->ring_rdot + ring * nI, nI);
     }
 }
 
@@ -261,9 +277,7 @@ static void gather(cpu_pass *pass, int q, int64_t rt) {
         if (v.row_peer[row] != R->rank) continue;
         const int64_t slot = v.row_slot[row], r = row % ring;
         memcpy(sym_bf16(R, L, R->rank, L->dxbuf) + slot * H, ring_y + r * H, (size_t)H * 2);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < nI; ++j) sum += rdot[r * nI + j];
-        ((float *)(R->region + L->drw))[slot] = sum;
+        ((float *)(R->region + L->drw))[slot] = router_grad(rdot + r * nI, nI);
     }
 }
 

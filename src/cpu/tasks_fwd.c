@@ -242,6 +242,13 @@ static void down(cpu_pass *pass, int64_t rt, int64_t nt, float *scratch) {
     for (int r = 0; r < tile.nreal; ++r)
         for (int n = 0; n < NT; ++n)
             pass->R->ring_y[(tile.ring0 + r) * H + n0 + n] = mok__bf16_from_f32(acc[r * NT + n]);
+    /* in place (mok__plan_in_place): the tile's columns of each row also into its (token, slot) row
+       of the combine buffer, which no COMBINE task follows to copy */
+    if (mok__plan_in_place(&pass->plan))
+        for (int r = 0; r < tile.nreal; ++r)
+            memcpy(sym_bf16(pass->R, &pass->cw->sym, pass->R->rank, pass->cw->sym.comb) +
+                       pass->sched.row_slot[tile.row0 + r] * H + n0,
+                   pass->R->ring_y + (tile.ring0 + r) * H + n0, (size_t)NT * 2);
 }
 
 static void combine(cpu_pass *pass, int64_t rt) {

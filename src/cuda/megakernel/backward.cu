@@ -64,10 +64,9 @@ static __device__ void run_pull(const pass_params &p, const mok_sched_view &v, l
 }
 
 /* Each ring row's dx part into its owner's (token, slot) row, and its d_router_w (the sum of the
- * dh tiles' partial dot products, in column order), one warp per row. With one rank the dx tiles
- * wrote both there themselves (bwd_epilogue): the task is its counters. */
+ * dh tiles' partial dot products, in column order), one warp per row. Not on one rank: there the
+ * dx tiles write both in place (dx_epilogue; mok__plan_in_place) and the list has no PUSH. */
 static __device__ void run_push(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
-    if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
     const long long nI = p.inter / p.rdot_cols, ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -307,7 +306,7 @@ static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long lo
     const long long H = p.hidden, I = p.inter;
     const tile_info t = tp.tile;
     if (p.nranks == 1 && !p.dispatch_pull) {
-        /* one rank: what run_push would do, here. Each row straight into its (token, slot)
+        /* in place (mok__plan_in_place): what run_push would do, here. Each row straight into its (token, slot)
            row of the dx buffer; the first column tile's threads also sum their rows'
            d_router_w partials, which every dh tile of the row tile wrote before this task
            could start (its wait), in column order, as dx_row_out does */

@@ -47,10 +47,10 @@ static __device__ void run_dispatch(const pass_params &p, const mok_sched_view &
     }
 }
 
-/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. With one
- * rank the down tiles wrote them there themselves (fwd_epilogue): the task is its counters. */
+/* The tile's expert outputs into their owners' (token, slot) rows, one warp per row. Not on one
+ * rank: there the down tiles write them in place (fwd_epilogue; mok__plan_in_place) and the list
+ * has no COMBINE. */
 static __device__ void run_combine(const pass_params &p, const mok_sched_view &v, long long rt, comm_tile *ct) {
-    if (p.nranks == 1) return;
     comm_tile_load(ct, v, rt);
     const long long ring0 = rt * MOK_ROW_TILE % p.ring_rows;
     for (int r = threadIdx.x >> 5; r < MOK_ROW_TILE; r += blockDim.x / 32) {
@@ -305,9 +305,9 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
             const tile_info t = tp.tile;
             rows = t.nreal;
             if (p.nranks == 1 && !p.combine_pull) {
-                /* one rank: each row straight into its (token, slot) row of the combine buffer, which
-                   the COMBINE tasks would copy it to from the ring (run_combine); the rows < nreal
-                   of a tile are real, each with its own slot */
+                /* in place (mok__plan_in_place): each row straight into its (token, slot) row of
+                   the combine buffer, where run_combine would copy it from the ring; the rows <
+                   nreal of a tile are real, each with its own slot */
                 const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
                 uint16_t *comb = (uint16_t *)(p.peers[p.rank] + p.off_comb);
                 if (!FP8 && p.handoff >= 2)
