@@ -164,7 +164,7 @@ typedef struct mok_config {
 
 #define MOK_CONFIG_INIT                                                                       \
     {                                                                                         \
-        sizeof(mok_config), 0, 0, 2048, 32768, 0, 0.0f, 10000.0, 0, 1, MOK_PULL, MOK_PUSH, \
+        sizeof(mok_config), 0, 0, 4096, 32768, 0, 0.0f, 10000.0, 0, 1, MOK_PULL, MOK_PUSH, \
             MOK_PULL, MOK_PUSH, 0                                                             \
     }
 

@@ -218,7 +218,7 @@ def main():
                                                "as the library chose them in the traced pass)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--ring", type=int, default=32768)
-    ap.add_argument("--minibatch", type=int, default=2048)
+    ap.add_argument("--minibatch", type=int, default=4096)
     ap.add_argument("--gap", type=float, default=0.9, help="µs between a compute CTA's tasks")
     ap.add_argument("--tasks-c", help="another core/tasks.inc to build the list with (a branch's order)")
     ap.add_argument("--durations", metavar="TRACE", help="task durations from this trace (JSON) instead of the table")

@@ -451,7 +451,7 @@ expect lib-too-many-tokens 2 "mok run: --tokens: 20000000 " \
     run --preset olmoe-1b-7b --scale 16 --tokens 20000000 --backend cpu
 expect lib-minibatch 2 "mok run: --minibatch: 100 " run --preset olmoe-1b-7b --scale 16 --minibatch 100 --backend cpu
 expect lib-ring 2 "mok run: --ring: 1536 " run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
-expect lib-ring-names-minibatch 2 "(--minibatch 2048)" run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
+expect lib-ring-names-minibatch 2 "(--minibatch 4096)" run --preset olmoe-1b-7b --scale 16 --ring 1536 --backend cpu
 expect lib-threads 2 "mok run: --threads: 1 " run --preset olmoe-1b-7b --scale 16 --threads 1 --backend cpu
 expect lib-comm-threads 2 "mok run: --comm-threads: 0 " \
     run --preset olmoe-1b-7b --scale 16 --comm-threads 0 --backend cpu

@@ -116,7 +116,7 @@ MOK_TEST(tuning_resolve) {
               t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 132),
           "DeepSeek-V3 EP2 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
     t = resolve(&qwen, &config, 1, 1, NULL);
-    CHECK(t.raster == 1 && t.cols_gateup == 128 && t.cols_dh == 128 && t.cols_h == 256,
+    CHECK(t.raster == 1 && t.cols_gateup == 128 && t.cols_dh == 256 && t.cols_h == 256,
           "Qwen3: raster %d cols %d / %d / %d", t.raster, t.cols_gateup, t.cols_dh, t.cols_h);
     /* one rank with the default directions: the down / dx tiles store their rows (direct) */
     CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(768, 0, 8, 1, 0, 1, 0, 132) &&
@@ -125,6 +125,9 @@ MOK_TEST(tuning_resolve) {
     const mok_shape glm = {5120, 1536, 160, 8, 1536, 8192, MOK_PRECISION_BF16};
     t = resolve(&glm, &config, 1, 1, NULL);
     CHECK(t.cols_dh == 256, "I 1536: dh %d columns", t.cols_dh);
+    const mok_shape i640 = {2048, 640, 64, 8, 0, 8192, MOK_PRECISION_BF16};
+    t = resolve(&i640, &config, 1, 1, NULL);
+    CHECK(t.cols_dh == 128, "I 640: dh %d columns (the widest that divides it)", t.cols_dh);
     t = resolve(&odd, &config, 1, 1, NULL);
     CHECK(t.cols_gateup == 64 && t.cols_dh == 64 && t.cols_h == 64, "H 320, I 192: cols %d / %d / %d",
           t.cols_gateup, t.cols_dh, t.cols_h);

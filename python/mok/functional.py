@@ -57,7 +57,7 @@ class Config:
     are MOK_CONFIG_INIT's. The library checks the values (Config.validate, or any call taking it)."""
     fwd_comm_sms: int = 0  # 0: the backend's choice (from the layer's bytes per FLOP; cuda: on one rank 4+ forward, 8+ backward with the default directions, else 8+ / 12+; across ranks 10+ forward, 16+ backward)
     bwd_comm_sms: int = 0
-    minibatch_rows: int = 2048
+    minibatch_rows: int = 4096
     ring_rows: int = 32768
     context_rows: int = 0
     swiglu_limit: float = 0.0

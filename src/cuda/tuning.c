@@ -71,7 +71,7 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
         t->raster = mok__cuda_raster(s->hidden, s->intermediate, num_sms - t->fwd_comm_ctas, l2_bytes);
     t->cols_gateup = mok__cuda_cols(s->intermediate, s->shared_intermediate, 128);
     t->cols_dh = mok__cuda_cols(s->intermediate, s->shared_intermediate,
-                                cols_env(env, "MOK_CUDA_COLS_DH", s->intermediate >= 1536 ? 256 : 128));
+                                cols_env(env, "MOK_CUDA_COLS_DH", 256));
     t->cols_h = mok__cuda_cols(s->hidden, 0, cols_env(env, "MOK_CUDA_COLS_H", 256));
     const char *stream = env("MOK_CUDA_STREAM_SPANS");
     t->stream_spans = !(stream && stream[0] == '0' && stream[1] == '\0');

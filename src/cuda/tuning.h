@@ -31,10 +31,10 @@
       "and the shared activation tile is worth more")                                                             \
     X(cols_gateup, NULL, "the widest of 128, 64 that divides I and I_s",                                         \
       "columns of I, each of gate and up, per gate/up task (2 x 128 fill the 256-column tile)")                   \
-    X(cols_dh, "MOK_CUDA_COLS_DH", "256 for I >= 1536, else 128; halved down to 64 until it divides I and I_s",  \
+    X(cols_dh, "MOK_CUDA_COLS_DH", "the widest of 256, 128, 64 that divides I and I_s",                          \
       "columns of I per SwiGLU-backward (dh) task (FP8: at least 128, whole scale blocks); the variable names "    \
-      "256, 128 or 64 in place of the rule's. Narrow experts take 128: the epilogue, most of a dh task, "          \
-      "stretches with the width, and at I = 768 and 1024 the wider tasks gained nothing measured (docs/log.md)")  \
+      "256, 128 or 64 in place of the rule's. A 256-column task runs its main loop at the wide tile's rate; with "  \
+      "minibatches of 4096 rows it was the fastest on every layer timed, I = 768 included (docs/log.md)")         \
     X(cols_h, "MOK_CUDA_COLS_H", "the widest of 256, 128, 64 that divides H",                                    \
       "columns of H per down and dx task; the variable caps it at 128 or 64")                                     \
     X(fwd_comm_ctas, NULL, "config.fwd_comm_sms, or for 0 mok__cuda_comm_ctas",                                   \
