@@ -4,7 +4,8 @@
  * the first, the same layer) beside the old backward. Every (rank, pass) is a process named
  * "rank R forward" / "rank R backward" with pid R / MOK_MAX_RANKS + R, every worker that ran a
  * task a thread named "comm worker W" or "compute worker W", and each event's kind belongs to
- * its pass. The file is read line by line: the writer puts one event on each line. */
+ * its pass. One rank's passes have no combine or push events (the tiles write in place), two
+ * ranks' have both. The file is read line by line: the writer puts one event on each line. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -173,4 +174,58 @@ MOK_TEST(trace_keeps_last_forward_and_backward) {
     layer_result_free(&got);
     layer_backend_close(&B);
     layer_free(&L);
+}
+
+/* Events of kind `name` in a trace file (the writer puts one event on each line). */
+static int count_kind(const char *path, const char *name) {
+    char key[64], line[1024];
+    snprintf(key, sizeof key, "\"name\":\"%s\"", name);
+    FILE *f = fopen(path, "r");
+    int n = 0;
+    if (!f) return -1;
+    while (fgets(line, sizeof line, f)) n += strstr(line, key) != NULL && strstr(line, "\"ph\":\"X\"") != NULL;
+    fclose(f);
+    return n;
+}
+
+/* On one rank with the default directions the down and dx tiles write the outputs in place: the
+ * passes have no combine and no push tasks (mok__plan_in_place); on two ranks they have both. */
+MOK_TEST(trace_one_rank_writes_in_place) {
+    for (int ranks = 1; ranks <= 2; ++ranks) {
+        int64_t tokens[2] = {150, 97};
+        mok_shape shape = {.hidden = 128, .intermediate = 64, .num_experts = 4, .topk = 2,
+                           .shared_intermediate = 0, .max_tokens = 150, .precision = MOK_PRECISION_BF16};
+        layer L;
+        CHECK(layer_make(&L, &shape, ranks, tokens, mok_test_seed() + 37, LAYER_ROUTE_UNIFORM) == 0, "layer_make");
+        mok_config config = mok_config_default();
+        config.minibatch_rows = 128;
+        config.ring_rows = 256;
+        config.cpu_threads = 3;
+        config.trace = 1;
+        layer_backend B;
+        layer_result got = {0};
+        char path[96];
+        snprintf(path, sizeof path, "/tmp/mok_test_trace_in_place_%d.json", (int)getpid());
+        int ok = layer_backend_open(&B, &L, &config) == MOK_OK;
+        CHECK(ok, "%d ranks: open: %s", ranks, B.message);
+        if (ok) {
+            ok = layer_backend_forward(&B, &L, &got) == MOK_OK && layer_backend_backward(&B, &L, 0, &got) == MOK_OK &&
+                 mok_trace_write(B.workspace, path) == MOK_OK;
+            CHECK(ok, "%d ranks: passes and trace: %s / %s", ranks, got.message, mok_last_error());
+        }
+        if (ok) {
+            const int dispatch = count_kind(path, "dispatch"), pull = count_kind(path, "pull");
+            const int combine = count_kind(path, "combine"), push = count_kind(path, "push");
+            CHECK(dispatch > 0 && pull > 0, "%d ranks: %d dispatch and %d pull events", ranks, dispatch, pull);
+            if (ranks == 1)
+                CHECK(combine == 0 && push == 0, "one rank: %d combine and %d push events", combine, push);
+            else
+                CHECK(combine == dispatch && push == pull, "two ranks: %d combine, %d push for %d dispatch, %d pull",
+                      combine, push, dispatch, pull);
+        }
+        remove(path);
+        layer_result_free(&got);
+        layer_backend_close(&B);
+        layer_free(&L);
+    }
 }
