@@ -622,6 +622,15 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
         if (kind == MOK_TASK_PULL)
             EXPECT(t->done[0] == CL->pulled + a, "%s: PULL task %lld of row tile %lld bumps counter %d", what,
                    (long long)i, (long long)a, t->done[0]);
+        /* a gate/up tile waits for its own row tile's dispatch (every sender's) */
+        if (kind == MOK_TASK_GATEUP)
+            EXPECT(t->wait[0] == CL->dispatched + a &&
+                       t->target[0] == (p->dispatch_push && !p->recompute ? p->nranks : 1),
+                   "%s: GATEUP task %lld of row tile %lld waits on counter %d for %d", what, (long long)i,
+                   (long long)a, t->wait[0], t->target[0]);
+        if (kind == MOK_TASK_DISPATCH)
+            EXPECT(t->done[0] == CL->dispatched + a, "%s: DISPATCH task %lld of row tile %lld bumps counter %d",
+                   what, (long long)i, (long long)a, t->done[0]);
         if (kind == MOK_TASK_DOWN || kind == MOK_TASK_DX) {
             const int64_t own = (kind == MOK_TASK_DOWN ? CL->combined : CL->pushed) + t->minibatch;
             EXPECT(t->done[1] == (in_place ? own : -1), "%s: %s task %lld of minibatch %d bumps counter %d (in place %d)",

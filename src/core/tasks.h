@@ -23,8 +23,8 @@
  * expert rank's ring after its dx tile, and bump its `pushed` counter. plan.dispatch_push turns
  * the forward's dispatch around: each rank writes its own rows into every peer's ring (SCATTER
  * tasks, one per peer row tile), after that slot's previous occupant was combined there (a wait
- * on the peer's `combined`), and bumps the peer's `dispatched`; a rank's gate/up waits for a
- * SCATTER from every rank per tile. plan.combine_push does the same for the backward's
+ * on the peer's `combined`), and bumps the peer's `dispatched` of that tile; a rank's gate/up
+ * waits for a SCATTER from every rank per tile. plan.combine_push does the same for the backward's
  * reverse-combine (dy, x and the router weight of each row): the expert rank first opens the
  * minibatch's ring slots with an OPEN task (its own refill waits, which senders cannot see),
  * and the senders' SCATTERs wait on its `opened` counter. Deadlock freedom then covers the ranks: every rank lays its list
@@ -131,7 +131,8 @@ typedef struct mok_plan {
 /* Counter layout for a plan: [kind-major blocks]. */
 typedef struct mok_counters_layout {
     int64_t num_minibatches, num_macrobatches, num_token_tiles, num_row_tiles;
-    int64_t dispatched, gateup_done, combined;                  /* per minibatch */
+    int64_t dispatched;                                         /* per row tile */
+    int64_t gateup_done, combined;                              /* per minibatch */
     int64_t gateup_tile, down_tile;                             /* per row tile */
     int64_t shared_up_done;                                     /* per token tile */
     int64_t pushed;                                             /* per minibatch */
