@@ -110,24 +110,32 @@ static void check_pass(const trace_counts *c, int backward, int present, const c
     }
 }
 
-MOK_TEST(trace_keeps_last_forward_and_backward) {
-    int64_t tokens[TRACE_RANKS] = {150, 97};
-    mok_shape shape = {.hidden = 128, .intermediate = 64, .num_experts = 6, .topk = 2, .shared_intermediate = 64,
-                       .max_tokens = 150, .precision = MOK_PRECISION_BF16};
-    layer L;
-    CHECK(layer_make(&L, &shape, TRACE_RANKS, tokens, mok_test_seed() + 31, LAYER_ROUTE_UNIFORM) == 0, "layer_make");
+/* A small layer on `ranks` ranks (150 and 97 tokens; with or without a shared expert) and the cpu
+ * backend open on it with several minibatches and macrobatches, three threads, traced. Returns
+ * whether the backend opened (else B->message says why). */
+static int traced_layer(layer *L, layer_backend *B, int ranks, int64_t experts, int64_t shared, uint64_t seed) {
+    const int64_t tokens[TRACE_RANKS] = {150, 97};
+    const mok_shape shape = {.hidden = 128, .intermediate = 64, .num_experts = experts, .topk = 2,
+                             .shared_intermediate = shared, .max_tokens = 150, .precision = MOK_PRECISION_BF16};
+    CHECK(layer_make(L, &shape, ranks, tokens, seed, LAYER_ROUTE_UNIFORM) == 0, "layer_make");
     mok_config config = mok_config_default();
     config.minibatch_rows = 128;
     config.ring_rows = 256;
     config.cpu_threads = 3;
     config.trace = 1;
+    const int ok = layer_backend_open(B, L, &config) == MOK_OK;
+    CHECK(ok, "%d ranks: open: %s", ranks, B->message);
+    return ok;
+}
+
+MOK_TEST(trace_keeps_last_forward_and_backward) {
+    layer L;
     layer_backend B;
     layer_result got = {0};
     char path[96];
     snprintf(path, sizeof path, "/tmp/mok_test_trace_passes_%d.json", (int)getpid());
     trace_counts first = {0}, both = {0}, again = {0};
-    int ok = layer_backend_open(&B, &L, &config) == MOK_OK;
-    CHECK(ok, "open: %s", B.message);
+    int ok = traced_layer(&L, &B, TRACE_RANKS, 6, 64, mok_test_seed() + 31);
     if (ok) {
         ok = layer_backend_forward(&B, &L, &got) == MOK_OK && mok_trace_write(B.workspace, path) == MOK_OK &&
              read_trace(path, &first) == 0;
@@ -192,22 +200,12 @@ static int count_kind(const char *path, const char *name) {
  * passes have no combine and no push tasks (mok__plan_in_place); on two ranks they have both. */
 MOK_TEST(trace_one_rank_writes_in_place) {
     for (int ranks = 1; ranks <= 2; ++ranks) {
-        int64_t tokens[2] = {150, 97};
-        mok_shape shape = {.hidden = 128, .intermediate = 64, .num_experts = 4, .topk = 2,
-                           .shared_intermediate = 0, .max_tokens = 150, .precision = MOK_PRECISION_BF16};
         layer L;
-        CHECK(layer_make(&L, &shape, ranks, tokens, mok_test_seed() + 37, LAYER_ROUTE_UNIFORM) == 0, "layer_make");
-        mok_config config = mok_config_default();
-        config.minibatch_rows = 128;
-        config.ring_rows = 256;
-        config.cpu_threads = 3;
-        config.trace = 1;
         layer_backend B;
         layer_result got = {0};
         char path[96];
         snprintf(path, sizeof path, "/tmp/mok_test_trace_in_place_%d.json", (int)getpid());
-        int ok = layer_backend_open(&B, &L, &config) == MOK_OK;
-        CHECK(ok, "%d ranks: open: %s", ranks, B.message);
+        int ok = traced_layer(&L, &B, ranks, 4, 0, mok_test_seed() + 37);
         if (ok) {
             ok = layer_backend_forward(&B, &L, &got) == MOK_OK && layer_backend_backward(&B, &L, 0, &got) == MOK_OK &&
                  mok_trace_write(B.workspace, path) == MOK_OK;
