@@ -10,9 +10,10 @@
  * unfinished task always has its inputs ready and a worker on it. mok__tasks_check verifies the
  * first half of that for any list; the tests run it on every list they build.
  *
- * Counters are per minibatch, per row tile (the GEMM-to-GEMM and GEMM-to-transfer hand-offs: a
- * down tile waits only for the gate/up tiles of its own rows), per shared row tile or per
- * macrobatch, and only grow within a pass; a task's wait is "counter >= target".
+ * Counters are per minibatch, per row tile (the hand-offs between transfers and GEMMs and between
+ * GEMMs: a gate/up or dh tile waits only for the rows of its own row tile to arrive, a down tile
+ * only for the gate/up tiles of its own rows), per shared row tile or per macrobatch, and only
+ * grow within a pass; a task's wait is "counter >= target".
  *
  * Transfer directions (DESIGN 2.4). By default every wait and every bump is on the rank's own
  * counters. With plan.combine_pull the forward's combine is pulled: each rank gathers the rows
