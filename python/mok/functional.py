@@ -55,7 +55,7 @@ class Config:
     """mok_config. Keyword arguments only; MoK's names are accepted too (fwd_num_comm_sms,
     bwd_num_comm_sms, minibatch_size, macrobatch_size) and read back as properties. The defaults
     are MOK_CONFIG_INIT's. The library checks the values (Config.validate, or any call taking it)."""
-    fwd_comm_sms: int = 0  # 0: the backend's choice (from the layer's bytes per FLOP; cuda: on one rank 4+ forward, 8+ backward with the default directions, else 8+ / 12+; across ranks 10+ forward, 16+ backward)
+    fwd_comm_sms: int = 0  # 0: the backend's choice, from the layer's bytes per FLOP (docs/design.md §2.4)
     bwd_comm_sms: int = 0
     minibatch_rows: int = 4096
     ring_rows: int = 32768
