@@ -633,8 +633,9 @@ static int check_coverage(const mok_plan *p, const mok_counters_layout *CL, cons
                    what, (long long)i, (long long)a, t->done[0]);
         if (kind == MOK_TASK_DOWN || kind == MOK_TASK_DX) {
             const int64_t own = (kind == MOK_TASK_DOWN ? CL->combined : CL->pushed) + t->minibatch;
-            EXPECT(t->done[1] == (in_place ? own : -1), "%s: %s task %lld of minibatch %d bumps counter %d (in place %d)",
-                   what, mok__task_kind_name(kind), (long long)i, t->minibatch, t->done[1], in_place);
+            EXPECT(t->done[1] == (in_place ? own : -1),
+                   "%s: %s task %lld of minibatch %d bumps counter %d (in place %d)", what, mok__task_kind_name(kind),
+                   (long long)i, t->minibatch, t->done[1], in_place);
         }
         int shared_kind = kind == MOK_TASK_SHARED_UP || kind == MOK_TASK_SHARED_DOWN || kind == MOK_TASK_SHARED_DH ||
                           kind == MOK_TASK_SHARED_DX;
