@@ -305,8 +305,8 @@ static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long lo
                                                    float (&acc)[TILE_ACC], uint16_t *c, int tid) {
     const long long H = p.hidden, I = p.inter;
     const tile_info t = tp.tile;
-    if (p.nranks == 1 && !p.dispatch_pull) {
-        /* in place (mok__plan_in_place): what run_push would do, here. Each row straight into its (token, slot)
+    if (outputs_in_place(p)) {
+        /* in place: what run_push would do, here. Each row straight into its (token, slot)
            row of the dx buffer; the first column tile's threads also sum their rows'
            d_router_w partials, which every dh tile of the row tile wrote before this task
            could start (its wait), in column order, as dx_row_out does */

@@ -304,8 +304,8 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         if (span.kind == MOK_TASK_DOWN) {
             const tile_info t = tp.tile;
             rows = t.nreal;
-            if (p.nranks == 1 && !p.combine_pull) {
-                /* in place (mok__plan_in_place): each row straight into its (token, slot) row of
+            if (outputs_in_place(p)) {
+                /* in place: each row straight into its (token, slot) row of
                    the combine buffer, where run_combine would copy it from the ring; the rows <
                    nreal of a tile are real, each with its own slot */
                 const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);

@@ -175,6 +175,19 @@ static __device__ void make_plan(const pass_params &p, const mok_sched_view &v, 
     plan->rank = p.rank;
 }
 
+/* Whether the down (dx) tiles write the pass's outputs in place: mok__plan_in_place, the rule the
+ * task list is built by, so that the epilogues and the list (no COMBINE, no PUSH) always agree. */
+static __device__ __forceinline__ bool outputs_in_place(const pass_params &p) {
+    mok_plan plan;
+    memset(&plan, 0, sizeof plan);
+    plan.nranks = p.nranks;
+    plan.backward = p.backward;
+    plan.recompute = p.recompute;
+    plan.combine_pull = p.combine_pull;
+    plan.dispatch_pull = p.dispatch_pull;
+    return mok__plan_in_place(&plan);
+}
+
 /* Why the pass must not run on its schedule (and, in a backward, its context): 0, or the error
  * word's code (error_word.cuh), with the value found and the one expected for a tag's. The tags
  * first, so that another workspace's schedule is named as such. */
