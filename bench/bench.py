@@ -32,6 +32,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, here)
 sys.path.insert(0, os.path.join(here, "..", "python"))
 import baselines as B  # noqa: E402
+import clocks as C  # noqa: E402
 import layers as LY  # noqa: E402
 import memory as M  # noqa: E402
 import peers as PEERS  # noqa: E402
@@ -66,10 +67,23 @@ def sync_all(ranks):
 SETTLE_S = 0.5
 
 
+# --clocks: the nvidia-smi sampler (bench/clocks.py), and the host-time window of the last
+# timed_median's repetitions, which a row keeps beside each time it takes (keep_window)
+CLOCKS = None
+LAST_WINDOW = [None]
+
+
+def keep_window(row, key):
+    """--clocks: the window of the measurement just taken, for row[key]'s clocks once sampling ends."""
+    if CLOCKS is not None:
+        row.setdefault("clock_windows", {})[key] = LAST_WINDOW[0]
+
+
 def timed_median(fn, ranks, reps, after=None):
     """Median over reps of the slowest rank's time of fn(), then after() (when given) launched before
     the wait: CUDA events around fn() on every rank's current stream (SMOKE: the host's clock)."""
     times = []
+    start = time.time()
     for _ in range(reps):
         if SMOKE:
             t0 = time.perf_counter()
@@ -77,6 +91,7 @@ def timed_median(fn, ranks, reps, after=None):
             times.append((time.perf_counter() - t0) * 1e3)
             if after:
                 after()
+            LAST_WINDOW[0] = (start, time.time())
             continue
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
         for r in range(ranks):
@@ -89,6 +104,7 @@ def timed_median(fn, ranks, reps, after=None):
         for r in range(ranks):
             ev[r][1].synchronize()
         times.append(max(a.elapsed_time(b) for a, b in ev))
+    LAST_WINDOW[0] = (start, time.time())
     times.sort()
     return times[len(times) // 2]
 
@@ -206,7 +222,9 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
         else:
             row["baseline_forward_ms"] = time_ranks(
                 lambda: B.forward_single(i["x"], i["ids"], i["rw"], i["w"]), 1, reps)
+            keep_window(row, "baseline_forward_ms")
             row["baseline_forward_backward_ms"] = time_ranks(baseline_step(i), 1, max(3, reps // 2))
+            keep_window(row, "baseline_forward_backward_ms")
             if not SMOKE:
                 row["cublas_forward_ms"], row["cublas_backward_ms"] = B.cublas_experts(
                     layer, experts, tokens, device_of(0))
@@ -233,10 +251,13 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
             y0 = y[0] if isinstance(y, list) else y
             row["max_rel_err_vs_torch"] = ((y0.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
         row["forward_ms"] = time_ranks(run.forward, ranks, reps)
+        keep_window(row, "forward_ms")
         try:
             row["backward_ms"] = time_ranks(run.backward, ranks, max(3, reps // 2))
+            keep_window(row, "backward_ms")
             if in_step:
                 row["forward_in_step_ms"] = time_in_step(run.forward, run.backward, ranks, reps)
+                keep_window(row, "forward_in_step_ms")
         except mok.MokError as e:
             row["backward_ms"] = None
             row["backward_error"] = str(e)
@@ -438,6 +459,23 @@ def trace_case(group, ranks, name, experts, tokens, skew, config, out, precision
         run.close()
 
 
+def print_clocks(rows, sampler):
+    """--clocks: per case the median SM clock (MHz), power (W) and power-capped share of each time's
+    repetitions, or why nothing was sampled."""
+    if sampler.reason:
+        print(f"\nclocks: not sampled: {sampler.reason}")
+        return
+    print("\nclocks during each time (median SM MHz / W / share of samples held by the power cap)")
+    names = (("forward_ms", "fwd"), ("backward_ms", "bwd"), ("forward_in_step_ms", "fwd in step"),
+             ("baseline_forward_ms", "torch fwd"), ("baseline_forward_backward_ms", "torch f+b"))
+    for r in rows:
+        c = r.get("clocks") or {}
+        parts = [f"{label} {c[k]['mhz']:.0f} / {c[k]['watts']:.0f} / {c[k]['capped']:.0%}" if c.get(k) else
+                 f"{label} no samples" for k, label in names if k in c]
+        env = f" ({r['env']})" if r.get("env") else ""
+        print(f"clocks {r['layer']:<14} E {r['experts']:>4} T {r['tokens']:>6} {r['precision']}{env}: " + "; ".join(parts))
+
+
 def print_peers(peered):
     """The table of the cases run beside LigerCute (rows with a "ligercute" entry, peer_rows)."""
     print("\nrouted experts only, beside LigerCute (ms per GPU, the slowest; ratio = mok / LigerCute; memory GiB "
@@ -487,7 +525,7 @@ def plot_peers(rows, path):
 
 
 def main():
-    global SETTLE_S
+    global SETTLE_S, CLOCKS
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
@@ -520,10 +558,16 @@ def main():
                     help="fp8: each case (and each --compare-env / --compare-config variant of it) also runs in "
                          "FP8 (include/mok.h, FP8), a row beside its bf16 row, or a "
                          "'skipped' row saying why where the backend has no FP8 path")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the GPUs' SM clock and power with nvidia-smi (bench/clocks.py): each time in the "
+                         "JSON gets the median clock, power and power-capped share of its repetitions, and the "
+                         "table a line per case (nvidia-smi's GPU i taken for rank i)")
     ap.add_argument("--host", action="store_true",
                     help="per case, mok's and PyTorch's host time per call and GPU time per call queued back to "
                          "back (the table times each call from idle GPUs, so host time shows as GPU idle there)")
     a = ap.parse_args()
+    if a.clocks:
+        CLOCKS = C.Sampler().start()
     SETTLE_S = B.SETTLE_S = 0.0 if SMOKE else a.settle  # the cpu smoke run times nothing that matters
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
@@ -612,6 +656,11 @@ def main():
                 bar.update(1)
         if bar is not None:
             bar.close()
+    if CLOCKS is not None:  # every sample has arrived once sampling stops
+        CLOCKS.stop()
+        for r in rows + sweeps:
+            r["clocks"] = {k: CLOCKS.window(t0, t1, set(range(a.ranks)))
+                           for k, (t0, t1) in r.pop("clock_windows", {}).items()}
     with open(os.path.join(a.out, f"bench_ep{a.ranks}.json"), "w") as f:
         json.dump(dict(cases=rows, sweeps=sweeps, host=hosts), f, indent=1)
     print()
@@ -631,6 +680,8 @@ def main():
               f"{r.get('max_rel_err_vs_torch', float('nan')):.2e} | "
               f"{r.get('env', '')} | "
               f"{r['workspace_bytes'] / 2**30:6.2f} | {r.get('forward_link_GBps', float('nan')):9.1f}")
+    if CLOCKS is not None:
+        print_clocks(rows, CLOCKS)
     fp8 = [r for r in rows if r["precision"] == "fp8" and "skipped" not in r]
     if fp8:
         print("\nFP8 beside bf16 (ratio = bf16 ms / fp8 ms; quantize: the weights, once per optimizer step, not in "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--fp8] [--env VAR=V,...]...
+# ab-run.sh [--probe] [--tests] [--base-tests] [--no-base] [--ep2] [--trace] [--nccl] [--hash] [--fp8] [--clocks] [--env VAR=V,...]...
 # [--config FIELD=V,...]... [--host] [--reps N] [--only LAYERS] [--rounds K] — on a GPU
 # machine, after scripts/ab-export.sh:
 # builds the checkout and every tree under ab/, then for each (checkout first): with --tests the
@@ -18,7 +18,9 @@
 # --fp8: the EP1 benchmark and traces also in FP8 (bench.py --precision fp8), and with --hash the FP8
 # layers checked against the FP8 reference (`mok run --precision fp8 --fp8-alone --check --repeat 2`:
 # DeepSeek-V3 at scale 4 as above, Qwen3-30B-A3B and Mixtral-8x7B at scale 2, 1000 tokens)
-# (a change meant to keep every sum's order). --reps N: the EP1 benchmark's repetitions (8); --only
+# (a change meant to keep every sum's order). --clocks: the EP1 benchmark samples the SM clock and
+# power beside each time (bench.py --clocks): the passes run at the power cap, so a tree a few % apart
+# from another may only have had another clock. --reps N: the EP1 benchmark's repetitions (8); --only
 # LAYERS: the benchmarks' layers (bench.py --only); --rounds K: the benchmarks K times, the trees
 # in turn each round (the machine drifts by a few % between minutes: interleaved rounds show how
 # much; the tests and hashes run once). Keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
@@ -27,6 +29,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-build/ab}
 mkdir -p "$out"
+clocks=()
 tests=0 base_tests=0 ep2=0 trace=0 nccl=0 base=1 probe=0 hash=0 host=0 fp8=0 envs=() reps1=8 rounds=1 only=() ep2only=deepseek-v3,qwen3-30b-a3b
 while [ $# -gt 0 ]; do
     a=$1
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
     --hash) hash=1 ;;
     --fp8) fp8=1 ;;
     --host) host=1 ;;
+    --clocks) clocks=(--clocks) ;;
     --reps) reps1=$1; shift ;;
     --rounds) rounds=$1; shift ;;
     --only) only=(--only "$1"); ep2only=$1; shift ;;
@@ -123,7 +127,7 @@ for round in $(seq 1 "$rounds"); do
             export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
             [ $tests -eq 1 ] && [ "$round" -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
             timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps "$reps1" ${only[@]+"${only[@]}"} ${envs[@]+"${envs[@]}"} \
-                ${precision[@]+"${precision[@]}"} --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
+                ${precision[@]+"${precision[@]}"} ${clocks[@]+"${clocks[@]}"} --out "/tmp/ab$name" 2>&1 | grep -E -A24 "^layer|^clocks during"
             [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
                 --only "$ep2only" --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
             [ $trace -eq 1 ] && [ "$round" -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
@@ -137,7 +141,7 @@ for round in $(seq 1 "$rounds"); do
                 --only deepseek-v3 --trace-dir "/tmp/ab$name-tr2" --out "/tmp/ab$name-2" 2>&1 | grep -E "^trace|rank [0-9]+ (compute|comm)"
         ) >>"$log" 2>&1
         echo "==== $t, round $round ($(grep -h "passed," "$log" | tail -1)) [$((SECONDS - t0)) s]"
-        if [ "$round" -eq 1 ]; then grep -E "^(deepseek|qwen|mixtral|hash|host )" "$log"; else sed -n "/^-- round $round\$/,\$p" "$log" | grep -E "^(deepseek|qwen|mixtral)"; fi | cut -c1-200
+        if [ "$round" -eq 1 ]; then grep -E "^(deepseek|qwen|mixtral|hash|host |clocks )" "$log"; else sed -n "/^-- round $round\$/,\$p" "$log" | grep -E "^(deepseek|qwen|mixtral|clocks )"; fi | cut -c1-200
     done
 done
 if [ $nccl -eq 1 ]; then
