@@ -30,11 +30,12 @@ def parse(line):
         return None
 
 
-def summarize(samples, t0, t1, gpus=None):
-    """The samples in [t0, t1] (of the GPUs in `gpus`, all when None): {"mhz": median SM clock,
-    "watts": median power, "capped": share held by the power cap, "samples": their count}, or None
-    when there are none."""
-    inside = [s for s in samples if t0 <= s[0] <= t1 and (gpus is None or s[1] in gpus)]
+def summarize(samples, windows, gpus=None):
+    """The samples in any of `windows` ((t0, t1) pairs) of the GPUs in `gpus` (all when None):
+    {"mhz": median SM clock, "watts": median power, "capped": share held by the power cap,
+    "samples": their count}, or None when there are none (a window shorter than the sampling
+    interval may hold none: pool several)."""
+    inside = [s for s in samples if any(t0 <= s[0] <= t1 for t0, t1 in windows) and (gpus is None or s[1] in gpus)]
     if not inside:
         return None
     return {"mhz": statistics.median(s[2] for s in inside), "watts": statistics.median(s[3] for s in inside),
@@ -82,5 +83,6 @@ class Sampler:
             self.reason = f"{self.command} gave no samples"
         self._proc = None
 
-    def window(self, t0, t1, gpus=None):
-        return summarize(self.samples, t0, t1, gpus)
+    def window(self, windows, gpus=None):
+        """summarize() of the samples so far: final once stop() has returned."""
+        return summarize(self.samples, windows, gpus)

@@ -49,10 +49,12 @@ def test_summarize():
 
     samples = [(1.0, 0, 1500.0, 400.0, 4), (2.0, 0, 1600.0, 420.0, 0), (3.0, 0, 1700.0, 440.0, 4),
                (2.5, 1, 1980.0, 90.0, 0), (9.0, 0, 1980.0, 60.0, 0)]
-    s = clocks.summarize(samples, 1.0, 3.0, {0})
+    s = clocks.summarize(samples, [(1.0, 3.0)], {0})
     assert s == {"mhz": 1600.0, "watts": 420.0, "capped": 2 / 3, "samples": 3}
-    assert clocks.summarize(samples, 1.0, 3.0)["samples"] == 4  # every GPU
-    assert clocks.summarize(samples, 4.0, 8.0) is None  # no sample in the window
+    assert clocks.summarize(samples, [(1.0, 3.0)])["samples"] == 4  # every GPU
+    assert clocks.summarize(samples, [(4.0, 8.0)]) is None  # no sample in the window
+    pooled = clocks.summarize(samples, [(0.5, 1.5), (8.5, 9.5)], {0})  # two windows' samples together
+    assert pooled["samples"] == 2 and pooled["mhz"] == (1500.0 + 1980.0) / 2
 
 
 def test_sampler(tmp_path):
@@ -67,10 +69,10 @@ def test_sampler(tmp_path):
     t1 = time.time()
     sampler.stop()
     assert sampler.reason is None
-    s0, s1 = sampler.window(t0, t1, {0}), sampler.window(t0, t1, {1})
+    s0, s1 = sampler.window([(t0, t1)], {0}), sampler.window([(t0, t1)], {1})
     assert s0["mhz"] == 1500.0 and s0["watts"] == 450.0 and s0["capped"] == 1.0 and s0["samples"] >= 5
     assert s1["mhz"] == 1980.0 and s1["capped"] == 0.0
-    assert sampler.window(t1 + 60, t1 + 61) is None
+    assert sampler.window([(t1 + 60, t1 + 61)]) is None
 
 
 def test_sampler_without_nvidia_smi(tmp_path):
@@ -78,7 +80,7 @@ def test_sampler_without_nvidia_smi(tmp_path):
 
     sampler = clocks.Sampler(command=str(tmp_path / "no-such-nvidia-smi")).start()
     sampler.stop()
-    assert "could not run" in sampler.reason and sampler.window(0, time.time()) is None
+    assert "could not run" in sampler.reason and sampler.window([(0, time.time())]) is None
 
 
 def test_bench_clocks(tmp_path):
@@ -96,6 +98,10 @@ def test_bench_clocks(tmp_path):
     # rank 0 is nvidia-smi's GPU 0: its clock, not GPU 1's; a window with no sample says so (None)
     times = ("forward_ms", "backward_ms", "forward_in_step_ms", "baseline_forward_ms",
              "baseline_forward_backward_ms")
-    assert set(row["clocks"]) == set(times)
-    sampled = [row["clocks"][k] for k in times if row["clocks"][k]]
+    assert set(row["clocks"]) == set(times) | {"mok"}
+    sampled = [row["clocks"][k] for k in row["clocks"] if row["clocks"][k]]
     assert sampled and all(c["mhz"] == 1500.0 and c["capped"] == 1.0 for c in sampled)
+    # mok's passes pooled: at least the samples of each of its windows
+    mok_samples = row["clocks"]["mok"]["samples"] if row["clocks"]["mok"] else 0
+    assert mok_samples >= max((row["clocks"][k] or {}).get("samples", 0)
+                              for k in ("forward_ms", "backward_ms", "forward_in_step_ms"))
