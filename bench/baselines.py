@@ -146,16 +146,45 @@ def forward_all_to_all(x, ids, weights, layer, group=None):
     return y.to(torch.bfloat16)
 
 
-SETTLE_S = 0.0  # seconds of idle GPU before a measurement (bench.py's --settle sets it)
+# The state of the GPU when a measurement starts. Under sustained work, as in training, the power
+# cap holds the SM clock well below the 1980 MHz of the first ~0.2 s after idle (docs/design.md
+# §6), so a short measurement taken from idle runs faster per FLOP than a long one, and two
+# layers' ratio would depend on how long each is timed. So each measurement first runs its own
+# work back to back for PREHEAT_S seconds (bench.py --preheat): every time is then taken at the
+# sustained clock. With PREHEAT_S = 0 a measurement starts after SETTLE_S seconds of idle and a
+# few warm-up calls instead (bench.py --preheat 0 --settle S: the times from idle).
+PREHEAT_S = 1.5
+SETTLE_S = 0.5
+
+
+def ready(fn, sync, warmup):
+    """Before a measurement: SETTLE_S seconds idle when not preheating, then fn() at least `warmup`
+    times and, preheating, back to back until PREHEAT_S seconds have passed; sync() after each call
+    (so the host never runs ahead of the GPU by more than one call) and at the end."""
+    sync()
+    if PREHEAT_S <= 0:
+        time.sleep(SETTLE_S)
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup or time.perf_counter() - t0 < PREHEAT_S:
+        fn()
+        sync()
+        n += 1
+
+
+def add_state_args(ap):
+    """--preheat and --settle, the GPU's state before each measurement, for every timing script."""
+    ap.add_argument("--preheat", type=float, default=PREHEAT_S,
+                    help="seconds of the measured work run back to back before each timed measurement, so that "
+                         "every time is taken at the clock the power cap holds under sustained work, as in "
+                         "training (default %(default)s); 0: each measurement starts from idle (--settle)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="with --preheat 0: seconds of idle GPU before each timed measurement (default %(default)s)")
 
 
 def time_cuda(fn, warmup=3, reps=20):
-    """Median milliseconds of fn() with CUDA events."""
-    torch.cuda.synchronize()
-    time.sleep(SETTLE_S)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    """Median milliseconds of fn() with CUDA events, after ready()."""
+    ready(fn, torch.cuda.synchronize, warmup)
     times = []
     for _ in range(reps):
         a = torch.cuda.Event(enable_timing=True)

@@ -9,7 +9,9 @@
 For one GPU the baseline (routing, torch._grouped_mm, weighted index_add_) runs in this process
 on the same inputs, and mok's y is checked against it first. For several GPUs the NCCL
 all-to-all baseline runs under torchrun (bench/torch_baseline.py, see bench/run.sh). Times are
-CUDA-event medians, each call started on idle GPUs (time_ranks), and mok's forward also as a
+CUDA-event medians, each measurement after --preheat seconds of its own work back to back (the
+clock under sustained work, as in training: bench/baselines.py, ready()), each call started on
+idle GPUs (time_ranks), and mok's forward also as a
 training step runs it, queued behind the previous step's backward (forward_in_step_ms,
 time_in_step: the time LigerCute's training forward is compared with); every configuration gets a
 fresh workspace; inputs are random, never zeros.
@@ -61,12 +63,6 @@ def sync_all(ranks):
             torch.cuda.synchronize(r)
 
 
-# Seconds of idle GPU before each timed measurement (--settle): a measurement that starts right
-# after a long run of heavy work (the baselines, the cuBLAS ceiling) can run at lower clocks than
-# one that starts after the host-side set-up of a new case, so every measurement starts the same way.
-SETTLE_S = 0.5
-
-
 # --clocks: the nvidia-smi sampler (bench/clocks.py), and the host-time window of the last
 # timed_median's repetitions, which a row keeps beside each time it takes (keep_window)
 CLOCKS = None
@@ -110,14 +106,10 @@ def timed_median(fn, ranks, reps, after=None):
 
 
 def time_ranks(fn, ranks, reps):
-    """Median over reps of the slowest rank's CUDA-event time of fn(), each call started on idle
-    GPUs (the wait for its end event comes before the next call)."""
+    """Median over reps of the slowest rank's CUDA-event time of fn(), after B.ready(); each call
+    starts on idle GPUs (the wait for its end event comes before the next call)."""
     if not SMOKE:
-        sync_all(ranks)
-        time.sleep(SETTLE_S)
-        for _ in range(2):
-            fn()
-        sync_all(ranks)
+        B.ready(fn, lambda: sync_all(ranks), 2)
     return timed_median(fn, ranks, reps)
 
 
@@ -129,11 +121,9 @@ def time_in_step(forward, backward, ranks, reps):
     starts every call on idle GPUs instead, so there the host's time shows wherever it outlasts
     the GPU work queued before it."""
     if not SMOKE:
-        sync_all(ranks)
-        time.sleep(SETTLE_S)
-        for _ in range(2):  # the last backward is left running: the first timed forward queues behind it
-            forward()
-            backward()
+        B.ready(lambda: (forward(), backward()), lambda: sync_all(ranks), 1)
+        forward()  # the last backward is left running: the first timed forward queues behind it
+        backward()
     t = timed_median(forward, ranks, reps, after=backward)
     sync_all(ranks)
     return t
@@ -311,7 +301,7 @@ def peer_rows(group, ranks, name, experts, tokens, skew, config, reps, row, peer
     """The peers of a case: LigerCute (routed experts only) in a process of its own per GPU, beside
     mok's routed-only layer on the same inputs (the case's own row when it has no shared expert).
     Returns the rows to print; the ratios go into `row`."""
-    peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps, ranks)
+    peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps, ranks, B.PREHEAT_S, B.SETTLE_S)
     if "skipped" in peer:
         print(f"peer ligercute {name} EP{ranks} T {tokens}: skipped ({peer['skipped']})", flush=True)
         return []
@@ -526,7 +516,7 @@ def plot_peers(rows, path):
 
 
 def main():
-    global SETTLE_S, CLOCKS
+    global CLOCKS
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
@@ -550,8 +540,7 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="per case, every kernel's GPU time over 3 forwards and 3 backwards (torch.profiler): "
                          "what the passes spend outside the megakernel (schedule, barriers, epilogue, memsets)")
-    ap.add_argument("--settle", type=float, default=SETTLE_S,
-                    help="seconds of idle GPU before each timed measurement (default %(default)s)")
+    B.add_state_args(ap)
     ap.add_argument("--liger", default=os.environ.get("MOK_BENCH_LIGER", ""), metavar="SITE",
                     help="LigerCute installed in SITE (bench/liger-setup.sh): every case also runs it as a peer "
                          "(routed experts only), in processes of its own per case, one per GPU (bench/liger_peer.py)")
@@ -569,7 +558,8 @@ def main():
     a = ap.parse_args()
     if a.clocks:
         CLOCKS = C.Sampler().start()
-    SETTLE_S = B.SETTLE_S = 0.0 if SMOKE else a.settle  # the cpu smoke run times nothing that matters
+    # the cpu smoke run times nothing that matters
+    B.PREHEAT_S, B.SETTLE_S = (0.0, 0.0) if SMOKE else (a.preheat, a.settle)
     os.makedirs(a.out, exist_ok=True)
     group = F.Group.create_local(a.ranks, backend="cpu" if SMOKE else "cuda")
     rows = []

@@ -11,7 +11,7 @@ the shared expert left out). Its NVSHMEM heap is sized by `configure` once per p
 grow, hence one process per case: each case's memory is its own. The environment it needs (its
 NVSHMEM host library preloaded, its CUDA 12 runtime on the library path) is bench/liger-env.sh's.
 
-Timed, CUDA-event medians after a warm-up:
+Timed, CUDA-event medians after a warm-up (and --preheat seconds of the same work, as bench.py's):
   forward_nograd_ms  the forward under torch.no_grad() (inference: nothing kept for a backward);
   forward_ms         the forward as a training step runs it (autograd on, intermediates kept), each
                      queued behind the previous step's backward, whose launches the host has made:
@@ -52,7 +52,9 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ranks", type=int, default=1, help="GPUs, one process each (torch.distributed.run)")
+    B.add_state_args(ap)
     a = ap.parse_args()
+    B.PREHEAT_S, B.SETTLE_S = a.preheat, a.settle
 
     import torch.distributed as dist
     from liger_cute_kernels import MoEConfig, configure
@@ -111,6 +113,7 @@ def main():
 
     # A training forward keeps its intermediates until its backward: time it paired with a
     # backward outside the timed region, so the symmetric stack does not grow.
+    B.ready(forward_backward, torch.cuda.synchronize, 0)
     times = []
     for rep in range(a.reps + 3):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

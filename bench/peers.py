@@ -8,9 +8,11 @@ import subprocess
 here = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_liger(site, layer, experts, tokens, skew, reps, ranks=1, timeout_s=300):
+def run_liger(site, layer, experts, tokens, skew, reps, ranks=1, preheat_s=None, settle_s=None, timeout_s=300):
     """LigerCute on one case (bench/liger_peer.py under bench/liger-env.sh; across `ranks` GPUs one
-    process each, under torch.distributed.run): its JSON row, or {"skipped": reason}."""
+    process each, under torch.distributed.run): its JSON row, or {"skipped": reason}. preheat_s,
+    settle_s: the GPU's state before each measurement (bench/baselines.py, ready()), its defaults
+    when None."""
     if not site:
         return {"skipped": "LigerCute not set up (bench/liger-setup.sh BUNDLE SITE, then --liger SITE)"}
     if not os.path.isdir(os.path.join(site, "liger_cute_kernels")):
@@ -20,6 +22,9 @@ def run_liger(site, layer, experts, tokens, skew, reps, ranks=1, timeout_s=300):
     cmd = [os.path.join(here, "liger-env.sh"), site] + launch + [
         os.path.join(here, "liger_peer.py"), "--layer", layer, "--experts", str(experts), "--tokens", str(tokens),
         "--skew", str(skew), "--reps", str(reps), "--ranks", str(ranks)]
+    for flag, value in (("--preheat", preheat_s), ("--settle", settle_s)):
+        if value is not None:
+            cmd += [flag, str(value)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

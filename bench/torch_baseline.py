@@ -31,8 +31,10 @@ def main():
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--backward", action="store_true")
+    B.add_state_args(ap)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
+    B.PREHEAT_S, B.SETTLE_S = a.preheat, a.settle
     if a.layer:
         d = LY.LAYERS[a.layer]
         a.name = a.name or a.layer
