@@ -156,6 +156,26 @@ def forward_all_to_all(x, ids, weights, layer, group=None):
 PREHEAT_S = 1.5
 SETTLE_S = 0.5
 
+# bench.py --clocks reads each time's SM clock and power from nvidia-smi samples in a host-time
+# window: from halfway through the measurement's preheat (its own work back to back, so the clock
+# of the timed reps) to its last rep, so that a time shorter than the sampling interval still has
+# samples; from idle, the timed reps alone. window_start() and window_end() set it.
+LAST_WINDOW = [None]
+_window_start = [0.0]
+
+
+def window_start():
+    """Marks the start of the timed reps (or of the preheat's second half, when ready() preheated)."""
+    if PREHEAT_S <= 0 or _window_start[0] <= 0:
+        _window_start[0] = time.time()
+
+
+def window_end():
+    """Closes the window of the measurement just taken (LAST_WINDOW[0]) and returns it."""
+    LAST_WINDOW[0] = (_window_start[0] or time.time(), time.time())
+    _window_start[0] = 0.0
+    return LAST_WINDOW[0]
+
 
 def ready(fn, sync, warmup):
     """Before a measurement: SETTLE_S seconds idle when not preheating, then fn() at least `warmup`
@@ -170,6 +190,7 @@ def ready(fn, sync, warmup):
         fn()
         sync()
         n += 1
+    _window_start[0] = time.time() - (time.perf_counter() - t0) / 2 if PREHEAT_S > 0 else 0.0
 
 
 def add_state_args(ap):
@@ -183,8 +204,9 @@ def add_state_args(ap):
 
 
 def time_cuda(fn, warmup=3, reps=20):
-    """Median milliseconds of fn() with CUDA events, after ready()."""
+    """Median milliseconds of fn() with CUDA events, after ready(); its clock window in LAST_WINDOW."""
     ready(fn, torch.cuda.synchronize, warmup)
+    window_start()
     times = []
     for _ in range(reps):
         a = torch.cuda.Event(enable_timing=True)
@@ -194,17 +216,18 @@ def time_cuda(fn, warmup=3, reps=20):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    window_end()
     times.sort()
     return times[len(times) // 2]
 
 
-def cublas_experts(layer, experts, tokens, device, reps=10, seed=7):
+def cublas_experts(layer, experts, tokens, device, reps=10, seed=7, windows=None):
     """The ceiling of the routed experts' GEMMs: cuBLAS's batched GEMM (torch.bmm, one launch per
     product) on every local expert's own shapes, each expert receiving the average
     tokens * topk / experts rows. Returns (forward ms, backward ms): forward x·W_gate|up^T and
     h·W_down^T; backward dy·W_down, d(g|u)·W_gate|up and the three weight gradients. No routing,
     SwiGLU or data movement: only the matrix products, so their rate is what mok's tiles are
-    measured against."""
+    measured against. `windows`: a dict that gets each time's clock window (LAST_WINDOW)."""
     H, I, k = layer["hidden"], layer["inter"], layer["topk"]
     m = max(1, tokens * k // experts)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -222,7 +245,12 @@ def cublas_experts(layer, experts, tokens, device, reps=10, seed=7):
         torch.bmm(dgu.transpose(1, 2), x)
         torch.bmm(dy.transpose(1, 2), h)
 
-    return time_cuda(forward, reps=reps), time_cuda(backward, reps=reps)
+    times = []
+    for name, fn in (("cublas_forward_ms", forward), ("cublas_backward_ms", backward)):
+        times.append(time_cuda(fn, reps=reps))
+        if windows is not None:
+            windows[name] = LAST_WINDOW[0]
+    return tuple(times)
 
 
 def flops_forward(tokens, topk, hidden, inter, shared_inter):

@@ -63,23 +63,23 @@ def sync_all(ranks):
             torch.cuda.synchronize(r)
 
 
-# --clocks: the nvidia-smi sampler (bench/clocks.py), and the host-time window of the last
-# timed_median's repetitions, which a row keeps beside each time it takes (keep_window)
+# --clocks: the nvidia-smi sampler (bench/clocks.py); a row keeps the clock window of each time it
+# takes (bench/baselines.py, LAST_WINDOW) beside it (keep_window)
 CLOCKS = None
-LAST_WINDOW = [None]
 
 
-def keep_window(row, key):
-    """--clocks: the window of the measurement just taken, for row[key]'s clocks once sampling ends."""
+def keep_window(row, key, window=None):
+    """--clocks: the window of the measurement just taken (or `window`), for row[key]'s clocks once
+    sampling ends."""
     if CLOCKS is not None:
-        row.setdefault("clock_windows", {})[key] = LAST_WINDOW[0]
+        row.setdefault("clock_windows", {})[key] = window or B.LAST_WINDOW[0]
 
 
 def timed_median(fn, ranks, reps, after=None):
     """Median over reps of the slowest rank's time of fn(), then after() (when given) launched before
     the wait: CUDA events around fn() on every rank's current stream (SMOKE: the host's clock)."""
     times = []
-    start = time.time()
+    B.window_start()
     for _ in range(reps):
         if SMOKE:
             t0 = time.perf_counter()
@@ -87,7 +87,6 @@ def timed_median(fn, ranks, reps, after=None):
             times.append((time.perf_counter() - t0) * 1e3)
             if after:
                 after()
-            LAST_WINDOW[0] = (start, time.time())
             continue
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ranks)]
         for r in range(ranks):
@@ -100,7 +99,7 @@ def timed_median(fn, ranks, reps, after=None):
         for r in range(ranks):
             ev[r][1].synchronize()
         times.append(max(a.elapsed_time(b) for a, b in ev))
-    LAST_WINDOW[0] = (start, time.time())
+    B.window_end()
     times.sort()
     return times[len(times) // 2]
 
@@ -216,8 +215,11 @@ def run_case(group, ranks, name, experts, tokens, skew, config, reps, check, bas
             row["baseline_forward_backward_ms"] = time_ranks(baseline_step(i), 1, max(3, reps // 2))
             keep_window(row, "baseline_forward_backward_ms")
             if not SMOKE:
+                windows = {}
                 row["cublas_forward_ms"], row["cublas_backward_ms"] = B.cublas_experts(
-                    layer, experts, tokens, device_of(0))
+                    layer, experts, tokens, device_of(0), windows=windows)
+                for key, window in windows.items():
+                    keep_window(row, key, window)
     before = None if SMOKE else M.snapshot()
     if not SMOKE:
         M.reset_peak()
@@ -321,6 +323,10 @@ def peer_rows(group, ranks, name, experts, tokens, skew, config, reps, row, peer
     peer["mok_forward_vs_peer"] = peer["mok_forward_in_step_ms"] / peer["forward_ms"]
     peer["mok_forward_idle_vs_peer_nograd"] = mine["forward_ms"] / peer["forward_nograd_ms"]
     peer["mok_forward_backward_vs_peer"] = peer["mok_forward_backward_ms"] / peer["forward_backward_ms"]
+    for key, window in (peer.pop("clock_windows", None) or {}).items():
+        keep_window(row, "ligercute_" + key, tuple(window))
+    if mine is not row and "forward_in_step_ms" in mine.get("clock_windows", {}):
+        keep_window(row, "routed_forward_in_step_ms", mine["clock_windows"]["forward_in_step_ms"])
     row["ligercute"] = peer
     return [peer]
 
@@ -458,7 +464,10 @@ def print_clocks(rows, sampler):
     print("\nclocks during each time (median SM MHz / W / share of samples held by the power cap)")
     names = (("mok", "mok's passes"), ("forward_ms", "fwd"), ("backward_ms", "bwd"),
              ("forward_in_step_ms", "fwd in step"), ("baseline_forward_ms", "torch fwd"),
-             ("baseline_forward_backward_ms", "torch f+b"))
+             ("baseline_forward_backward_ms", "torch f+b"), ("cublas_forward_ms", "cuBLAS fwd"),
+             ("cublas_backward_ms", "cuBLAS bwd"), ("routed_forward_in_step_ms", "routed fwd in step"),
+             ("ligercute_forward_ms", "LC fwd in step"), ("ligercute_forward_nograd_ms", "LC no_grad"),
+             ("ligercute_forward_backward_ms", "LC f+b"))
     for r in rows:
         c = r.get("clocks") or {}
         parts = [f"{label} {c[k]['mhz']:.0f} / {c[k]['watts']:.0f} / {c[k]['capped']:.0%}" if c.get(k) else

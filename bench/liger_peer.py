@@ -99,10 +99,12 @@ def main():
         y = moe_fused(i["x"], ids, rw_bf16, w["w_gate"], w["w_up"], w["w_down"], E, k, pg=None)
     out["max_rel_err_vs_torch"] = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
 
+    windows = {}  # each time's clock window (bench/baselines.py, LAST_WINDOW), for bench.py --clocks
     with torch.no_grad():
         out["forward_nograd_ms"] = B.time_cuda(
             lambda: moe_fused(i["x"], ids, rw_bf16, w["w_gate"], w["w_up"], w["w_down"], E, k, pg=None),
             reps=a.reps)
+    windows["forward_nograd_ms"] = B.LAST_WINDOW[0]
 
     def forward():
         return moe_fused(leaves["x"], ids, leaves["rw"], leaves["w_gate"], leaves["w_up"], leaves["w_down"], E, k,
@@ -114,6 +116,7 @@ def main():
     # A training forward keeps its intermediates until its backward: time it paired with a
     # backward outside the timed region, so the symmetric stack does not grow.
     B.ready(forward_backward, torch.cuda.synchronize, 0)
+    B.window_start()
     times = []
     for rep in range(a.reps + 3):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -124,9 +127,12 @@ def main():
         e.synchronize()
         if rep >= 3:
             times.append(s.elapsed_time(e))
+    windows["forward_ms"] = B.window_end()
     times.sort()
     out["forward_ms"] = times[len(times) // 2]
     out["forward_backward_ms"] = B.time_cuda(forward_backward, reps=max(3, a.reps // 2))
+    windows["forward_backward_ms"] = B.LAST_WINDOW[0]
+    out["clock_windows"] = windows
     out["memory_bytes"] = M.held_since(before)
     keys = ("max_rel_err_vs_torch", "forward_nograd_ms", "forward_ms", "forward_backward_ms", "memory_bytes")
     if P > 1:  # the slowest rank's times, the most memory any rank held, the largest error

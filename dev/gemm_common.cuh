@@ -674,30 +674,32 @@ static double median(std::vector<float> v) {
 
 constexpr int WARMUP_RUNS = 3;
 constexpr int TIMED_RUNS = 20;
-/* How long the first timing of a process first keeps the GPU busy. Under sustained dense GEMMs an
- * H200 reaches its power cap within ~0.2 s and its SM clock falls from 1980 MHz to ~1530-1600
- * (nvidia-smi: "SW power cap"); a GEMM timed before that runs ~15% faster, so the first mode of
- * a probe's table would win by the clock alone. Later timings follow without idle gaps and stay
- * in the capped state, as a training step does. */
-constexpr double PREHEAT_MS = 1500.0;
+/* How long each timing first runs its own kernel back to back. Under sustained dense GEMMs an H200
+ * reaches its power cap within ~0.2 s and its SM clock falls from 1980 MHz to ~1450-1600
+ * (nvidia-smi: "SW power cap"); when the load lightens (a slower mode, a gap) the clock climbs
+ * back within tens of ms. So a mode timed from idle, or right after a slower mode, runs its ~20
+ * short launches at a higher clock than its own sustained one and would win by the clock alone.
+ * Every timing therefore preheats on its own work: PREHEAT_FIRST_MS for a process's first,
+ * PREHEAT_MS for the others, the state a training step's GEMMs run in. */
+constexpr double PREHEAT_FIRST_MS = 1500.0;
+constexpr double PREHEAT_MS = 400.0;
 
-/* Median milliseconds of TIMED_RUNS launches of `run`, each bracketed by its own events; the
- * process's first call first runs `run` for PREHEAT_MS. */
+/* Median milliseconds of TIMED_RUNS launches of `run`, each bracketed by its own events, after
+ * `run` back to back for the preheat above. */
 template <class F>
 static double time_median_ms(F run) {
     cudaEvent_t start, stop;
     CUDA_CHECK(cudaEventCreate(&start));
     CUDA_CHECK(cudaEventCreate(&stop));
-    static bool preheated = false;
-    if (!preheated) {
-        preheated = true;
-        CUDA_CHECK(cudaEventRecord(start));
-        for (float busy = 0.0f; busy < PREHEAT_MS;) {
-            for (int i = 0; i < 8; ++i) run();
-            CUDA_CHECK(cudaEventRecord(stop));
-            CUDA_CHECK(cudaEventSynchronize(stop));
-            CUDA_CHECK(cudaEventElapsedTime(&busy, start, stop));
-        }
+    static bool first = true;
+    const double preheat_ms = first ? PREHEAT_FIRST_MS : PREHEAT_MS;
+    first = false;
+    CUDA_CHECK(cudaEventRecord(start));
+    for (float busy = 0.0f; busy < preheat_ms;) {
+        for (int i = 0; i < 8; ++i) run();
+        CUDA_CHECK(cudaEventRecord(stop));
+        CUDA_CHECK(cudaEventSynchronize(stop));
+        CUDA_CHECK(cudaEventElapsedTime(&busy, start, stop));
     }
     for (int i = 0; i < WARMUP_RUNS; ++i) run();
     CUDA_CHECK(cudaDeviceSynchronize());

@@ -1,7 +1,9 @@
 """test_bench_state.py — bench/baselines.py's ready(), the GPU's state before each of the benchmark's
 measurements: preheating runs the measured work back to back for the given seconds (at least the
 warm-up calls), waiting for each call; without preheating it idles --settle seconds and makes only
-the warm-up calls. And bench.py, liger_peer.py and torch_baseline.py take --preheat / --settle.
+the warm-up calls. A measurement's clock window (bench.py --clocks) starts halfway through its
+preheat, or at its timed reps without one. And bench.py, liger_peer.py and torch_baseline.py take
+--preheat / --settle.
 No GPU needed (a stand-in call and sync)."""
 import os
 import subprocess
@@ -61,6 +63,29 @@ def test_without_preheat_it_settles_then_warms_up(monkeypatch):
     B.ready(c.fn, c.sync, 2)
     assert time.perf_counter() - t0 >= 0.15
     assert c.calls == 2
+
+
+def test_the_clock_window_starts_halfway_through_the_preheat(monkeypatch):
+    state(monkeypatch, 0.4, 0.0)
+    c = Calls(0.01)
+    t0 = time.time()
+    B.ready(c.fn, c.sync, 1)
+    t1 = time.time()
+    B.window_start()  # the timed reps begin: the preheat's second half stays in the window
+    time.sleep(0.05)
+    start, end = B.window_end()
+    assert abs(start - (t0 + t1) / 2) < 0.05, (start, t0, t1)
+    assert end >= t1 + 0.05 and B.LAST_WINDOW[0] == (start, end)
+
+
+def test_without_preheat_the_clock_window_is_the_timed_reps(monkeypatch):
+    state(monkeypatch, 0.0, 0.1)
+    c = Calls(0.0)
+    B.ready(c.fn, c.sync, 1)
+    t0 = time.time()
+    B.window_start()
+    start, end = B.window_end()
+    assert start >= t0 and end >= start
 
 
 @pytest.mark.parametrize("script", ["bench.py", "liger_peer.py", "torch_baseline.py"])
