@@ -104,7 +104,7 @@ def test_peer_ratios(monkeypatch, capsys):
     bench.peer_rows(None, 1, "qwen3-30b-a3b", 128, 8192, 0.0, None, 3, row, "site")
     p = row["ligercute"]
     assert p["mok_forward_vs_peer"] == pytest.approx(1.8 / 2.0)
-    assert p["mok_forward_idle_vs_peer_nograd"] == pytest.approx(2.2 / 2.5)
+    assert p["mok_forward_alone_vs_peer_nograd"] == pytest.approx(2.2 / 2.5)
     assert p["mok_forward_backward_vs_peer"] == pytest.approx((2.2 + 4.2) / 8.0)
     bench.print_peers([row])
     line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("qwen3-30b-a3b")][0]
