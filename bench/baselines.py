@@ -178,18 +178,21 @@ def window_end():
 
 
 def ready(fn, sync, warmup):
-    """Before a measurement: SETTLE_S seconds idle when not preheating, then fn() at least `warmup`
-    times and, preheating, back to back until PREHEAT_S seconds have passed; sync() after each call
-    (so the host never runs ahead of the GPU by more than one call) and at the end."""
+    """Before a measurement: SETTLE_S seconds idle when not preheating; fn() `warmup` times; then,
+    preheating, fn() back to back for PREHEAT_S seconds. sync() after each call (so the host never
+    runs ahead of the GPU by more than one call). The preheat's seconds start after the warm-up
+    calls: a first call's one-time host work (allocations, a library's kernel choice) can take
+    longer than the preheat with the GPU idle, and would leave the timed reps at the idle clock."""
     sync()
     if PREHEAT_S <= 0:
         time.sleep(SETTLE_S)
-    t0 = time.perf_counter()
-    n = 0
-    while n < warmup or time.perf_counter() - t0 < PREHEAT_S:
+    for _ in range(warmup):
         fn()
         sync()
-        n += 1
+    t0 = time.perf_counter()
+    while PREHEAT_S > 0 and time.perf_counter() - t0 < PREHEAT_S:
+        fn()
+        sync()
     _window_start[0] = time.time() - (time.perf_counter() - t0) / 2 if PREHEAT_S > 0 else 0.0
 
 

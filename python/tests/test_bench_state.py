@@ -1,6 +1,6 @@
 """test_bench_state.py — bench/baselines.py's ready(), the GPU's state before each of the benchmark's
-measurements: preheating runs the measured work back to back for the given seconds (at least the
-warm-up calls), waiting for each call; without preheating it idles --settle seconds and makes only
+measurements: preheating runs the measured work back to back for the given seconds after the
+warm-up calls, waiting for each call; without preheating it idles --settle seconds and makes only
 the warm-up calls. A measurement's clock window (bench.py --clocks) starts halfway through its
 preheat, or at its timed reps without one. And bench.py, liger_peer.py and torch_baseline.py take
 --preheat / --settle.
@@ -49,11 +49,23 @@ def test_preheat_runs_the_work_back_to_back_for_its_seconds(monkeypatch):
     assert c.log == ["sync"] + ["call", "sync"] * c.calls
 
 
-def test_preheat_makes_at_least_the_warmup_calls(monkeypatch):
-    state(monkeypatch, 0.01, 0.0)
-    c = Calls(0.02)
-    B.ready(c.fn, c.sync, 3)
-    assert c.calls == 3
+def test_the_preheat_starts_after_the_warmup_calls(monkeypatch):
+    # a first call slower than the whole preheat (one-time host work, the GPU idle) must not use
+    # up the preheat: its seconds of back-to-back work come after the warm-up calls
+    state(monkeypatch, 0.2, 0.0)
+    c = Calls(0.01)
+    first = [True]
+
+    def fn():
+        if first[0]:
+            first[0] = False
+            time.sleep(0.3)
+        c.fn()
+
+    t0 = time.perf_counter()
+    B.ready(fn, c.sync, 1)
+    assert time.perf_counter() - t0 >= 0.5
+    assert c.calls >= 16, c.calls  # the slow warm-up call, then ~20 calls of 10 ms
 
 
 def test_without_preheat_it_settles_then_warms_up(monkeypatch):
