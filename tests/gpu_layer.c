@@ -428,8 +428,8 @@ mok_config gpu_variant_config(const gpu_variant *v, int backward) {
 
 /* Sets name to value (non-NULL), or puts back what slot's last set found (NULL). */
 static void env_swap(int slot, const char *name, const char *value) {
-    static char saved[2][64];
-    static int had[2];
+    static char saved[3][64];
+    static int had[3];
     if (value) {
         const char *now = getenv(name);
         had[slot] = now != NULL;
@@ -447,4 +447,5 @@ void gpu_variant_env(const gpu_variant *v, int on) {
     snprintf(cols, sizeof cols, "%d", v->cols_dh);
     if (v->no_tma) env_swap(0, "MOK_CUDA_TMA", on ? "0" : NULL);
     if (v->cols_dh) env_swap(1, "MOK_CUDA_COLS_DH", on ? cols : NULL);
+    if (v->down_direct) env_swap(2, "MOK_CUDA_DOWN_STORES", on ? "1" : NULL);
 }

@@ -862,20 +862,25 @@ static void env_restore(const env_saved *s) {
     else unsetenv(s->var);
 }
 
-/* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands, and the
+/* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands, the
  * gate|up tiles' h handed to the producer's warps (the TMA path's default) and the down tiles'
- * rows (MOK_CUDA_HANDOFF=2) are the consumers' own (MOK_CUDA_HANDOFF=0): y and every gradient
- * (which read the context's g|u) bitwise equal, on half-width tiles (H, I not multiples of 128),
- * the shared expert, uneven tokens, several macrobatches, replayed rows and context rows fewer
- * than the routed rows. */
+ * rows (MOK_CUDA_HANDOFF=2) are the consumers' own (MOK_CUDA_HANDOFF=0), and the down rows stored
+ * straight from the accumulators (MOK_CUDA_DOWN_STORES=1, on either load path) are the staged
+ * ones: y and every gradient (which read the context's g|u) bitwise equal, on half-width tiles
+ * (H, I not multiples of 128), the shared expert, uneven tokens, several macrobatches, replayed
+ * rows and context rows fewer than the routed rows. */
 MOK_TEST(cuda_tma_matches_cp_async) {
     if (skip(1, "cuda_tma_matches_cp_async")) return;
     int P = gpus() >= 2 ? 2 : 1;
     int64_t tokens[2] = {600, 333};
     const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(320, 192, 8, 4, 192)};
-    const env_saved saved[2] = {env_save("MOK_CUDA_TMA"), env_save("MOK_CUDA_HANDOFF")};
-    static const char *const path_name[4] = {"tma", "cp.async", "tma without the handoff", "tma, down rows handed off"};
-    static const char *const handoff[4] = {"1", "1", "0", "2"};
+    const env_saved saved[3] = {env_save("MOK_CUDA_TMA"), env_save("MOK_CUDA_HANDOFF"),
+                                env_save("MOK_CUDA_DOWN_STORES")};
+    enum { PATHS = 6 };
+    static const char *const path_name[PATHS] = {"tma", "cp.async", "tma without the handoff",
+                                                 "tma, down rows handed off", "tma, down rows from the accumulators",
+                                                 "cp.async, down rows from the accumulators"};
+    static const char *const handoff[PATHS] = {"1", "1", "0", "2", "1", "1"};
     for (int si = 0; si < 2; ++si) {
         layer L;
         layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 11 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
@@ -883,11 +888,13 @@ MOK_TEST(cuda_tma_matches_cp_async) {
         cfg.minibatch_rows = 128;
         cfg.ring_rows = 512;
         cfg.context_rows = 384;
-        layer_result res[4] = {{0}, {0}, {0}, {0}};
+        layer_result res[PATHS];
+        memset(res, 0, sizeof res);
         int ok = 1;
-        for (int path = 0; path < 4 && ok; ++path) {
-            setenv("MOK_CUDA_TMA", path == 1 ? "0" : "1", 1);
+        for (int path = 0; path < PATHS && ok; ++path) {
+            setenv("MOK_CUDA_TMA", path == 1 || path == 5 ? "0" : "1", 1);
             setenv("MOK_CUDA_HANDOFF", handoff[path], 1);
+            setenv("MOK_CUDA_DOWN_STORES", path >= 4 ? "1" : "0", 1);
             gpu_layer G;
             if (gpu_open(&G, &L, &cfg) != MOK_OK) {
                 CHECK(0, "shape %d open: %s", si, G.message);
@@ -902,16 +909,15 @@ MOK_TEST(cuda_tma_matches_cp_async) {
             }
             gpu_layer_close(&G);
         }
-        for (int path = 1; path < 4 && ok; ++path) {
+        for (int path = 1; path < PATHS && ok; ++path) {
             char what[256] = "";
             CHECK(layer_equal(&L, &res[0], &res[path], what, sizeof what), "shape %d: tma vs %s: %s", si,
                   path_name[path], what);
         }
-        for (int path = 0; path < 4; ++path) layer_result_free(&res[path]);
+        for (int path = 0; path < PATHS; ++path) layer_result_free(&res[path]);
         layer_free(&L);
     }
-    env_restore(&saved[0]);
-    env_restore(&saved[1]);
+    for (int i = 0; i < 3; ++i) env_restore(&saved[i]);
 }
 
 /* The tasks' column widths (cuda/tuning.h: 256, 128 or 64, capped by MOK_CUDA_COLS_H and

@@ -86,7 +86,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
     mok_status st = layer_run_reference(&L, &ref);
     CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
     if (st == MOK_OK) {
-        const gpu_variant width = {0, 0, 0, 0, 0, cols_dh};
+        const gpu_variant width = {0, 0, 0, 0, 0, cols_dh, 0};
         gpu_variant_env(&width, 1);
         st = gpu_run(&L, gpu_cfg, accumulate, 0, &got, message, sizeof message);
         gpu_variant_env(&width, 0);
@@ -172,7 +172,7 @@ MOK_TEST(cuda_fp8_backward_replay) {
     mok_status st = gpu_run(&L, &c, 0, 0, &whole, message, sizeof message);
     CHECK(st == MOK_OK, "whole context: %s", message);
     c.context_rows = 128;
-    const gpu_variant wide = {0, 0, 0, 0, 0, 256};
+    const gpu_variant wide = {0, 0, 0, 0, 0, 256, 0};
     if (st == MOK_OK) {
         gpu_variant_env(&wide, 1);
         st = gpu_run(&L, &c, 0, 0, &replayed, message, sizeof message);

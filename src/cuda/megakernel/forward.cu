@@ -233,14 +233,33 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
 }
 
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
- * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers). The
- * walk's closing barrier orders the stores before the release. */
+ * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers), or
+ * with p.down_direct the down tile's rows straight from the accumulators (store_direct), which
+ * leaves the staging region alone and so does not wait for it. The walk's closing barrier orders
+ * the stores before the release. */
 template <bool FP8>
 static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const mok_task_span &span, long long rt,
                                     long long nt, const task_prep &tp, float (&acc)[TILE_ACC], uint16_t *staging,
                                     const CUtensorMap *maps) {
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     const handoff_view hv = handoff_of(staging);
+    const bool down = span.kind == MOK_TASK_DOWN || span.kind == MOK_TASK_SHARED_DOWN;
+    if (down && p.down_direct) { /* the same rows as the staged stores below, in the same places */
+        if (span.kind == MOK_TASK_SHARED_DOWN) {
+            const long long t0 = rt * MOK_ROW_TILE;
+            const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+            store_direct(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
+        } else if (outputs_in_place(p)) {
+            const tile_info t = tp.tile;
+            const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+            store_direct<true>(acc, t.nreal, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_comb), H,
+                               nt * p.n_tile_h, v.row_slot + t.row0);
+        } else {
+            const tile_info t = tp.tile;
+            store_direct(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
+        }
+        return;
+    }
     if (!FP8 && p.handoff) {
         /* every path below writes the staging region: warps 1-3 must have read the last handed-off
            tile from it, and the TMA stores of a gate|up tile's g|u (issued by thread 0) too */
@@ -510,6 +529,7 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
             p.tma_mask = forward_maps(R, &p, &maps);
             p.handoff = forward_handoff(R, &p);
         }
+        p.down_direct = R->tuning.down_stores;
         st = mok__cuda_launch_pass(ws, lr, R, &p, kernel, COMPUTE_THREADS, smem, stream, a->num_tokens, &maps);
         if (st != MOK_OK) return st;
         if (!recompute && a->num_tokens > 0)

@@ -113,6 +113,68 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[TILE_ACC]
     }
 }
 
+/* A 4 x 4 transpose of 32-bit values across the four lanes of a quad (lanes 4k .. 4k + 3), q the
+ * lane's index in it: lane q's v[j] becomes lane j's v[q]. Two exchanges: the off-diagonal 2 x 2
+ * blocks (lanes q, q ^ 2), then the off-diagonal values inside each block (lanes q, q ^ 1).
+ * Every lane of the warp takes part. */
+static __device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q) {
+    const bool hi = q & 2, odd = q & 1;
+    uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 2);
+    uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 2);
+    if (hi) {
+        v[0] = r0;
+        v[1] = r1;
+    } else {
+        v[2] = r0;
+        v[3] = r1;
+    }
+    r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
+    r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
+    if (odd) {
+        v[0] = r0;
+        v[2] = r1;
+    } else {
+        v[1] = r0;
+        v[3] = r1;
+    }
+}
+
+/* A tile's bf16 rows straight from the accumulators, no shared memory: rows < rows, columns <
+ * cols (a multiple of 8) of out + n0, row stride ld (out + n0 and ld 16-byte aligned); with a row
+ * map, row r goes to row rowmap[r] of out. In the m64n256 fragment a quad's four lanes hold two
+ * columns each of every 8-column block of two rows (acc_position); the quad_transpose of four
+ * blocks gives each lane the whole 8 columns of one block, so each lane stores 16 bytes and each
+ * warp store covers 64 contiguous bytes of each of 8 rows (as many 32-byte sectors per store as
+ * copy_staged's). The same bf16 as the staged stores (bf16x2_from_f32 of the same pairs, in the
+ * same places); no barrier, and the staging region is not touched, so a caller need not wait for
+ * whatever still reads it. */
+template <bool MAPPED = false>
+static __device__ __forceinline__ void store_direct(const float (&acc)[TILE_ACC], int rows, int cols, uint16_t *out,
+                                                    long long ld, long long n0, const int32_t *rowmap = nullptr) {
+    const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, q = lane & 3;
+    const int row0 = (t >> 5) * 16 + (lane >> 2);
+    long long orow[2]; /* both map entries read before the first store, which might alias the map */
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + 8 * h;
+        orow[h] = MAPPED ? (r < rows ? (long long)rowmap[r] : 0) : r;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) { /* accumulators 4 b + 2 h, 4 b + 2 h + 1: block b's row row0 + 8 h */
+        uint16_t *dst = out + orow[h] * ld + n0;
+        const bool on = row0 + 8 * h < rows;
+#pragma unroll
+        for (int g = 0; g < TILE_ACC / 16; ++g) { /* blocks 4 g .. 4 g + 3 */
+            uint32_t v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] = bf16x2_from_f32(acc[4 * (4 * g + j) + 2 * h], acc[4 * (4 * g + j) + 2 * h + 1]);
+            quad_transpose(v, q);
+            const int col = (4 * g + q) * 8;
+            if (on && col < cols) *(int4 *)(dst + col) = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+        }
+    }
+}
+
 /* A tile's bf16 rows left to warps 1-3 (compute_walk.cuh, NOTE (handoff)), the same stores as
  * store_staged's: the consumers round columns 0 .. cols - 1 (a multiple of 64, at most 256) into
  * the staging region as 128-row boxes of 64 columns (STSM_BOXES), and thread 0 fills the handoff
