@@ -181,8 +181,10 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
                                                         long long nt, const task_prep &tp, int i,
                                                         float (&acc)[TILE_ACC], uint16_t *c, const CUtensorMap *maps) {
     const int tid = threadIdx.x - PRODUCER_THREADS;
-    if (tid == 0) bulk_wait_read(); /* as bwd_epilogue: the last TMA stores have read the staging region */
-    consumer_sync();
+    if (!(VAR == 1 && bwd_direct(p, span))) { /* as bwd_epilogue: the last TMA stores have read the staging region */
+        if (tid == 0) bulk_wait_read();
+        consumer_sync();
+    }
     if (VAR == 0) { /* replay, dh */
         if (span.kind == MOK_TASK_DH && tile_replays(p, rt) && i < p.n_tile / MOK_FP8_BLOCK)
             replay_epilogue_fp8(p, nt, tp, i, acc, c);
@@ -192,7 +194,7 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
         case MOK_TASK_DX: dx_epilogue(p, nt, tp, acc, c, tid); return;
         case MOK_TASK_SHARED_DX: {
             const long long t0 = rt * MOK_ROW_TILE;
-            store_staged(acc, token_rows(p, t0), p.n_tile_h, p.sh_out + t0 * p.hidden, p.hidden, nt * p.n_tile_h, c);
+            dx_rows(p, nt, acc, token_rows(p, t0), p.sh_out + t0 * p.hidden, c);
             return;
         }
         default: break;

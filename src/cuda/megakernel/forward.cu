@@ -234,7 +234,7 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
 
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
  * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers), or
- * with p.down_direct the down tile's rows straight from the accumulators (store_direct), which
+ * with p.direct_rows the down tile's rows straight from the accumulators (store_direct), which
  * leaves the staging region alone and so does not wait for it. The walk's closing barrier orders
  * the stores before the release. */
 template <bool FP8>
@@ -244,7 +244,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     const handoff_view hv = handoff_of(staging);
     const bool down = span.kind == MOK_TASK_DOWN || span.kind == MOK_TASK_SHARED_DOWN;
-    if (down && p.down_direct) { /* the same rows as the staged stores below, in the same places */
+    if (down && p.direct_rows) { /* the same rows as the staged stores below, in the same places */
         if (span.kind == MOK_TASK_SHARED_DOWN) {
             const long long t0 = rt * MOK_ROW_TILE;
             const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
@@ -529,7 +529,6 @@ extern "C" mok_status mok__cuda_forward(mok_workspace *ws, const mok_forward_arg
             p.tma_mask = forward_maps(R, &p, &maps);
             p.handoff = forward_handoff(R, &p);
         }
-        p.down_direct = R->tuning.down_stores;
         st = mok__cuda_launch_pass(ws, lr, R, &p, kernel, COMPUTE_THREADS, smem, stream, a->num_tokens, &maps);
         if (st != MOK_OK) return st;
         if (!recompute && a->num_tokens > 0)

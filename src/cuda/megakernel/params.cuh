@@ -81,7 +81,7 @@ struct pass_params {
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     int handoff;       /* epilogue parts to warps 1-3: 1 gate|up h, 2 down rows too (compute_walk.cuh, NOTE (handoff)) */
-    int down_direct;   /* the forward's down rows from the accumulators, not staged (tuning.h down_stores) */
+    int direct_rows;   /* down (forward) and dx (backward) rows from the accumulators, not staged (tuning.h) */
     int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
     mok_task_span *spans; /* the pass's task list: built by spans_kernel, or in the megakernel
                              (stream_spans), published through spans_published (task_list.cuh) */
@@ -221,6 +221,7 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     const cuda_workspace *cw = (const cuda_workspace *)ws->impl;
     const mok_shape *s = &ws->shape;
     memset(p, 0, sizeof *p);
+    p->direct_rows = R->tuning.direct_rows;
     p->layout = ws->sched_layout;
     p->schedule = schedule;
     p->workspace_tag = ws->tag;
