@@ -113,30 +113,28 @@ static __device__ __forceinline__ void store_staged(const float (&acc)[TILE_ACC]
     }
 }
 
+/* One exchange with lane q ^ mask: a lane with `upper` set trades its v[a0], v[a1], the others
+ * their v[b0], v[b1], each receiving into the slots it sent from. */
+static __device__ __forceinline__ void quad_swap(uint32_t (&v)[4], int mask, bool upper, int a0, int a1, int b0,
+                                                 int b1) {
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, upper ? v[a0] : v[b0], mask);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, upper ? v[a1] : v[b1], mask);
+    if (upper) { /* constant slots once inlined: registers, no indexed (local) memory */
+        v[a0] = r0;
+        v[a1] = r1;
+    } else {
+        v[b0] = r0;
+        v[b1] = r1;
+    }
+}
+
 /* A 4 x 4 transpose of 32-bit values across the four lanes of a quad (lanes 4k .. 4k + 3), q the
  * lane's index in it: lane q's v[j] becomes lane j's v[q]. Two exchanges: the off-diagonal 2 x 2
  * blocks (lanes q, q ^ 2), then the off-diagonal values inside each block (lanes q, q ^ 1).
  * Every lane of the warp takes part. */
 static __device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q) {
-    const bool hi = q & 2, odd = q & 1;
-    uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 2);
-    uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 2);
-    if (hi) {
-        v[0] = r0;
-        v[1] = r1;
-    } else {
-        v[2] = r0;
-        v[3] = r1;
-    }
-    r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
-    r1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
-    if (odd) {
-        v[0] = r0;
-        v[2] = r1;
-    } else {
-        v[1] = r0;
-        v[3] = r1;
-    }
+    quad_swap(v, 2, q & 2, 0, 1, 2, 3);
+    quad_swap(v, 1, q & 1, 0, 2, 1, 3);
 }
 
 /* A tile's bf16 rows straight from the accumulators, no shared memory: rows < rows, columns <
