@@ -1,8 +1,10 @@
 /* row_stores.cuh — how a compute task's tile leaves the consumers: its accumulators rounded to
  * bf16 (or kept fp32) into shared memory by stmatrix or paired stores, then out to global memory
  * in 16-byte chunks, each warp's store covering whole chunks of one row (the accumulator
- * fragment's own pattern would store 4 or 8 bytes into each of 8 rows per warp store). The tile
- * epilogues (swiglu.cuh, forward.cu, backward.cu, wgrad.cuh) store through here. */
+ * fragment's own pattern would store 4 or 8 bytes into each of 8 rows per warp store); or, for
+ * bf16 rows, straight from the registers after a transpose within each quad of lanes, 16 bytes a
+ * lane (store_direct, tuning.h's direct_rows). The tile epilogues (swiglu.cuh, forward.cu,
+ * backward.cu, wgrad.cuh) store through here. */
 #ifndef MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
 #define MOK_CUDA_MEGAKERNEL_ROW_STORES_CUH
 
