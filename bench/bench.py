@@ -539,6 +539,10 @@ def main():
                          "reads its MOK_CUDA_* switches when a workspace is created, and each variant creates "
                          "its own), an A/B in one process; the table shows a "
                          "row per variant, and the variants reuse the first row's baseline times")
+    ap.add_argument("--variants-first", action="store_true",
+                    help="run each case's --compare-env / --compare-config rows before its defaults' row instead of "
+                         "after it: the row timed second has come out a few %% faster whichever setting it had "
+                         "(docs/log.md), so an A/B takes both orders")
     ap.add_argument("--compare-config", action="append", default=[],
                     help="FIELD=VALUE[,...] of the config (e.g. fwd_dispatch=push,fwd_combine=pull): a row per "
                          "case with those fields, beside the defaults' row (repeatable)")
@@ -595,9 +599,10 @@ def main():
             except (TypeError, ValueError) as e:
                 ap.error(f"--compare-config {spec}: {e}")
             variants.append((spec, [], cfg))
+    order = variants[1:] + variants[:1] if a.variants_first else variants
     for name, experts, tokens, skew in cases:
-        first = None
-        for label, env, cfg in variants:
+        first = None  # the case's first row: it times the baselines, which the later rows reuse
+        for label, env, cfg in order:
             saved = {}
             for var, value in env:
                 saved[var] = os.environ.get(var)
@@ -609,7 +614,7 @@ def main():
                 row["wall_s"] = time.time() - t0
                 row["env"] = label
                 rows.append(row)
-                if first is None and not SMOKE:
+                if label == "" and not SMOKE:  # the peers beside the defaults' row
                     peer_rows(group, a.ranks, name, experts, tokens, skew, cfg, a.reps, row, a.liger)
                 first = first or row
                 print(json.dumps(row), flush=True)

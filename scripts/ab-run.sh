@@ -10,7 +10,8 @@
 # torchrun, forward and backward) for the DeepSeek-V3 and Qwen3 cases of bench/layers.py. Each
 # --env adds a row per case to the EP1 and EP2 benchmarks with those variables set (bench.py
 # --compare-env, one build); each --config FIELD=V,... likewise with config fields replaced
-# (bench.py --compare-config). --host adds, on EP1, each call's host time, the GPU time per call
+# (bench.py --compare-config); on even rounds those rows run before the defaults' row
+# (bench.py --variants-first). --host adds, on EP1, each call's host time, the GPU time per call
 # queued back to back and every kernel's GPU time (bench.py --host --profile). --probe first builds and runs every dev/*_probe.cu (while the trees
 # build). --no-base leaves the checkout out (the ab/ trees only). Logs go to $OUT (or build/ab); the table at the end has one row per tree and
 # case. --hash runs `mok run --check --repeat 2` on DeepSeek-V3 layers (scale 4 with carries and
@@ -122,13 +123,17 @@ for round in $(seq 1 "$rounds"); do
             echo "-- round $round" >>"$log"
         fi
         t0=$SECONDS
+        # the --env / --config rows after the defaults' row on odd rounds, before it on even ones:
+        # the row timed second has come out a few % faster whichever setting it had (docs/log.md)
+        order=()
+        [ ${#envs[@]} -gt 0 ] && [ $((round % 2)) -eq 0 ] && order=(--variants-first)
         (
             cd "$t" || exit 1
             export MOK_LIBRARY=$PWD/build/libmok.so PYTHONPATH=$PWD/python
             [ $tests -eq 1 ] && [ "$round" -eq 1 ] && { [ "$t" != . ] || [ $base_tests -eq 1 ]; } && MOK_TEST_NO_FULL=1 timeout 300 ./build/mok_tests cuda_ 2>&1 | grep -E "^(FAIL|PASS)|passed,|^    "
             timeout 300 python3 bench/bench.py --ranks 1 --no-sweep --reps "$reps1" ${only[@]+"${only[@]}"} ${envs[@]+"${envs[@]}"} \
-                ${precision[@]+"${precision[@]}"} ${clocks[@]+"${clocks[@]}"} --out "/tmp/ab$name" 2>&1 | grep -E -A24 "^layer|^clocks during"
-            [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} \
+                ${order[@]+"${order[@]}"} ${precision[@]+"${precision[@]}"} ${clocks[@]+"${clocks[@]}"} --out "/tmp/ab$name" 2>&1 | grep -E -A24 "^layer|^clocks during"
+            [ $ep2 -eq 1 ] && timeout 300 python3 bench/bench.py --ranks 2 --no-sweep --reps 5 ${envs[@]+"${envs[@]}"} ${order[@]+"${order[@]}"} \
                 --only "$ep2only" --out "/tmp/ab$name" 2>&1 | grep -A24 "^layer"
             [ $trace -eq 1 ] && [ "$round" -eq 1 ] && timeout 200 python3 bench/bench.py --ranks 1 --no-sweep --reps 2 --trace \
                 ${precision[@]+"${precision[@]}"} --trace-dir "/tmp/ab$name-tr" --out "/tmp/ab$name" 2>&1 |

@@ -88,10 +88,29 @@ def test_liger_peer_launch(tmp_path, monkeypatch, ranks):
     assert "no NVSHMEM" in peers.run_liger(str(tmp_path), "deepseek-v3", 256, 8192, 0.0, 3, ranks)["skipped"]
 
 
+@pytest.mark.parametrize("first", [False, True])
+def test_variant_order(tmp_path, first):
+    """--compare-env rows run after the defaults' row, or with --variants-first before it; either
+    way every row of a case carries the baseline times its first row took."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, MOK_BENCH_SMOKE="1")
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--ranks", "1", "--out", str(out), "--reps", "2",
+           "--no-sweep", "--only", "deepseek-v3", "--compare-env", "MOK_BENCH_PROBE_VAR=1"]
+    if first:
+        cmd.append("--variants-first")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cases = json.load(open(out / "bench_ep1.json"))["cases"]
+    labels = [c["env"] for c in cases]
+    assert labels == (["MOK_BENCH_PROBE_VAR=1", ""] if first else ["", "MOK_BENCH_PROBE_VAR=1"]), labels
+    assert cases[0]["baseline_forward_ms"] == cases[1]["baseline_forward_ms"]
+
+
 def test_peer_ratios(monkeypatch, capsys):
     """peer_rows's ratios against LigerCute compare times taken the same way (the training-step
-    forwards, both queued behind the previous backward; mok's from-idle forward with LigerCute's
-    from-idle no_grad one), and print_peers prints them: a peer's result stood in for (no GPU)."""
+    forwards, both queued behind the previous backward; mok's forward alone with LigerCute's
+    no_grad one, also alone), and print_peers prints them: a peer's result stood in for (no GPU)."""
     pytest.importorskip("torch")
     import bench
 
