@@ -232,6 +232,19 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
     }
 }
 
+/* A down tile's rows (rows < rows of its p.n_tile_h columns; row r at row rowmap[r] of out with a
+ * map): straight from the accumulators (p.direct_rows), handed to warps 1-3 (a bf16 pass with
+ * p.handoff 2), or through the staging tile. */
+template <bool FP8, bool MAPPED>
+static __device__ __forceinline__ void down_rows(const pass_params &p, long long nt, float (&acc)[TILE_ACC], int rows,
+                                                 uint16_t *out, uint16_t *staging, const handoff_view &hv,
+                                                 const int32_t *rowmap = nullptr) {
+    const long long H = p.hidden, n0 = nt * p.n_tile_h;
+    if (p.direct_rows) store_direct<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, rowmap);
+    else if (!FP8 && p.handoff >= 2) rows_handoff(acc, rows, p.n_tile_h, out, H, n0, staging, rowmap, hv);
+    else store_staged<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, staging, rowmap);
+}
+
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
  * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers), or
  * with p.direct_rows the down tile's rows straight from the accumulators (store_direct), which
@@ -244,25 +257,10 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     const long long H = p.hidden, I = p.inter, Is = p.shared_inter;
     const handoff_view hv = handoff_of(staging);
     const bool down = span.kind == MOK_TASK_DOWN || span.kind == MOK_TASK_SHARED_DOWN;
-    if (down && p.direct_rows) { /* the same rows as the staged stores below, in the same places */
-        if (span.kind == MOK_TASK_SHARED_DOWN) {
-            const long long t0 = rt * MOK_ROW_TILE;
-            const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-            store_direct(acc, rows, p.n_tile_h, p.sh_out + t0 * H, H, nt * p.n_tile_h);
-        } else if (outputs_in_place(p)) {
-            const tile_info t = tp.tile;
-            const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-            store_direct<true>(acc, t.nreal, p.n_tile_h, (uint16_t *)(p.peers[p.rank] + p.off_comb), H,
-                               nt * p.n_tile_h, v.row_slot + t.row0);
-        } else {
-            const tile_info t = tp.tile;
-            store_direct(acc, t.nreal, p.n_tile_h, p.ring_y + t.ring0 * H, H, nt * p.n_tile_h);
-        }
-        return;
-    }
-    if (!FP8 && p.handoff) {
-        /* every path below writes the staging region: warps 1-3 must have read the last handed-off
-           tile from it, and the TMA stores of a gate|up tile's g|u (issued by thread 0) too */
+    if (!FP8 && p.handoff && !(down && p.direct_rows)) {
+        /* every path below but the direct down rows writes the staging region: warps 1-3 must
+           have read the last handed-off tile from it, and the TMA stores of a gate|up tile's g|u
+           (issued by thread 0) too */
         if (threadIdx.x == PRODUCER_THREADS) bulk_wait_read();
         handoff_wait(hv, p.counters + p.counters_cap + MOK_COUNTER_SLOT_ABORT, p.error, p.timeout_ns);
         consumer_sync();
@@ -318,31 +316,23 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
     }
     case MOK_TASK_DOWN:
     case MOK_TASK_SHARED_DOWN: {
-        int rows;
-        uint16_t *out;
-        if (span.kind == MOK_TASK_DOWN) {
-            const tile_info t = tp.tile;
-            rows = t.nreal;
-            if (outputs_in_place(p)) {
-                /* in place: each row straight into its (token, slot) row of
-                   the combine buffer, where run_combine would copy it from the ring; the rows <
-                   nreal of a tile are real, each with its own slot */
-                const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-                uint16_t *comb = (uint16_t *)(p.peers[p.rank] + p.off_comb);
-                if (!FP8 && p.handoff >= 2)
-                    rows_handoff(acc, rows, p.n_tile_h, comb, H, nt * p.n_tile_h, staging, v.row_slot + t.row0, hv);
-                else
-                    store_staged<true>(acc, rows, p.n_tile_h, comb, H, nt * p.n_tile_h, staging, v.row_slot + t.row0);
-                break;
-            }
-            out = p.ring_y + t.ring0 * H;
-        } else {
+        if (span.kind == MOK_TASK_SHARED_DOWN) {
             const long long t0 = rt * MOK_ROW_TILE;
-            rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-            out = p.sh_out + t0 * H;
+            const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
+            down_rows<FP8, false>(p, nt, acc, rows, p.sh_out + t0 * H, staging, hv);
+            break;
         }
-        if (!FP8 && p.handoff >= 2) rows_handoff(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging, nullptr, hv);
-        else store_staged(acc, rows, p.n_tile_h, out, H, nt * p.n_tile_h, staging);
+        const tile_info t = tp.tile;
+        if (outputs_in_place(p)) {
+            /* in place: each row straight into its (token, slot) row of
+               the combine buffer, where run_combine would copy it from the ring; the rows <
+               nreal of a tile are real, each with its own slot */
+            const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
+            down_rows<FP8, true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_comb), staging, hv,
+                                 v.row_slot + t.row0);
+        } else {
+            down_rows<FP8, false>(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, staging, hv);
+        }
         break;
     }
     default: break;
