@@ -447,5 +447,5 @@ void gpu_variant_env(const gpu_variant *v, int on) {
     snprintf(cols, sizeof cols, "%d", v->cols_dh);
     if (v->no_tma) env_swap(0, "MOK_CUDA_TMA", on ? "0" : NULL);
     if (v->cols_dh) env_swap(1, "MOK_CUDA_COLS_DH", on ? cols : NULL);
-    if (v->direct_rows) env_swap(2, "MOK_CUDA_DIRECT_ROWS", on ? "1" : NULL);
+    if (v->staged_rows) env_swap(2, "MOK_CUDA_DIRECT_ROWS", on ? "0" : NULL);
 }

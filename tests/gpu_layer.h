@@ -96,9 +96,9 @@ int gpu_fp8_layer(layer *L, const mok_shape *shape, int P, const int64_t *tokens
 /* The workspace variants of the FP8 determinism tests: comm CTAs, minibatch and ring rows (0: the
  * defaults), the pass's transfers turned, the cp.async path (no_tma: MOK_CUDA_TMA=0 while its
  * workspace is created, which is when the tuning is read), the dh tiles' width (cols_dh:
- * MOK_CUDA_COLS_DH, 0 the rule's). */
+ * MOK_CUDA_COLS_DH, 0 the rule's), the down and dx rows through the staging tile (staged_rows). */
 typedef struct gpu_variant {
-    int comm, minibatch, ring, turned, no_tma, cols_dh, direct_rows;
+    int comm, minibatch, ring, turned, no_tma, cols_dh, staged_rows;
 } gpu_variant;
 #define GPU_VARIANTS {{0, 0, 0, 0, 0, 0, 0}, {1, 0, 0, 0, 0, 0, 0}, {7, 128, 256, 0, 0, 0, 0}, \
                       {2, 256, 512, 0, 0, 0, 0}, {0, 0, 0, 1, 0, 0, 0}, {0, 128, 384, 1, 0, 256, 0}, \
@@ -107,7 +107,7 @@ typedef struct gpu_variant {
  * or the backward (bwd_comm_sms, the reverse-combine pushed and the reverse-dispatch pulled). */
 mok_config gpu_variant_config(const gpu_variant *v, int backward);
 /* Around the workspace's creation: on = 1 sets MOK_CUDA_TMA=0 for a no_tma variant,
- * MOK_CUDA_COLS_DH for a cols_dh one and MOK_CUDA_DIRECT_ROWS=1 for a direct_rows one, on = 0
+ * MOK_CUDA_COLS_DH for a cols_dh one and MOK_CUDA_DIRECT_ROWS=0 for a staged_rows one, on = 0
  * puts back what the environment held. */
 void gpu_variant_env(const gpu_variant *v, int on);
 

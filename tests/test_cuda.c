@@ -863,12 +863,12 @@ static void env_restore(const env_saved *s) {
 }
 
 /* The TMA loads and the cp.async loads (MOK_CUDA_TMA=0) feed the tiles the same operands, the
- * gate|up tiles' h handed to the producer's warps (the TMA path's default) and the down tiles'
- * rows (MOK_CUDA_HANDOFF=2) are the consumers' own (MOK_CUDA_HANDOFF=0), and the down rows stored
- * straight from the accumulators (MOK_CUDA_DIRECT_ROWS=1, on either load path) are the staged
- * ones: y and every gradient (which read the context's g|u) bitwise equal, on half-width tiles
- * (H, I not multiples of 128), the shared expert, uneven tokens, several macrobatches, replayed
- * rows and context rows fewer than the routed rows. */
+ * gate|up tiles' h handed to the producer's warps (the TMA path's default) is the consumers' own
+ * (MOK_CUDA_HANDOFF=0), and the down and dx rows stored straight from the accumulators (the
+ * default) are the staged ones (MOK_CUDA_DIRECT_ROWS=0, on either load path): y and every gradient
+ * (which read the context's g|u) bitwise equal, on half-width tiles (H, I not multiples of 128),
+ * the shared expert, uneven tokens, several macrobatches, replayed rows and context rows fewer
+ * than the routed rows. */
 MOK_TEST(cuda_tma_matches_cp_async) {
     if (skip(1, "cuda_tma_matches_cp_async")) return;
     int P = gpus() >= 2 ? 2 : 1;
@@ -876,11 +876,9 @@ MOK_TEST(cuda_tma_matches_cp_async) {
     const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(320, 192, 8, 4, 192)};
     const env_saved saved[3] = {env_save("MOK_CUDA_TMA"), env_save("MOK_CUDA_HANDOFF"),
                                 env_save("MOK_CUDA_DIRECT_ROWS")};
-    enum { PATHS = 6 };
-    static const char *const path_name[PATHS] = {"tma", "cp.async", "tma without the handoff",
-                                                 "tma, down rows handed off", "tma, down rows from the accumulators",
-                                                 "cp.async, down rows from the accumulators"};
-    static const char *const handoff[PATHS] = {"1", "1", "0", "2", "1", "1"};
+    enum { PATHS = 5 };
+    static const char *const path_name[PATHS] = {"tma", "cp.async", "tma without the handoff", "tma, rows staged",
+                                                 "cp.async, rows staged"};
     for (int si = 0; si < 2; ++si) {
         layer L;
         layer_make(&L, &shapes[si], P, tokens, mok_test_seed() + 11 + si, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
@@ -892,9 +890,9 @@ MOK_TEST(cuda_tma_matches_cp_async) {
         memset(res, 0, sizeof res);
         int ok = 1;
         for (int path = 0; path < PATHS && ok; ++path) {
-            setenv("MOK_CUDA_TMA", path == 1 || path == 5 ? "0" : "1", 1);
-            setenv("MOK_CUDA_HANDOFF", handoff[path], 1);
-            setenv("MOK_CUDA_DIRECT_ROWS", path >= 4 ? "1" : "0", 1);
+            setenv("MOK_CUDA_TMA", path == 1 || path == 4 ? "0" : "1", 1);
+            setenv("MOK_CUDA_HANDOFF", path == 2 ? "0" : "1", 1);
+            setenv("MOK_CUDA_DIRECT_ROWS", path >= 3 ? "0" : "1", 1);
             gpu_layer G;
             if (gpu_open(&G, &L, &cfg) != MOK_OK) {
                 CHECK(0, "shape %d open: %s", si, G.message);

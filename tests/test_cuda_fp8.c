@@ -212,8 +212,8 @@ MOK_TEST(cuda_fp8_forward_outliers) {
 
 /* y and the context (past its tag, which names the workspace) bitwise equal across three runs on one
  * workspace and across workspaces with other comm CTA counts, minibatch and ring sizes, turned
- * transfers, the cp.async path (MOK_CUDA_TMA=0) and the down rows stored straight from the
- * accumulators (MOK_CUDA_DIRECT_ROWS=1). */
+ * transfers, the cp.async path (MOK_CUDA_TMA=0) and the down and dx rows through the staging tile
+ * (MOK_CUDA_DIRECT_ROWS=0) in place of the default's straight from the accumulators. */
 MOK_TEST(cuda_fp8_determinism) {
     if (skip("cuda_fp8_determinism")) return;
     const int64_t t1[1] = {700};

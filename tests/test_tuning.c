@@ -108,7 +108,7 @@ MOK_TEST(tuning_resolve) {
     const mok_shape qwen = {2048, 768, 128, 8, 0, 16384, MOK_PRECISION_BF16};
     const mok_shape odd = {320, 192, 8, 4, 192, 600, MOK_PRECISION_BF16};
     mok_cuda_tuning t = resolve(&dsv3, &config, 2, 1, NULL);
-    CHECK(t.tma == 1 && t.handoff == 1 && t.direct_rows == 0 && t.raster == 16 && t.cols_gateup == 128 &&
+    CHECK(t.tma == 1 && t.handoff == 1 && t.direct_rows == 1 && t.raster == 16 && t.cols_gateup == 128 &&
               t.cols_dh == 256 && t.cols_h == 256 && t.stream_spans == 1,
           "DeepSeek-V3: tma %d handoff %d direct_rows %d raster %d cols %d / %d / %d stream_spans %d", t.tma,
           t.handoff, t.direct_rows, t.raster, t.cols_gateup, t.cols_dh, t.cols_h, t.stream_spans);
@@ -132,25 +132,23 @@ MOK_TEST(tuning_resolve) {
     CHECK(t.cols_gateup == 64 && t.cols_dh == 64 && t.cols_h == 64, "H 320, I 192: cols %d / %d / %d",
           t.cols_gateup, t.cols_dh, t.cols_h);
 
-    const char *const off[] = {"MOK_CUDA_TMA=0",      "MOK_CUDA_HANDOFF=0",   "MOK_CUDA_DIRECT_ROWS=1",
+    const char *const off[] = {"MOK_CUDA_TMA=0",      "MOK_CUDA_HANDOFF=0",   "MOK_CUDA_DIRECT_ROWS=0",
                                "MOK_CUDA_RASTER=3",   "MOK_CUDA_COLS_H=64",   "MOK_CUDA_COLS_DH=128",
                                "MOK_CUDA_STREAM_SPANS=0", NULL};
     t = resolve(&dsv3, &config, 2, 1, off);
-    CHECK(t.tma == 0 && t.handoff == 0 && t.direct_rows == 1 && t.raster == 3 && t.cols_h == 64 && t.cols_dh == 128 &&
+    CHECK(t.tma == 0 && t.handoff == 0 && t.direct_rows == 0 && t.raster == 3 && t.cols_h == 64 && t.cols_dh == 128 &&
               t.stream_spans == 0,
           "overridden: tma %d handoff %d direct_rows %d raster %d cols_h %d cols_dh %d stream_spans %d", t.tma,
           t.handoff, t.direct_rows, t.raster, t.cols_h, t.cols_dh, t.stream_spans);
     CHECK(resolve(&dsv3, &config, 2, 0, NULL).tma == 0, "no encoder: no TMA");
     const char *const junk[] = {"MOK_CUDA_RASTER=65",       "MOK_CUDA_COLS_H=96",      "MOK_CUDA_COLS_DH=512",
-                                "MOK_CUDA_HANDOFF=3",       "MOK_CUDA_DIRECT_ROWS=10", "MOK_CUDA_STREAM_SPANS=10",
+                                "MOK_CUDA_HANDOFF=2",       "MOK_CUDA_DIRECT_ROWS=10", "MOK_CUDA_STREAM_SPANS=10",
                                 NULL};
     t = resolve(&dsv3, &config, 2, 1, junk);
-    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256 && t.handoff == 1 && t.direct_rows == 0 &&
+    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256 && t.handoff == 1 && t.direct_rows == 1 &&
               t.stream_spans == 1,
           "values outside the table's: raster %d cols %d / %d handoff %d direct_rows %d stream_spans %d", t.raster,
           t.cols_h, t.cols_dh, t.handoff, t.direct_rows, t.stream_spans);
-    const char *const down[] = {"MOK_CUDA_HANDOFF=2", NULL};
-    CHECK(resolve(&dsv3, &config, 2, 1, down).handoff == 2, "handoff 2: the down tiles too");
     const char *const wide[] = {"MOK_CUDA_COLS_DH=256", "MOK_CUDA_COLS_H=256", NULL};
     t = resolve(&qwen, &config, 1, 1, wide);
     CHECK(t.cols_dh == 256 && t.cols_h == 256, "Qwen3, 256 named: cols_dh %d cols_h %d", t.cols_dh, t.cols_h);

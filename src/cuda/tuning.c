@@ -62,9 +62,9 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
     const char *tma = env("MOK_CUDA_TMA");
     t->tma = tma_found && !(tma && tma[0] == '0');
     const char *handoff = env("MOK_CUDA_HANDOFF");
-    t->handoff = handoff && (handoff[0] == '0' || handoff[0] == '2') && handoff[1] == '\0' ? handoff[0] - '0' : 1;
+    t->handoff = !(handoff && handoff[0] == '0' && handoff[1] == '\0');
     const char *direct = env("MOK_CUDA_DIRECT_ROWS");
-    t->direct_rows = direct && direct[0] == '1' && direct[1] == '\0';
+    t->direct_rows = !(direct && direct[0] == '0' && direct[1] == '\0');
     t->fwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 0);
     t->bwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 1);
     const char *raster = env("MOK_CUDA_RASTER");

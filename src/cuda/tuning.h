@@ -23,13 +23,13 @@
       "cp.async, a comparison path that computes the same bits")                                                  \
     X(handoff, "MOK_CUDA_HANDOFF", "1",                                                                            \
       "a bf16 forward whose operands all load by TMA hands each gate|up tile's h to the producer warpgroup's "     \
-      "warps 1-3 (megakernel/compute_walk.cuh, NOTE (handoff)); 2: its down tiles' row stores too; 0: the "        \
-      "consumers do both. The same bits every way")                                                               \
-    X(direct_rows, "MOK_CUDA_DIRECT_ROWS", "0",                                                                   \
-      "1: the forward's down tiles and the backward's dx tiles (bf16 and FP8) store their rows straight from "     \
-      "the accumulators, 16 bytes a lane after a transpose within each quad (megakernel/row_stores.cuh, "        \
+      "warps 1-3 (megakernel/compute_walk.cuh, NOTE (handoff)); 0: the consumers compute and store it. The same " \
+      "bits either way")                                                                                          \
+    X(direct_rows, "MOK_CUDA_DIRECT_ROWS", "1",                                                                   \
+      "the forward's down tiles and the backward's dx tiles (bf16 and FP8) store their rows straight from the "    \
+      "accumulators, 16 bytes a lane after a transpose within each quad (megakernel/row_stores.cuh, "            \
       "store_direct), so they never wait for the staging region that a handoff or TMA stores still read; 0: "   \
-      "through the staging tile (1 also in place of MOK_CUDA_HANDOFF=2's down rows). The same bits either way")  \
+      "through the staging tile, a comparison path. The same bits either way")                                   \
     X(raster, "MOK_CUDA_RASTER", "16 where an expert's gate|up weights exceed half the L2, else 1 (mok__cuda_raster)", \
       "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \
       "neighbouring tickets share a few weight panels in L2; 1: tile-major, where the weights stay in L2 anyway " \

@@ -42,7 +42,7 @@
  * NOTE (handoff): in a pass with p.handoff set (every operand by TMA, so warp 0 alone loads: full[s]
  * counts 32), a Runner with HANDOFF may leave the last part of a tile's epilogue to warps 1-3 (the
  * forward's gate|up tile: its h from the bf16 g|u the consumers put in the staging region as TMA
- * store boxes; with p.handoff 2 its down tiles too: their bf16 rows, from boxes the same way).
+ * store boxes).
  * Consumer thread 0 fills the handoff slot (tile_handoff: what and where the rows go) and counts
  * it in `posted`, every consumer thread then arrives on hready (count CONSUMER_THREADS), and the
  * task is posted to the done queue as any other. Warps 1 and 2 wait on each phase of hready in
@@ -92,19 +92,16 @@ struct done_task { /* a finished task, for the completer */
 #define DONE_QUEUE 4
 
 /* The part of an epilogue handed to warps 1-3 (NOTE (handoff)): `rows` rows of `cols` bf16
- * values to out (row r at out + r * ld, or with a row map at out + rowmap[r] * ld), of the kind
- * the Runner's `handed` knows (forward.cu: h from g|u, or a tile's rows as they are). posted
- * counts the handoffs so far, stop ends the workers (consumer thread 0 writes both). */
+ * values to out (row r at out + r * ld), computed as the Runner's `handed` knows (forward.cu: h
+ * from g|u, swiglu.cuh's swiglu_handed). posted counts the handoffs so far, stop ends the workers
+ * (consumer thread 0 writes both). */
 struct tile_handoff {
     uint16_t *out;
-    const int32_t *rowmap;
     long long ld;
-    int rows, cols, kind;
+    int rows, cols;
     unsigned posted, stop;
 };
-#define HANDOFF_PARTS 3  /* warps 1-3 */
-#define HANDOFF_SWIGLU 0 /* kinds: h = SwiGLU of g|u boxes (swiglu.cuh's swiglu_handoff) */
-#define HANDOFF_ROWS 1   /* a bf16 tile's rows from boxes (row_stores.cuh's rows_handoff) */
+#define HANDOFF_PARTS 3 /* warps 1-3 */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
  * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
@@ -160,14 +157,12 @@ static __device__ __forceinline__ handoff_view handoff_of(uint16_t *staging) {
 
 /* Consumer thread 0: the next handoff into the slot (the other fields of tile_handoff), counted in
  * `posted`; every consumer thread then arrives on hready. */
-static __device__ __forceinline__ void handoff_fill(const handoff_view &hv, int kind, uint16_t *out,
-                                                    const int32_t *rowmap, long long ld, int rows, int cols) {
+static __device__ __forceinline__ void handoff_fill(const handoff_view &hv, uint16_t *out, long long ld, int rows,
+                                                    int cols) {
     hv.slot->out = out;
-    hv.slot->rowmap = rowmap;
     hv.slot->ld = ld;
     hv.slot->rows = rows;
     hv.slot->cols = cols;
-    hv.slot->kind = kind;
     hv.slot->posted = hv.slot->posted + 1;
 }
 
@@ -473,11 +468,9 @@ static __device__ __forceinline__ bool handoff_take(const pass_params &p, const 
     if (go) {
         tile_handoff ho;
         ho.out = hv.slot->out;
-        ho.rowmap = hv.slot->rowmap;
         ho.ld = hv.slot->ld;
         ho.rows = hv.slot->rows;
         ho.cols = hv.slot->cols;
-        ho.kind = hv.slot->kind;
         if constexpr (runner_handoff<Runner>::value) Runner::handed(p, ho, staging, part);
     }
     mbar_arrive(hv.taken); /* every lane: its reads of the slot and the boxes, its rows of h */

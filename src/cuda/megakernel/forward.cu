@@ -233,15 +233,12 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
 }
 
 /* A down tile's rows (rows < rows of its p.n_tile_h columns; row r at row rowmap[r] of out with a
- * map): straight from the accumulators (p.direct_rows), handed to warps 1-3 (a bf16 pass with
- * p.handoff 2), or through the staging tile. */
-template <bool FP8, bool MAPPED>
+ * map): straight from the accumulators (p.direct_rows) or through the staging tile. */
+template <bool MAPPED>
 static __device__ __forceinline__ void down_rows(const pass_params &p, long long nt, float (&acc)[TILE_ACC], int rows,
-                                                 uint16_t *out, uint16_t *staging, const handoff_view &hv,
-                                                 const int32_t *rowmap = nullptr) {
+                                                 uint16_t *out, uint16_t *staging, const int32_t *rowmap = nullptr) {
     const long long H = p.hidden, n0 = nt * p.n_tile_h;
     if (p.direct_rows) store_direct<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, rowmap);
-    else if (!FP8 && p.handoff >= 2) rows_handoff(acc, rows, p.n_tile_h, out, H, n0, staging, rowmap, hv);
     else store_staged<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, staging, rowmap);
 }
 
@@ -319,7 +316,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         if (span.kind == MOK_TASK_SHARED_DOWN) {
             const long long t0 = rt * MOK_ROW_TILE;
             const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-            down_rows<FP8, false>(p, nt, acc, rows, p.sh_out + t0 * H, staging, hv);
+            down_rows<false>(p, nt, acc, rows, p.sh_out + t0 * H, staging);
             break;
         }
         const tile_info t = tp.tile;
@@ -328,10 +325,10 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
                the combine buffer, where run_combine would copy it from the ring; the rows <
                nreal of a tile are real, each with its own slot */
             const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-            down_rows<FP8, true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_comb), staging, hv,
-                                 v.row_slot + t.row0);
+            down_rows<true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_comb), staging,
+                            v.row_slot + t.row0);
         } else {
-            down_rows<FP8, false>(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, staging, hv);
+            down_rows<false>(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, staging);
         }
         break;
     }
@@ -358,7 +355,7 @@ template <bool FP8_>
 struct forward_compute {
     static constexpr int VARIANTS = 1; /* K-major operands only */
     static constexpr bool FP8 = FP8_;  /* the FP8 function's GEMMs and epilogues (include/mok.h) */
-    static constexpr bool HANDOFF = !FP8_; /* bf16: the gate|up tiles' h, the down tiles' rows (warps 1-3) */
+    static constexpr bool HANDOFF = !FP8_; /* bf16: the gate|up tiles' h (warps 1-3) */
     static __device__ void prepare(const pass_params &p, const mok_sched_view &v, const mok_task_span &span,
                                    long long rt, long long, task_prep *tp) {
         if (span.kind == MOK_TASK_GATEUP || span.kind == MOK_TASK_DOWN) tp->tile = row_tile(p, v, rt);
@@ -381,8 +378,7 @@ struct forward_compute {
         fwd_epilogue<FP8>(p, span, rt, nt, tp, acc, staging, maps);
     }
     static __device__ void handed(const pass_params &p, const tile_handoff &ho, const uint16_t *staging, int part) {
-        if (ho.kind == HANDOFF_SWIGLU) swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
-        else rows_handed(ho, staging, part, HANDOFF_PARTS);
+        swiglu_handed(ho, staging, p.limit, part, HANDOFF_PARTS);
     }
     static __device__ void plain(const pass_params &, const mok_task_span &, long long, long long,
                                  const task_prep &) {}
@@ -449,10 +445,9 @@ static unsigned forward_maps_fp8(const cuda_rank *R, const pass_params *p, pass_
     return mask;
 }
 
-/* How much of a bf16 forward's epilogues goes to warps 1-3 (compute_walk.cuh, NOTE (handoff)):
- * the tuning's handoff (1: the gate|up tiles' h, 2: the down tiles' rows too) where every map its
- * tasks use is usable, so warp 0 alone loads every stage and the contexts' g|u go out by TMA; else
- * 0, none. */
+/* Whether a bf16 forward hands its gate|up tiles' h to warps 1-3 (compute_walk.cuh, NOTE
+ * (handoff)): the tuning's handoff where every map its tasks use is usable, so warp 0 alone loads
+ * every stage and the contexts' g|u go out by TMA; else 0. */
 static int forward_handoff(const cuda_rank *R, const pass_params *p) {
     unsigned need = 1u << MAP_RING_X | 1u << MAP_RING_H | 1u << MAP_W_GATE | 1u << MAP_W_UP | 1u << MAP_W_DOWN |
                     1u << MAP_CTX;

@@ -80,7 +80,7 @@ struct pass_params {
     int *error;        /* the rank's cuda_error_word, as its first member (set_error, error_word.cuh) */
     long long timeout_ns;
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
-    int handoff;       /* epilogue parts to warps 1-3: 1 gate|up h, 2 down rows too (compute_walk.cuh, NOTE (handoff)) */
+    int handoff;       /* 1: the gate|up tiles' h to warps 1-3 (compute_walk.cuh, NOTE (handoff)) */
     int direct_rows;   /* down (forward) and dx (backward) rows from the accumulators, not staged (tuning.h) */
     int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
     mok_task_span *spans; /* the pass's task list: built by spans_kernel, or in the megakernel

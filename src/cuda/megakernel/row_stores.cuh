@@ -175,50 +175,6 @@ static __device__ __forceinline__ void store_direct(const float (&acc)[TILE_ACC]
     }
 }
 
-/* A tile's bf16 rows left to warps 1-3 (compute_walk.cuh, NOTE (handoff)), the same stores as
- * store_staged's: the consumers round columns 0 .. cols - 1 (a multiple of 64, at most 256) into
- * the staging region as 128-row boxes of 64 columns (STSM_BOXES), and thread 0 fills the handoff
- * slot: rows < rows go to out + n0 (row r at row rowmap[r] with a row map, else row r; row stride
- * ld). The caller waited on the last handoff and on the last TMA stores' reads (the staging region
- * is free); the consumers need no barrier here, each thread's arrival on hready releasing its own
- * writes. */
-static __device__ __forceinline__ void rows_handoff(const float (&acc)[TILE_ACC], int rows, int cols, uint16_t *out,
-                                                    long long ld, long long n0, uint16_t *c, const int32_t *rowmap,
-                                                    const handoff_view &hv) {
-    static_assert(TILE_ACC / 4 / 8 * STORE_BOX_BYTES <= SMEM_STAGING_BYTES + DH_SCRATCH_BYTES, "the boxes fit");
-    const int t = threadIdx.x - PRODUCER_THREADS;
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(c);
-#pragma unroll
-    for (int j = 0; j < TILE_ACC / 4; j += 2)
-        if (8 * j < cols) stsm_blocks<STSM_BOXES>(acc, j, base, (t >> 5) * 16, 0);
-    if (t == 0) handoff_fill(hv, HANDOFF_ROWS, out + n0, rowmap, ld, rows, cols);
-    mbar_arrive(hv.ready);
-}
-
-/* Warp `part` of `parts`' share of rows_handoff's stores, every lane: 16-byte chunks (a row's on
- * adjacent lanes), ROWS_BATCH at a time with every load of a batch (the row map's entries and the
- * boxes' chunks) before its first store, which might alias the map. */
-#define ROWS_BATCH 4
-static __device__ __forceinline__ void rows_handed(const tile_handoff &ho, const uint16_t *c, int part, int parts) {
-    const uint8_t *boxes = (const uint8_t *)c;
-    const int lane = threadIdx.x & 31, per_row = ho.cols / 8, n = ho.rows * per_row, step = 32 * parts;
-    for (int idx0 = 32 * part + lane; idx0 < n; idx0 += ROWS_BATCH * step) {
-        int4 v[ROWS_BATCH];
-        long long at[ROWS_BATCH];
-#pragma unroll
-        for (int u = 0; u < ROWS_BATCH; ++u) {
-            const int idx = idx0 + u * step, r = idx / per_row, c8 = idx % per_row;
-            if (idx < n) {
-                v[u] = *(const int4 *)(boxes + (c8 / 8) * STORE_BOX_BYTES + swizzle(r, c8 % 8));
-                at[u] = (ho.rowmap ? (long long)ho.rowmap[r] : (long long)r) * ho.ld + 8 * c8;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < ROWS_BATCH; ++u)
-            if (idx0 + u * step < n) *(int4 *)(ho.out + at[u]) = v[u];
-    }
-}
-
 /* An fp32 tile (a weight gradient's carry, or accumulate mode's destination) out through the
  * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
  * each thread's column pairs into a [128][F32_STAGING_LD] fp32 tile, then one warp per row in 16-byte

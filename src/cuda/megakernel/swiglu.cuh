@@ -148,7 +148,7 @@ static __device__ __forceinline__ void swiglu_handoff(const float (&acc)[TILE_AC
             }
             bulk_commit();
         }
-        handoff_fill(hv, HANDOFF_SWIGLU, h_out + n0, nullptr, h_ld, nreal, NT);
+        handoff_fill(hv, h_out + n0, h_ld, nreal, NT);
     }
     mbar_arrive(hv.ready); /* releases this thread's box writes (thread 0: and the slot) to warps 1-3 */
 }
