@@ -946,6 +946,81 @@ MOK_TEST(cuda_task_cols) {
     env_restore(&saved[1]);
 }
 
+/* The SwiGLU-backward epilogue where the accumulators are (MOK_CUDA_DH_DIRECT=1): against the
+ * reference at every dh width (256, 128, 64: each length of its chunk loop), routed tiles with
+ * padding rows and the shared expert's; the same bits across runs and across workspaces (comm
+ * CTAs, minibatch and ring rows); and the staged epilogue's y, dx and weight gradients bit for bit
+ * (d_router_w sums its partials in another order: the reference checks it). */
+MOK_TEST(cuda_dh_direct) {
+    if (skip(1, "cuda_dh_direct")) return;
+    int P = gpus() >= 2 ? 2 : 1;
+    int64_t tokens[2] = {500, 300};
+    const mok_shape shapes[2] = {small_shape(512, 256, 8, 4, 256), small_shape(256, 2048, 4, 2, 0)};
+    const char *caps[3] = {"256", "128", "64"};
+    const env_saved saved[2] = {env_save("MOK_CUDA_DH_DIRECT"), env_save("MOK_CUDA_COLS_DH")};
+    mok_config cfg = mok_config_default();
+    cfg.minibatch_rows = 128;
+    cfg.ring_rows = 256;
+    cfg.context_rows = 256;
+    setenv("MOK_CUDA_DH_DIRECT", "1", 1);
+    for (int si = 0; si < 2; ++si)
+        for (int c = 0; c < 3; ++c) {
+            setenv("MOK_CUDA_COLS_DH", caps[c], 1);
+            char tag[64];
+            snprintf(tag, sizeof tag, "dh direct, shape %d, dh<=%s", si, caps[c]);
+            check_backward(tag, &shapes[si], P, tokens, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS, 0.0f, &cfg, 0);
+        }
+    unsetenv("MOK_CUDA_COLS_DH");
+
+    layer L;
+    layer_make(&L, &shapes[0], P, tokens, mok_test_seed() + 29, LAYER_ROUTE_SKEWED | LAYER_SIGNED_WEIGHTS);
+    enum { RUNS = 4 }; /* direct twice on one workspace, direct on another, staged */
+    static const char *const run_name[RUNS] = {"direct", "direct again", "direct, other workspace", "staged"};
+    layer_result res[RUNS];
+    memset(res, 0, sizeof res);
+    int ok = 1;
+    for (int w = 0; w < 3 && ok; ++w) {
+        setenv("MOK_CUDA_DH_DIRECT", w == 2 ? "0" : "1", 1);
+        mok_config wc = cfg;
+        if (w == 1) {
+            wc.bwd_comm_sms = 3;
+            wc.minibatch_rows = 256;
+            wc.ring_rows = 512;
+        }
+        gpu_layer G;
+        if (gpu_open(&G, &L, &wc) != MOK_OK) {
+            CHECK(0, "workspace %d open: %s", w, G.message);
+            ok = 0;
+            break;
+        }
+        const int first = w == 0 ? 0 : w + 1, n = w == 0 ? 2 : 1;
+        for (int r = first; r < first + n && ok; ++r) {
+            if (gpu_forward(&G, &L, 0) != MOK_OK || gpu_layer_backward(&G, &L, 0, NULL, &res[r]) != MOK_OK) {
+                CHECK(0, "%s: %s", run_name[r], G.message);
+                ok = 0;
+            } else {
+                gpu_layer_download_y(&G, &L, &res[r]);
+            }
+        }
+        gpu_layer_close(&G);
+    }
+    for (int r = 1; r < RUNS && ok; ++r) {
+        char what[256] = "";
+        float *drw[MOK_MAX_RANKS];
+        if (r == RUNS - 1) /* the staged run: every output but d_router_w */
+            for (int q = 0; q < P; ++q) {
+                drw[q] = res[r].d_router_w[q];
+                res[r].d_router_w[q] = res[0].d_router_w[q];
+            }
+        CHECK(layer_equal(&L, &res[0], &res[r], what, sizeof what), "direct vs %s: %s", run_name[r], what);
+        if (r == RUNS - 1)
+            for (int q = 0; q < P; ++q) res[r].d_router_w[q] = drw[q];
+    }
+    for (int r = 0; r < RUNS; ++r) layer_result_free(&res[r]);
+    layer_free(&L);
+    for (int i = 0; i < 2; ++i) env_restore(&saved[i]);
+}
+
 /* A knob of the workspace's tuning (mok_workspace_tuning's "name=value" pairs), or -1. */
 static int tuning_value(const mok_workspace *ws, const char *name) {
     char text[512];

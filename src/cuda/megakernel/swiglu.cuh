@@ -177,6 +177,114 @@ static __device__ __forceinline__ void swiglu_handed(const tile_handoff &ho, con
     }
 }
 
+/* The router dot's partials of a warp's RPI rows rp + 8 k, one per lane, summed over the warp's
+ * lanes (xor 16 .. 1: a fixed order) and added to the rows' sums (rows < `rows`) by lane 0. */
+template <int RPI>
+static __device__ __forceinline__ void add_row_partials(float (&part)[RPI], int rp, int rows, float *rsum) {
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+        for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < RPI; ++k)
+            if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
+}
+
+/* The SwiGLU backward of a bf16 dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
+ * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
+ * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
+ * zeros (the routed tiles' padding rows, read by the weight gradients).
+ *
+ * 64 columns at a time: g|u come into the staging tile `c` with 16-byte loads (cols 0..63 g,
+ * 64..127 u) while each thread writes its dh0 of the chunk into the dh scratch (compute_walk.cuh);
+ * then each warp takes two rows at a time, two columns per lane, so its stores are 128 contiguous
+ * bytes and the loop's code is small (a copy per 16-column slice of the accumulators would make
+ * this epilogue thousands of instructions of straight-line code). The rows' router weights come into the
+ * scratch once per tile, with the first chunk: read from global memory in the row loop, each
+ * row would wait a global load's latency. The partial of a
+ * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
+ * chunks in order, in the scratch's per-row sums: a fixed order. */
+static __device__ __forceinline__ void swiglu_backward_staged(const float (&acc)[TILE_ACC], int rows, int n_valid, const uint16_t *gu,
+                                                long long gu_ld, long long inter, long long n0, const float *w,
+                                                float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
+                                                long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
+                                                bool zero_pad) {
+    const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
+    const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
+    float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *rsum = dsm + TILE_BM * DH_SCRATCH_LD, *wsm = rsum + TILE_BM;
+    if (t < TILE_BM) { /* both read after the first chunk's barrier */
+        rsum[t] = 0.0f;
+        wsm[t] = w && t < rows ? w[t] : 1.0f;
+    }
+#pragma unroll
+    for (int hc = 0; hc < TILE_BN / 64; ++hc) {
+        if (hc * 64 >= n_valid) break;
+        /* cp.async: a thread's 8 loads of g|u are in flight together */
+        for (int idx = t; idx < rows * 16; idx += CONSUMER_THREADS) {
+            const int r = idx >> 4, c8 = (idx & 15) * 8;
+            const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
+            cp_async_16((uint32_t)__cvta_generic_to_shared(c + r * TILE_C_LD + c8), src, true);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int a = 4 * (8 * hc + j) + 2 * half;
+                *(float2 *)(dsm + (row0 + 8 * half) * DH_SCRATCH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
+            }
+        cp_async_wait_all();
+        consumer_sync();
+        const long long col = n0 + 64 * hc + 2 * lane;
+        /* not unrolled further: the loop stays one small body per chunk (a runtime loop over the
+           chunks instead, with the accumulators copied out through a switch, doubled the kernel's
+           spills). Rows warp + 32 m + 8 k, k = 0..3: four independent chains per iteration, each
+           row's sums in the same order as with two */
+        constexpr int RPI = 4; /* rows per iteration */
+#pragma unroll 1
+        for (int rp = warp; rp < TILE_BM; rp += RPI * (CONSUMER_THREADS / 32)) {
+            uint32_t gpair[RPI], upair[RPI];
+            float2 d[RPI];
+            float wr[RPI];
+#pragma unroll
+            for (int k = 0; k < RPI; ++k) { /* every shared-memory load of the rows first */
+                const int row = rp + 8 * k;
+                gpair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 2 * lane);
+                upair[k] = *(const uint32_t *)(c + row * TILE_C_LD + 64 + 2 * lane);
+                d[k] = *(const float2 *)(dsm + row * DH_SCRATCH_LD + 2 * lane);
+                wr[k] = wsm[row];
+            }
+            float part[RPI];
+#pragma unroll
+            for (int k = 0; k < RPI; ++k) {
+                part[k] = 0.0f;
+                const int row = rp + 8 * k;
+                uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
+                if (row >= rows) {
+                    if (zero_pad) *(uint32_t *)hp = *(uint32_t *)gp = *(uint32_t *)up = 0u;
+                    continue;
+                }
+                float h[2], dg[2], du[2];
+#pragma unroll
+                for (int q = 0; q < 2; ++q) /* one sigmoid for h and the gradients */
+                    mok__swiglu_with_backward(wr[k] * (q ? d[k].y : d[k].x),
+                                              __uint_as_float(q ? gpair[k] & 0xffff0000u : gpair[k] << 16),
+                                              __uint_as_float(q ? upair[k] & 0xffff0000u : upair[k] << 16), limit, &h[q],
+                                              &dg[q], &du[q]);
+                const uint32_t hb = bf16x2_from_f32(h[0], h[1]);
+                part[k] += d[k].x * __uint_as_float(hb << 16);
+                part[k] += d[k].y * __uint_as_float(hb & 0xffff0000u);
+                *(uint32_t *)hp = hb;
+                *(uint32_t *)gp = bf16x2_from_f32(dg[0], dg[1]);
+                *(uint32_t *)up = bf16x2_from_f32(du[0], du[1]);
+            }
+            add_row_partials(part, rp, rows, rsum);
+        }
+        consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
+    }
+    if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
+}
+
 /* Chunk hc (64 columns from n0 + 64 hc) of a dh tile's g|u, rows < rows, into buf ([TILE_BM]
  * [TILE_C_LD] bf16: columns 0..63 g, 64..127 u) by cp.async, each thread's loads in flight
  * together; the caller waits (cp_async_wait_all) and syncs the consumers before reading it. */
@@ -191,10 +299,8 @@ static __device__ __forceinline__ void gu_chunk_load(const uint16_t *gu, long lo
     }
 }
 
-/* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
- * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
- * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
- * zeros (the routed tiles' padding rows, read by the weight gradients).
+/* swiglu_backward_staged's function with tuning.h's dh_direct: the same h, dg, du, the router
+ * dot's partials summed in another fixed order.
  *
  * Each thread works where its accumulators are (the m64n256 fragment: rows row0 and row0 + 8,
  * two columns of every 8-column block), 64 columns at a time. A chunk's g|u come into shared
@@ -206,7 +312,7 @@ static __device__ __forceinline__ void gu_chunk_load(const uint16_t *gu, long lo
  * transpose within each quad gives each lane 16 bytes of one row. The partial of a row sums its
  * thread's values in column order across the chunks, then the quad's lanes (xor 1, 2; every lane
  * ends with the same sum): a fixed order. */
-static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[TILE_ACC], int rows, int n_valid,
+static __device__ __forceinline__ void swiglu_backward_direct(const float (&acc)[TILE_ACC], int rows, int n_valid,
                                                                 const uint16_t *gu, long long gu_ld, long long inter,
                                                                 long long n0, const float *w, float limit,
                                                                 uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
