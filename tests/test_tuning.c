@@ -108,10 +108,10 @@ MOK_TEST(tuning_resolve) {
     const mok_shape qwen = {2048, 768, 128, 8, 0, 16384, MOK_PRECISION_BF16};
     const mok_shape odd = {320, 192, 8, 4, 192, 600, MOK_PRECISION_BF16};
     mok_cuda_tuning t = resolve(&dsv3, &config, 2, 1, NULL);
-    CHECK(t.tma == 1 && t.handoff == 1 && t.direct_rows == 1 && t.dh_direct == 0 && t.raster == 16 && t.cols_gateup == 128 &&
+    CHECK(t.tma == 1 && t.handoff == 1 && t.direct_rows == 1 && t.raster == 16 && t.cols_gateup == 128 &&
               t.cols_dh == 256 && t.cols_h == 256 && t.stream_spans == 1,
-          "DeepSeek-V3: tma %d handoff %d direct_rows %d dh_direct %d raster %d cols %d / %d / %d stream_spans %d",
-          t.tma, t.handoff, t.direct_rows, t.dh_direct, t.raster, t.cols_gateup, t.cols_dh, t.cols_h, t.stream_spans);
+          "DeepSeek-V3: tma %d handoff %d direct_rows %d raster %d cols %d / %d / %d stream_spans %d", t.tma,
+          t.handoff, t.direct_rows, t.raster, t.cols_gateup, t.cols_dh, t.cols_h, t.stream_spans);
     CHECK(t.fwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 0, 0, 0, 132) &&
               t.bwd_comm_ctas == mok__cuda_comm_ctas(2048, 2048, 8, 2, 1, 0, 0, 132),
           "DeepSeek-V3 EP2 comm CTAs %d / %d", t.fwd_comm_ctas, t.bwd_comm_ctas);
@@ -134,21 +134,21 @@ MOK_TEST(tuning_resolve) {
 
     const char *const off[] = {"MOK_CUDA_TMA=0",      "MOK_CUDA_HANDOFF=0",   "MOK_CUDA_DIRECT_ROWS=0",
                                "MOK_CUDA_RASTER=3",   "MOK_CUDA_COLS_H=64",   "MOK_CUDA_COLS_DH=128",
-                               "MOK_CUDA_STREAM_SPANS=0", "MOK_CUDA_DH_DIRECT=1", NULL};
+                               "MOK_CUDA_STREAM_SPANS=0", NULL};
     t = resolve(&dsv3, &config, 2, 1, off);
-    CHECK(t.tma == 0 && t.handoff == 0 && t.direct_rows == 0 && t.dh_direct == 1 && t.raster == 3 && t.cols_h == 64 && t.cols_dh == 128 &&
+    CHECK(t.tma == 0 && t.handoff == 0 && t.direct_rows == 0 && t.raster == 3 && t.cols_h == 64 && t.cols_dh == 128 &&
               t.stream_spans == 0,
-          "overridden: tma %d handoff %d direct_rows %d dh_direct %d raster %d cols_h %d cols_dh %d stream_spans %d",
-          t.tma, t.handoff, t.direct_rows, t.dh_direct, t.raster, t.cols_h, t.cols_dh, t.stream_spans);
+          "overridden: tma %d handoff %d direct_rows %d raster %d cols_h %d cols_dh %d stream_spans %d", t.tma,
+          t.handoff, t.direct_rows, t.raster, t.cols_h, t.cols_dh, t.stream_spans);
     CHECK(resolve(&dsv3, &config, 2, 0, NULL).tma == 0, "no encoder: no TMA");
     const char *const junk[] = {"MOK_CUDA_RASTER=65",       "MOK_CUDA_COLS_H=96",      "MOK_CUDA_COLS_DH=512",
                                 "MOK_CUDA_HANDOFF=2",       "MOK_CUDA_DIRECT_ROWS=10", "MOK_CUDA_STREAM_SPANS=10",
-                                "MOK_CUDA_DH_DIRECT=2",    NULL};
+                                NULL};
     t = resolve(&dsv3, &config, 2, 1, junk);
-    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256 && t.handoff == 1 && t.direct_rows == 1 && t.dh_direct == 0 &&
+    CHECK(t.raster == 16 && t.cols_h == 256 && t.cols_dh == 256 && t.handoff == 1 && t.direct_rows == 1 &&
               t.stream_spans == 1,
-          "values outside the table's: raster %d cols %d / %d handoff %d direct_rows %d dh_direct %d stream_spans %d",
-          t.raster, t.cols_h, t.cols_dh, t.handoff, t.direct_rows, t.dh_direct, t.stream_spans);
+          "values outside the table's: raster %d cols %d / %d handoff %d direct_rows %d stream_spans %d", t.raster,
+          t.cols_h, t.cols_dh, t.handoff, t.direct_rows, t.stream_spans);
     const char *const wide[] = {"MOK_CUDA_COLS_DH=256", "MOK_CUDA_COLS_H=256", NULL};
     t = resolve(&qwen, &config, 1, 1, wide);
     CHECK(t.cols_dh == 256 && t.cols_h == 256, "Qwen3, 256 named: cols_dh %d cols_h %d", t.cols_dh, t.cols_h);
@@ -183,10 +183,10 @@ MOK_TEST(tuning_raster) {
 
 /* The text: every knob in table order, and snprintf's answer when it does not fit. */
 MOK_TEST(tuning_format) {
-    const mok_cuda_tuning t = {1, 0, 1, 1, 8, 128, 256, 64, 10, 16, 1};
-    const char *want = "tma=1 handoff=0 direct_rows=1 dh_direct=1 raster=8 cols_gateup=128 cols_dh=256 cols_h=64 "
+    const mok_cuda_tuning t = {1, 0, 1, 8, 128, 256, 64, 10, 16, 1};
+    const char *want = "tma=1 handoff=0 direct_rows=1 raster=8 cols_gateup=128 cols_dh=256 cols_h=64 "
                        "fwd_comm_ctas=10 bwd_comm_ctas=16 stream_spans=1";
-    char text[256];
+    char text[128];
     memset(text, 'x', sizeof text);
     const size_t n = mok__cuda_tuning_format(&t, text, sizeof text);
     CHECK(n == strlen(want) && strcmp(text, want) == 0, "format: '%s' (%zu)", text, n);

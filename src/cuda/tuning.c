@@ -65,8 +65,6 @@ void mok__cuda_tuning_resolve(mok_cuda_tuning *t, const mok_shape *s, const mok_
     t->handoff = !(handoff && handoff[0] == '0' && handoff[1] == '\0');
     const char *direct = env("MOK_CUDA_DIRECT_ROWS");
     t->direct_rows = !(direct && direct[0] == '0' && direct[1] == '\0');
-    const char *dh_direct = env("MOK_CUDA_DH_DIRECT");
-    t->dh_direct = dh_direct && dh_direct[0] == '1' && dh_direct[1] == '\0';
     t->fwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 0);
     t->bwd_comm_ctas = comm_ctas(s, c, nranks, num_sms, 1);
     const char *raster = env("MOK_CUDA_RASTER");

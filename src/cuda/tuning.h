@@ -30,11 +30,6 @@
       "accumulators, 16 bytes a lane after a transpose within each quad (megakernel/row_stores.cuh, "            \
       "store_direct), so they never wait for the staging region that a handoff or TMA stores still read; 0: "   \
       "through the staging tile, a comparison path. The same bits either way")                                   \
-    X(dh_direct, "MOK_CUDA_DH_DIRECT", "0",                                                                       \
-      "1: the bf16 SwiGLU-backward (dh) epilogue works where the accumulators are, its g|u chunks "             \
-      "double-buffered, h, dg, du stored as the direct rows are (megakernel/swiglu.cuh, swiglu_backward_direct); " \
-      "0: through the fp32 scratch (swiglu_backward_staged). The same h, dg, du and gradients but d_router_w, "  \
-      "whose partials each sums in its own fixed order")                                                          \
     X(raster, "MOK_CUDA_RASTER", "16 where an expert's gate|up weights exceed half the L2, else 1 (mok__cuda_raster)", \
       "the GEMM spans walk their row tiles in runs of this many (1..64; mok__span_tile), so that the CTAs on "  \
       "neighbouring tickets share a few weight panels in L2; 1: tile-major, where the weights stay in L2 anyway " \

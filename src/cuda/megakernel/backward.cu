@@ -296,12 +296,8 @@ static __device__ __forceinline__ void dh_epilogue(const pass_params &p, const m
         h = p.sh_h + t0 * Is;
         dgu = p.sh_dgu + t0 * 2 * Is;
     }
-    if (p.dh_direct)
-        swiglu_backward_direct(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
-                               2 * inter, rdot, I / 64, c, routed);
-    else
-        swiglu_backward_staged(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
-                               2 * inter, rdot, I / 64, c, routed);
+    swiglu_backward_epilogue(acc, rows, p.n_tile, gu, 2 * inter, inter, nt * p.n_tile, w, p.limit, h, inter, dgu,
+                             2 * inter, rdot, I / 64, c, routed);
 }
 
 /* A tile's dx rows (rows < rows, row r at out row rowmap[r] with a map) through the staging tile

@@ -104,11 +104,9 @@ struct tile_handoff {
 #define HANDOFF_PARTS 3 /* warps 1-3 */
 
 /* Shared memory of a warp-specialised CTA, from a 1024-byte aligned base: the stage ring, the
- * staging tile, the dh scratch (right after the staging tile: a bf16 SwiGLU-backward tile's fp32
- * dh of a 64-column chunk, [TILE_BM][DH_SCRATCH_LD], then TILE_BM per-row sums and TILE_BM router
- * weights, or with dh_direct its second g|u buffer, laid out as the staging tile (swiglu.cuh); an
- * FP8 one's fp32 dh of half a block's rows, then TILE_BM router weights
- * (swiglu_backward_fp8.cuh); the forward's second staging tile),
+ * staging tile, the dh scratch (right after the staging tile: one 64-column chunk of a
+ * SwiGLU-backward tile's fp32 dh, [TILE_BM][DH_SCRATCH_LD], then TILE_BM per-row sums and TILE_BM
+ * router weights; backward.cu),
  * the mbarriers (full, empty, qfull, qempty, cfull, cempty, hready, htaken), the queues, the
  * handoff slot, the task preps, the schedule's experts, the stages' scale slots (FP8,
  * gemm_tile.cuh). */

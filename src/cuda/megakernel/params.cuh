@@ -82,7 +82,6 @@ struct pass_params {
     unsigned tma_mask; /* bit m: map m of the kernel's pass_maps is usable (tma.cuh) */
     int handoff;       /* 1: the gate|up tiles' h to warps 1-3 (compute_walk.cuh, NOTE (handoff)) */
     int direct_rows;   /* down (forward) and dx (backward) rows from the accumulators, not staged (tuning.h) */
-    int dh_direct;     /* bf16 dh epilogue where the accumulators are (tuning.h) */
     int raster;        /* GEMM spans' walk (mok__span_tile): the tuning's raster */
     mok_task_span *spans; /* the pass's task list: built by spans_kernel, or in the megakernel
                              (stream_spans), published through spans_published (task_list.cuh) */
@@ -223,7 +222,6 @@ static void pass_params_init(pass_params *p, const mok_workspace *ws, const cuda
     const mok_shape *s = &ws->shape;
     memset(p, 0, sizeof *p);
     p->direct_rows = R->tuning.direct_rows;
-    p->dh_direct = R->tuning.dh_direct;
     p->layout = ws->sched_layout;
     p->schedule = schedule;
     p->workspace_tag = ws->tag;

@@ -191,7 +191,7 @@ static __device__ __forceinline__ void add_row_partials(float (&part)[RPI], int 
             if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
 }
 
-/* The SwiGLU backward of a bf16 dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
+/* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
  * intermediate dim): h from g|u, the row's router-weight partial <dh0, h> over these columns (rdot,
  * may be NULL), dh = w · dh0 (w NULL: 1), dg|du. zero_pad: rows rows .. 127 of h and dg|du get
  * zeros (the routed tiles' padding rows, read by the weight gradients).
@@ -205,7 +205,7 @@ static __device__ __forceinline__ void add_row_partials(float (&part)[RPI], int 
  * row would wait a global load's latency. The partial of a
  * row sums its lane's two columns in order, then the warp's lanes (xor 16, 8, 4, 2, 1), then the
  * chunks in order, in the scratch's per-row sums: a fixed order. */
-static __device__ __forceinline__ void swiglu_backward_staged(const float (&acc)[TILE_ACC], int rows, int n_valid, const uint16_t *gu,
+static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&acc)[TILE_ACC], int rows, int n_valid, const uint16_t *gu,
                                                 long long gu_ld, long long inter, long long n0, const float *w,
                                                 float limit, uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
                                                 long long dgu_ld, float *rdot, long long rdot_ld, uint16_t *c,
@@ -283,102 +283,6 @@ static __device__ __forceinline__ void swiglu_backward_staged(const float (&acc)
         consumer_sync(); /* c, the scratch and rsum are read; the next chunk may write them */
     }
     if (rdot && t < rows) rdot[t * rdot_ld] = rsum[t];
-}
-
-/* Chunk hc (64 columns from n0 + 64 hc) of a dh tile's g|u, rows < rows, into buf ([TILE_BM]
- * [TILE_C_LD] bf16: columns 0..63 g, 64..127 u) by cp.async, each thread's loads in flight
- * together; the caller waits (cp_async_wait_all) and syncs the consumers before reading it. */
-static_assert(TILE_BM * TILE_C_LD * 2 <= DH_SCRATCH_BYTES, "a second g|u buffer fits the dh scratch");
-static __device__ __forceinline__ void gu_chunk_load(const uint16_t *gu, long long gu_ld, long long inter, long long n0,
-                                                     int hc, int rows, uint16_t *buf) {
-    const int t = threadIdx.x - PRODUCER_THREADS;
-    for (int idx = t; idx < rows * 16; idx += CONSUMER_THREADS) {
-        const int r = idx >> 4, c8 = (idx & 15) * 8;
-        const uint16_t *src = gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64);
-        cp_async_16((uint32_t)__cvta_generic_to_shared(buf + r * TILE_C_LD + c8), src, true);
-    }
-}
-
-/* swiglu_backward_staged's function with tuning.h's dh_direct: the same h, dg, du, the router
- * dot's partials summed in another fixed order.
- *
- * Each thread works where its accumulators are (the m64n256 fragment: rows row0 and row0 + 8,
- * two columns of every 8-column block), 64 columns at a time. A chunk's g|u come into shared
- * memory by cp.async, alternately into the staging tile `c` and the dh scratch after it (the same
- * [TILE_BM][TILE_C_LD] bf16 layout; compute_walk.cuh), the next chunk's loads issued before this
- * chunk's work, so only the first chunk waits on global memory. A thread reads its g, u pairs
- * (4-byte loads: the quad's lanes and the warp's 8 rows fall on distinct banks), computes h, dg,
- * du with the rounding points of core/portable.h, and stores each as store_direct does: a
- * transpose within each quad gives each lane 16 bytes of one row. The partial of a row sums its
- * thread's values in column order across the chunks, then the quad's lanes (xor 1, 2; every lane
- * ends with the same sum): a fixed order. */
-static __device__ __forceinline__ void swiglu_backward_direct(const float (&acc)[TILE_ACC], int rows, int n_valid,
-                                                                const uint16_t *gu, long long gu_ld, long long inter,
-                                                                long long n0, const float *w, float limit,
-                                                                uint16_t *h_out, long long h_ld, uint16_t *dgu_out,
-                                                                long long dgu_ld, float *rdot, long long rdot_ld,
-                                                                uint16_t *c, bool zero_pad) {
-    const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, q = lane & 3;
-    const int row0 = (t >> 5) * 16 + (lane >> 2), col0 = 2 * q;
-    uint16_t *buf[2] = {c, c + TILE_BM * TILE_C_LD};
-    gu_chunk_load(gu, gu_ld, inter, n0, 0, rows, buf[0]);
-    float wr[2], part[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) wr[h] = w && row0 + 8 * h < rows ? w[row0 + 8 * h] : 1.0f;
-#pragma unroll
-    for (int hc = 0; hc < TILE_BN / 64; ++hc) {
-        if (hc * 64 >= n_valid) break;
-        cp_async_wait_all();
-        consumer_sync(); /* chunk hc is in; every thread is done with chunk hc - 1's buffer */
-        if ((hc + 1) * 64 < n_valid) gu_chunk_load(gu, gu_ld, inter, n0, hc + 1, rows, buf[(hc + 1) & 1]);
-        const uint16_t *b = buf[hc & 1];
-        const long long col = n0 + 64 * hc;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 8 * h;
-            const bool real = row < rows; /* the quad's lanes share their rows; every lane shuffles */
-            uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
-#pragma unroll
-            for (int g4 = 0; g4 < 2; ++g4) { /* blocks 4 g4 .. 4 g4 + 3 of the chunk */
-                uint32_t hv[4], gv[4], uv[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    hv[j] = gv[j] = uv[j] = 0u;
-                    if (!real) continue;
-                    const int blk = 4 * g4 + j, a = 4 * (8 * hc + blk) + 2 * h;
-                    const uint32_t gpair = *(const uint32_t *)(b + row * TILE_C_LD + 8 * blk + col0);
-                    const uint32_t upair = *(const uint32_t *)(b + row * TILE_C_LD + 64 + 8 * blk + col0);
-                    float hh[2], dg[2], du[2];
-#pragma unroll
-                    for (int k = 0; k < 2; ++k) /* one sigmoid for h and the gradients */
-                        mok__swiglu_with_backward(wr[h] * acc[a + k],
-                                                  __uint_as_float(k ? gpair & 0xffff0000u : gpair << 16),
-                                                  __uint_as_float(k ? upair & 0xffff0000u : upair << 16), limit,
-                                                  &hh[k], &dg[k], &du[k]);
-                    hv[j] = bf16x2_from_f32(hh[0], hh[1]);
-                    part[h] += acc[a] * __uint_as_float(hv[j] << 16);
-                    part[h] += acc[a + 1] * __uint_as_float(hv[j] & 0xffff0000u);
-                    gv[j] = bf16x2_from_f32(dg[0], dg[1]);
-                    uv[j] = bf16x2_from_f32(du[0], du[1]);
-                }
-                quad_transpose(hv, q);
-                quad_transpose(gv, q);
-                quad_transpose(uv, q);
-                const int c8 = (4 * g4 + q) * 8;
-                if (!real && !zero_pad) continue;
-                *(int4 *)(hp + c8) = make_int4((int)hv[0], (int)hv[1], (int)hv[2], (int)hv[3]);
-                *(int4 *)(gp + c8) = make_int4((int)gv[0], (int)gv[1], (int)gv[2], (int)gv[3]);
-                *(int4 *)(up + c8) = make_int4((int)uv[0], (int)uv[1], (int)uv[2], (int)uv[3]);
-            }
-        }
-    }
-    consumer_sync(); /* both buffers are read: the next epilogue may write the staging region */
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        part[h] += __shfl_xor_sync(0xffffffffu, part[h], 1);
-        part[h] += __shfl_xor_sync(0xffffffffu, part[h], 2);
-        if (rdot && q == 0 && row0 + 8 * h < rows) rdot[(row0 + 8 * h) * rdot_ld] = part[h];
-    }
 }
 
 #endif
