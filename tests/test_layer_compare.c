@@ -2,7 +2,7 @@
  * FP8 layers with tensor-core block sums: one routed row's factor element moved by at most one
  * quantization step (h^ by one E4M3 step in dw_down, du by a few bf16 ulps in dw_up) passes even
  * where it exceeds the block's row, and a larger move of the same element, or the row's whole
- * term missing, does not.
+ * term missing, does not. With exact block sums (the cpu's) only a one-ulp move of du passes.
  *
  * The layer has terms that dominate their column and row: token 0's first expert gets an up row
  * equal to its gate row at C0 and x_0 the signs of that row, so g = u = sum |gate| and h there is
@@ -140,6 +140,29 @@ MOK_TEST(layer_compare_single_term_flips) {
     L.tensor_core_sums = 0;
     move(&L, &got, 1, e, L.dy[0], 0.1 * h * w);
     CHECK(layer_compare(&L, &got, &ref, "dw_down flip, cpu rows") > 1.0, "a flip passed the cpu's rows");
+    memcpy(got.dw[LAYER_DOWN][0], saved_down, n * sizeof(float));
+
+    /* exact sums: du one bf16 ulp off (0.007 of it) with an error no row explains beside it (0.6% of
+       the block's max at one element, as the result's own rounding would leave) passes once the
+       flip is taken out; three ulps (0.02 of it) stay an error */
+    float *up_block = (float *)got.dw[LAYER_UP][0] + e * I * H;
+    int64_t at = 0;
+    for (int64_t i = 1; i < I * H; ++i)
+        if (fabsf(up_block[i]) > fabsf(up_block[at])) at = i;
+    struct {
+        const char *what;
+        double share;
+        int pass;
+    } exact_moves[] = {{"dw_up, cpu rows: du one ulp off and the result's rounding", 0.007, 1},
+                       {"dw_up, cpu rows: du three ulps off and the result's rounding", 0.02, 0}};
+    for (size_t i = 0; i < sizeof exact_moves / sizeof exact_moves[0]; ++i) {
+        move(&L, &got, 0, e, L.x[0], exact_moves[i].share * du);
+        up_block[at] += (float)(6e-3 * up_max);
+        const double err = layer_compare(&L, &got, &ref, exact_moves[i].what);
+        CHECK(exact_moves[i].pass ? err <= 1.0 : err > 1.0, "%s: error %.3g", exact_moves[i].what, err);
+        printf("    %s: error %.3f (%s)\n", exact_moves[i].what, err, exact_moves[i].pass ? "a flip" : "an error");
+        memcpy(got.dw[LAYER_UP][0], saved_up, n * sizeof(float));
+    }
     free(saved_down);
     free(saved_up);
 done:
