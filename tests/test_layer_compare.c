@@ -40,6 +40,14 @@ static void move(const layer *L, layer_result *got, int down, int64_t e, const u
     for (int64_t h = 0; h < H; ++h) dw[down ? h * I + C0 : C0 * H + h] += (float)(amount * mok_bf16_to_float(v[h]));
 }
 
+/* A move of one factor element: share of the element (h^_{0,C0} or du_{0,C0}), and whether
+ * layer_compare must pass it. */
+typedef struct move_case {
+    const char *what;
+    double share;
+    int pass;
+} move_case;
+
 /* max |ref| of dw_down[e] or dw_up[e] */
 static double block_max(const layer *L, const layer_result *ref, int down, int64_t e) {
     const int64_t n = L->shape.intermediate * L->shape.hidden;
@@ -99,11 +107,7 @@ MOK_TEST(layer_compare_single_term_flips) {
     /* dw_down: h^_{0,C0} moved along w dy_0 */
     const double h = projection(&L, &ref, 1, e, L.dy[0]) / w, down_max = block_max(&L, &ref, 1, e);
     const double down_reach = fabs(h) * fabs(w) * vec_max(L.dy[0], H); /* what a move of all of h^ reaches */
-    struct {
-        const char *what;
-        double share; /* of h^_{0,C0} */
-        int pass;
-    } down_moves[] = {{"dw_down: h^ one E4M3 step (0.1 of it)", 0.1, 1},
+    const move_case down_moves[] = {{"dw_down: h^ one E4M3 step (0.1 of it)", 0.1, 1},
                       {"dw_down: h^ moved by 0.3 of it", 0.3, 0},
                       {"dw_down: the row's term missing", -1.0, 0}};
     for (size_t i = 0; i < sizeof down_moves / sizeof down_moves[0]; ++i) {
@@ -120,11 +124,7 @@ MOK_TEST(layer_compare_single_term_flips) {
     /* dw_up: du_{0,C0} moved along x_0 */
     const double du = projection(&L, &ref, 0, e, L.x[0]), up_max = block_max(&L, &ref, 0, e);
     const double up_reach = fabs(du) * vec_max(L.x[0], H);
-    struct {
-        const char *what;
-        double share;
-        int pass;
-    } up_moves[] = {{"dw_up: du moved by 0.02 of it (under three bf16 ulps)", 0.02, 1},
+    const move_case up_moves[] = {{"dw_up: du moved by 0.02 of it (under three bf16 ulps)", 0.02, 1},
                     {"dw_up: du moved by 0.1 of it", 0.1, 0}};
     for (size_t i = 0; i < sizeof up_moves / sizeof up_moves[0]; ++i) {
         CHECK(fabs(up_moves[i].share) * up_reach > 1e-2 * up_max, "%s: %.3g does not exceed %.3g", up_moves[i].what,
@@ -149,11 +149,7 @@ MOK_TEST(layer_compare_single_term_flips) {
     int64_t at = 0;
     for (int64_t i = 1; i < I * H; ++i)
         if (fabsf(up_block[i]) > fabsf(up_block[at])) at = i;
-    struct {
-        const char *what;
-        double share;
-        int pass;
-    } exact_moves[] = {{"dw_up, cpu rows: du one ulp off and the result's rounding", 0.007, 1},
+    const move_case exact_moves[] = {{"dw_up, cpu rows: du one ulp off and the result's rounding", 0.007, 1},
                        {"dw_up, cpu rows: du three ulps off and the result's rounding", 0.02, 0}};
     for (size_t i = 0; i < sizeof exact_moves / sizeof exact_moves[0]; ++i) {
         move(&L, &got, 0, e, L.x[0], exact_moves[i].share * du);
