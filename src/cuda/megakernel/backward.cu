@@ -300,23 +300,13 @@ static __device__ __forceinline__ void dh_epilogue(const pass_params &p, const m
                              2 * inter, rdot, I / 64, c, routed);
 }
 
-/* A tile's dx rows (rows < rows, row r at out row rowmap[r] with a map) through the staging tile
- * (store_staged syncs the consumers), or with p.direct_rows straight from the accumulators
- * (store_direct: no barrier, the staging region untouched). */
-template <bool MAPPED = false>
-static __device__ __forceinline__ void dx_rows(const pass_params &p, long long nt, float (&acc)[TILE_ACC], int rows,
-                                               uint16_t *out, uint16_t *c, const int32_t *rowmap = nullptr) {
-    if (p.direct_rows) store_direct<MAPPED>(acc, rows, p.n_tile_h, out, p.hidden, nt * p.n_tile_h, rowmap);
-    else store_staged<MAPPED>(acc, rows, p.n_tile_h, out, p.hidden, nt * p.n_tile_h, c, rowmap);
-}
-
 /* Whether a backward epilogue leaves the staging region alone (dx rows with p.direct_rows), and so
  * need not wait for what still reads it. */
 static __device__ __forceinline__ bool bwd_direct(const pass_params &p, const mok_task_span &span) {
     return p.direct_rows && (span.kind == MOK_TASK_DX || span.kind == MOK_TASK_SHARED_DX);
 }
 
-/* A routed dx tile (dx_rows). */
+/* A routed dx tile (hidden_rows). */
 static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long long nt, const task_prep &tp,
                                                    float (&acc)[TILE_ACC], uint16_t *c, int tid) {
     const long long H = p.hidden, I = p.inter;
@@ -328,7 +318,7 @@ static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long lo
            could start (its wait), in column order, as dx_row_out does */
         const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
         const int32_t *slots = v.row_slot + t.row0;
-        dx_rows<true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_dxbuf), c, slots);
+        hidden_rows<true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_dxbuf), c, slots);
         if (nt == 0 && tid < t.nreal) {
             const float *rdot = p.ring_rdot + (t.ring0 + tid) * (I / 64);
             float sum = 0.0f;
@@ -337,7 +327,7 @@ static __device__ __forceinline__ void dx_epilogue(const pass_params &p, long lo
         }
         return;
     }
-    dx_rows(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, c);
+    hidden_rows(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, c);
 }
 
 /* A routed or shared weight-gradient tile: bf16 by TMA when whole, else through the staging region. */
@@ -390,7 +380,7 @@ static __device__ __forceinline__ void bwd_epilogue(const pass_params &p, const 
         case MOK_TASK_DX: dx_epilogue(p, nt, tp, acc, c, tid); return; /* store_staged synced, or none used */
         case MOK_TASK_SHARED_DX: {
             const long long t0 = rt * MOK_ROW_TILE;
-            dx_rows(p, nt, acc, token_rows(p, t0), p.sh_out + t0 * p.hidden, c);
+            hidden_rows(p, nt, acc, token_rows(p, t0), p.sh_out + t0 * p.hidden, c);
             return;
         }
         default: break;

@@ -194,7 +194,7 @@ static __device__ __forceinline__ void bwd_epilogue_fp8(const pass_params &p, co
         case MOK_TASK_DX: dx_epilogue(p, nt, tp, acc, c, tid); return;
         case MOK_TASK_SHARED_DX: {
             const long long t0 = rt * MOK_ROW_TILE;
-            dx_rows(p, nt, acc, token_rows(p, t0), p.sh_out + t0 * p.hidden, c);
+            hidden_rows(p, nt, acc, token_rows(p, t0), p.sh_out + t0 * p.hidden, c);
             return;
         }
         default: break;

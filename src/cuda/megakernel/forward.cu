@@ -232,16 +232,6 @@ static __device__ int fwd_gemm_fp8(const pass_params &p, const mok_task_span &sp
     }
 }
 
-/* A down tile's rows (rows < rows of its p.n_tile_h columns; row r at row rowmap[r] of out with a
- * map): straight from the accumulators (p.direct_rows) or through the staging tile. */
-template <bool MAPPED>
-static __device__ __forceinline__ void down_rows(const pass_params &p, long long nt, float (&acc)[TILE_ACC], int rows,
-                                                 uint16_t *out, uint16_t *staging, const int32_t *rowmap = nullptr) {
-    const long long H = p.hidden, n0 = nt * p.n_tile_h;
-    if (p.direct_rows) store_direct<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, rowmap);
-    else store_staged<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, staging, rowmap);
-}
-
 /* Consumers: SwiGLU (h, and g|u into the context) or the down projection's tile, both through
  * the staging tile in 16-byte chunks (swiglu_staged, store_staged; they sync the consumers), or
  * with p.direct_rows the down tile's rows straight from the accumulators (store_direct), which
@@ -316,7 +306,7 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
         if (span.kind == MOK_TASK_SHARED_DOWN) {
             const long long t0 = rt * MOK_ROW_TILE;
             const int rows = (int)(p.num_tokens - t0 < MOK_ROW_TILE ? p.num_tokens - t0 : MOK_ROW_TILE);
-            down_rows<false>(p, nt, acc, rows, p.sh_out + t0 * H, staging);
+            hidden_rows(p, nt, acc, rows, p.sh_out + t0 * H, staging);
             break;
         }
         const tile_info t = tp.tile;
@@ -325,10 +315,10 @@ static __device__ __forceinline__ void fwd_epilogue(const pass_params &p, const 
                the combine buffer, where run_combine would copy it from the ring; the rows <
                nreal of a tile are real, each with its own slot */
             const mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
-            down_rows<true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_comb), staging,
-                            v.row_slot + t.row0);
+            hidden_rows<true>(p, nt, acc, t.nreal, (uint16_t *)(p.peers[p.rank] + p.off_comb), staging,
+                              v.row_slot + t.row0);
         } else {
-            down_rows<false>(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, staging);
+            hidden_rows(p, nt, acc, t.nreal, p.ring_y + t.ring0 * H, staging);
         }
         break;
     }

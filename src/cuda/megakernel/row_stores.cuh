@@ -175,6 +175,19 @@ static __device__ __forceinline__ void store_direct(const float (&acc)[TILE_ACC]
     }
 }
 
+/* A down (forward) or dx (backward) tile's bf16 rows: its p.n_tile_h columns from column
+ * nt · p.n_tile_h of rows p.hidden wide, rows < rows (row r at row rowmap[r] of out with a map);
+ * straight from the accumulators (p.direct_rows: no barrier, the staging region untouched) or
+ * through the staging tile (store_staged syncs the consumers). */
+template <bool MAPPED = false>
+static __device__ __forceinline__ void hidden_rows(const pass_params &p, long long nt, const float (&acc)[TILE_ACC],
+                                                   int rows, uint16_t *out, uint16_t *staging,
+                                                   const int32_t *rowmap = nullptr) {
+    const long long H = p.hidden, n0 = nt * p.n_tile_h;
+    if (p.direct_rows) store_direct<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, rowmap);
+    else store_staged<MAPPED>(acc, rows, p.n_tile_h, out, H, n0, staging, rowmap);
+}
+
 /* An fp32 tile (a weight gradient's carry, or accumulate mode's destination) out through the
  * staging region (the staging tile and the dh scratch after it, 70 KB), 128 columns at a time:
  * each thread's column pairs into a [128][F32_STAGING_LD] fp32 tile, then one warp per row in 16-byte
