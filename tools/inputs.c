@@ -1,9 +1,13 @@
-/* inputs.c — splitmix64 streams and the router of random logits. */
+/* inputs.c — splitmix64 streams, the tensors filled from them (on every core), and the router of
+ * random logits. */
 #include "inputs.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "mok.h"
 
@@ -57,6 +61,35 @@ void tools_fill_bf16(uint16_t *out, int64_t n, double bound, tools_rng *rng) {
         for (int64_t j = 0; j < 4 && i + j < n; ++j, bits >>= 16)
             out[i + j] = bf16_bits((float)(bits & 0xffffu) * step + offset);
     }
+}
+
+/* The tensors are taken in turn from a shared index, by as many threads as there are cores (at
+ * most one per tensor); the calling thread is one of them, and does them all if no thread can
+ * be started. */
+typedef struct fill_work {
+    tools_fill *fills;
+    int64_t count;
+    atomic_llong next;
+} fill_work;
+
+static void *fill_worker(void *arg) {
+    fill_work *work = arg;
+    for (int64_t i; (i = atomic_fetch_add(&work->next, 1)) < work->count;)
+        tools_fill_bf16(work->fills[i].out, work->fills[i].n, work->fills[i].bound, &work->fills[i].rng);
+    return NULL;
+}
+
+void tools_fill_bf16_many(tools_fill *fills, int64_t count) {
+    enum { MAX_THREADS = 64 };
+    fill_work work = {fills, count, 0};
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int64_t helpers = (cores > MAX_THREADS ? MAX_THREADS : cores < 1 ? 1 : cores) - 1;
+    if (helpers > count - 1) helpers = count - 1;
+    pthread_t threads[MAX_THREADS];
+    int started = 0;
+    while (started < helpers && pthread_create(&threads[started], NULL, fill_worker, &work) == 0) ++started;
+    fill_worker(&work);
+    for (int t = 0; t < started; ++t) pthread_join(threads[t], NULL);
 }
 
 double tools_weight_bound(int64_t fan_in) { return sqrt(3.0 / (double)fan_in); }

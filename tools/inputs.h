@@ -30,6 +30,19 @@ double tools_rng_gaussian(tools_rng *rng); /* N(0, 1) */
 /* n bf16 values uniform in (-bound, bound), on a grid of 65536 levels. */
 void tools_fill_bf16(uint16_t *out, int64_t n, double bound, tools_rng *rng);
 
+/* One tensor for tools_fill_bf16_many: its values and the stream they come from. */
+typedef struct tools_fill {
+    uint16_t *out;
+    int64_t n;
+    double bound;
+    tools_rng rng;
+} tools_fill;
+
+/* tools_fill_bf16 of every tensor in `fills`, on the machine's cores: each tensor draws from its
+ * own stream, so the values are those of filling them one after another (a full-size layer's
+ * weights are billions of values: tens of seconds on one core). */
+void tools_fill_bf16_many(tools_fill *fills, int64_t count);
+
 /* Uniform bound that gives a weight of fan-in `fan_in` the variance 1 / fan_in, so that a
  * product keeps the scale of its input. */
 double tools_weight_bound(int64_t fan_in);

@@ -151,12 +151,14 @@ static int allocate_arrays(run_state *st) {
 static int make_shared_expert(run_state *st) {
     const int64_t H = st->shape.hidden, Is = st->shape.shared_intermediate;
     static const tools_stream streams[3] = {TOOLS_STREAM_S_GATE, TOOLS_STREAM_S_UP, TOOLS_STREAM_S_DOWN};
+    tools_fill fills[3];
     for (int w = 0; Is > 0 && w < 3; ++w) {
         st->shared[w] = tools_host_alloc(bytes_of(Is * H, 2));
         if (!st->shared[w]) return fprintf(stderr, "mok run: out of host memory for the shared expert\n"), -1;
-        tools_rng rng = tools_rng_make(st->opt->seed, streams[w], 0);
-        tools_fill_bf16(st->shared[w], Is * H, tools_weight_bound(w == 2 ? Is : H), &rng);
+        fills[w] = (tools_fill){st->shared[w], Is * H, tools_weight_bound(w == 2 ? Is : H),
+                                tools_rng_make(st->opt->seed, streams[w], 0)};
     }
+    if (Is > 0) tools_fill_bf16_many(fills, 3);
     return 0;
 }
 
@@ -202,22 +204,25 @@ static int fill_inputs(run_state *st, int r) {
     const uint64_t seed = st->opt->seed;
     rank_tensors *rt = &st->ranks[r];
     const int64_t T = rt->tokens;
-    tools_rng rng = tools_rng_make(seed, TOOLS_STREAM_X, (uint64_t)r);
-    tools_fill_bf16(rt->x.host, T * H, 1.0, &rng);
-    rng = tools_rng_make(seed, TOOLS_STREAM_DY, (uint64_t)r);
-    tools_fill_bf16(rt->dy.host, T * H, 1.0, &rng);
-    rng = tools_rng_make(seed, TOOLS_STREAM_LOGITS, (uint64_t)r);
+    tools_rng rng = tools_rng_make(seed, TOOLS_STREAM_LOGITS, (uint64_t)r);
     if (tools_route(rt->topk_ids.host, rt->router_w.host, T, s->num_experts, k, st->opt->skew, &rng) != 0)
         return fprintf(stderr, "mok run: out of host memory for routing\n"), -1;
+    tools_fill *fills = malloc((size_t)(3 * E_local + 2) * sizeof *fills);
+    if (!fills) return fprintf(stderr, "mok run: out of host memory for the weights' streams\n"), -1;
+    fills[0] = (tools_fill){rt->x.host, T * H, 1.0, tools_rng_make(seed, TOOLS_STREAM_X, (uint64_t)r)};
+    fills[1] = (tools_fill){rt->dy.host, T * H, 1.0, tools_rng_make(seed, TOOLS_STREAM_DY, (uint64_t)r)};
     for (int64_t l = 0; l < E_local; ++l) {
         uint64_t expert = (uint64_t)(r * E_local + l);
-        rng = tools_rng_make(seed, TOOLS_STREAM_W_GATE, expert);
-        tools_fill_bf16((uint16_t *)rt->w_gate.host + l * I * H, I * H, tools_weight_bound(H), &rng);
-        rng = tools_rng_make(seed, TOOLS_STREAM_W_UP, expert);
-        tools_fill_bf16((uint16_t *)rt->w_up.host + l * I * H, I * H, tools_weight_bound(H), &rng);
-        rng = tools_rng_make(seed, TOOLS_STREAM_W_DOWN, expert);
-        tools_fill_bf16((uint16_t *)rt->w_down.host + l * H * I, H * I, tools_weight_bound(I), &rng);
+        tools_fill *f = fills + 2 + 3 * l;
+        f[0] = (tools_fill){(uint16_t *)rt->w_gate.host + l * I * H, I * H, tools_weight_bound(H),
+                            tools_rng_make(seed, TOOLS_STREAM_W_GATE, expert)};
+        f[1] = (tools_fill){(uint16_t *)rt->w_up.host + l * I * H, I * H, tools_weight_bound(H),
+                            tools_rng_make(seed, TOOLS_STREAM_W_UP, expert)};
+        f[2] = (tools_fill){(uint16_t *)rt->w_down.host + l * H * I, H * I, tools_weight_bound(I),
+                            tools_rng_make(seed, TOOLS_STREAM_W_DOWN, expert)};
     }
+    tools_fill_bf16_many(fills, 3 * E_local + 2);
+    free(fills);
     tools_buffer *uploads[] = {&rt->x, &rt->dy, &rt->topk_ids, &rt->router_w, &rt->w_gate, &rt->w_up,
                                &rt->w_down, &rt->s_gate, &rt->s_up, &rt->s_down};
     for (size_t u = 0; u < sizeof uploads / sizeof uploads[0]; ++u)
