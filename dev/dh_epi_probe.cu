@@ -17,10 +17,15 @@
  *   noload     g|u are not loaded per chunk (the staging tile keeps what it was given once);
  *   noshfl     no shuffle tree (each lane keeps its own partial);
  *   rows2      two rows per iteration instead of the library's four: the same per-row math and
- *              the same tree (the same bits as lib), half the independent chains.
- * lib and rows2 are checked against a host replay of the arithmetic (h, dg, du within one bf16
- * step; the router-weight partials, over the device's h, within 1e-6 of their scale) and against
- * each other (bitwise).
+ *              the same tree (the same bits as lib), half the independent chains;
+ *   tree6      the four rows' partials summed across the warp by a transposed tree: 6 shuffles
+ *              instead of 20, each level adding the same two halves (the same bits);
+ *   team11     the row loop run by 11 warps: the consumers and the producer warpgroup's warps 1-3
+ *              (the consumers still load g|u and write dh0); team12 with all four; team11t
+ *              team11 with tree6's sums.
+ * lib is checked against a host replay of the arithmetic (h, dg, du within one bf16 step; the
+ * router-weight partials, over the device's h, within 1e-6 of their scale), and rows2, tree6 and
+ * the teams against lib (bitwise).
  *
  * Build and run from the repository root (H100/H200):
  *   nvcc -std=c++17 -O3 -Isrc -Iinclude -gencode=arch=compute_90a,code=sm_90a dev/dh_epi_probe.cu \
@@ -45,8 +50,21 @@
 #define TASKS 48
 #define INTER 2048 /* DeepSeek-V3's I: g|u rows of 2 I, h rows of I */
 
-enum { LIB, NOSTORE, NOLOAD, NOSHFL, ROWS2, NUM_MODES };
-static const char *mode_name[NUM_MODES] = {"lib", "nostore", "noload", "noshfl", "rows2"};
+enum { LIB, NOSTORE, NOLOAD, NOSHFL, ROWS2, TREE6, TEAM11, TEAM12, TEAM11T, NUM_MODES };
+static const char *mode_name[NUM_MODES] = {"lib", "nostore", "noload", "noshfl", "rows2", "tree6", "team11", "team12", "team11t"};
+
+/* The warps that run a mode's row loop: the 8 consumer warps, or they and the producer
+ * warpgroup's last 3 (team11) or all 4 (team12): the CTA's warps 12 - team .. 11. */
+template <int MODE> struct mode_of {
+    static constexpr int team = MODE == TEAM12 ? 12 : MODE == TEAM11 || MODE == TEAM11T ? 11 : 8;
+    static constexpr bool tree = MODE == TREE6 || MODE == TEAM11T;
+};
+template <int TEAM> static __device__ __forceinline__ void team_sync() {
+    if (TEAM == 8)
+        consumer_sync();
+    else
+        asm volatile("bar.sync 3, %0;" ::"n"(TEAM * 32) : "memory");
+}
 
 /* The accumulators of task `task`, thread t: values in [-2, 2), the same on the host. */
 __host__ __device__ static inline float acc_value(int cta, int task, int t, int i) {
@@ -59,38 +77,49 @@ __host__ __device__ static inline float acc_value(int cta, int task, int t, int 
 
 /* One 256-column dh tile's epilogue, 64 columns at a time: the library's loop in the variants
  * that take a part away (lib itself runs the library's function). Consumer threads only. */
+/* Every thread of the mode's team runs it; the consumers (t >= 0) alone load g|u and write dh0.
+ * Row group g (0..31) is rows rp + 8 k, rp = 32 (g / 8) + g % 8: team warp i takes g = i + team m,
+ * so with the 8 consumers alone warp w takes rows w + 32 m + 8 k, as the library's loop does, and
+ * every row's sums run in the same order whatever the team (the same bits). tree: the 4 rows'
+ * partials summed across the warp by a transposed tree, 6 shuffles instead of 20 (each level the
+ * sum of the same two halves as the plain tree's, so the same bits). */
 template <int MODE>
 static __device__ __forceinline__ void variant(const float (&acc)[ACC], const uint16_t *gu, long long n0, const float *w,
                                                uint16_t *h_out, uint16_t *dgu_out, float *rdot, uint16_t *c, float *dsm,
                                                float *rsum, float *wsm, float *keep) {
-    const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
+    constexpr int TEAM = mode_of<MODE>::team;
+    const int t = threadIdx.x - PRODUCER_THREADS, lane = threadIdx.x & 31, warp = t >> 5;
+    const int wi = (int)(threadIdx.x >> 5) - (12 - TEAM);
     const int row0 = warp * 16 + (lane >> 2), col0 = 2 * (lane & 3);
     const long long gu_ld = 2 * INTER, h_ld = INTER, dgu_ld = 2 * INTER, inter = INTER;
-    if (t < ROWS) {
+    if (t >= 0 && t < ROWS) {
         rsum[t] = 0.0f;
         wsm[t] = w[t];
     }
 #pragma unroll
     for (int hc = 0; hc < BN / 64; ++hc) {
-        if (MODE != NOLOAD)
+        if (MODE != NOLOAD && t >= 0)
             for (int idx = t; idx < ROWS * 16; idx += CONSUMERS) {
                 const int r = idx >> 4, c8 = (idx & 15) * 8;
                 cp_async_16(smem_addr(c + r * C_LD + c8),
                             gu + r * gu_ld + (c8 < 64 ? n0 + 64 * hc + c8 : inter + n0 + 64 * hc + c8 - 64), true);
             }
+        if (t >= 0) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
+            for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int a = 4 * (8 * hc + j) + 2 * half;
-                *(float2 *)(dsm + (row0 + 8 * half) * DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
-            }
-        if (MODE != NOLOAD) cp_async_wait_all();
-        consumer_sync();
+                for (int j = 0; j < 8; ++j) {
+                    const int a = 4 * (8 * hc + j) + 2 * half;
+                    *(float2 *)(dsm + (row0 + 8 * half) * DH_LD + 8 * j + col0) = make_float2(acc[a], acc[a + 1]);
+                }
+            if (MODE != NOLOAD) cp_async_wait_all();
+        }
+        team_sync<TEAM>();
         const long long col = n0 + 64 * hc + 2 * lane;
         constexpr int R = MODE == ROWS2 ? 2 : 4; /* rows per iteration: rp + 8 k */
 #pragma unroll 1
-        for (int rp = warp; rp < ROWS; rp += R * 8) {
+        for (int gi = wi; gi < (MODE == ROWS2 ? 64 : 32); gi += TEAM) {
+            const int rp = MODE == ROWS2 ? (gi >> 3) * 16 + (gi & 7) : (gi >> 3) * 32 + (gi & 7);
             uint32_t gpair[R], upair[R];
             float2 d[R];
             float wr[R];
@@ -127,19 +156,30 @@ static __device__ __forceinline__ void variant(const float (&acc)[ACC], const ui
                     *(uint32_t *)up = ub;
                 }
             }
-            if (MODE != NOSHFL) {
+            if (mode_of<MODE>::tree) {
+                const bool b4 = lane & 16, b3 = lane & 8;
+                const float a0 = (b4 ? part[2] : part[0]) + __shfl_xor_sync(0xffffffffu, b4 ? part[0] : part[2], 16);
+                const float a1 = (b4 ? part[3] : part[1]) + __shfl_xor_sync(0xffffffffu, b4 ? part[1] : part[3], 16);
+                float v = (b3 ? a1 : a0) + __shfl_xor_sync(0xffffffffu, b3 ? a0 : a1, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                if ((lane & 7) == 0) rsum[rp + 8 * (lane >> 3)] += v; /* lane 8 k holds row rp + 8 k */
+            } else {
+                if (MODE != NOSHFL) {
 #pragma unroll
-                for (int m = 16; m >= 1; m >>= 1)
+                    for (int m = 16; m >= 1; m >>= 1)
 #pragma unroll
-                    for (int k = 0; k < R; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+                        for (int k = 0; k < R; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
+                }
+                if (lane == 0)
+#pragma unroll
+                    for (int k = 0; k < R; ++k) rsum[rp + 8 * k] += part[k];
             }
-            if (lane == 0)
-#pragma unroll
-                for (int k = 0; k < R; ++k) rsum[rp + 8 * k] += part[k];
         }
-        consumer_sync();
+        team_sync<TEAM>();
     }
-    if (t < ROWS) rdot[t] = rsum[t];
+    if (t >= 0 && t < ROWS) rdot[t] = rsum[t];
 }
 
 /* COMPUTE_THREADS threads, as a compute CTA: the producer warpgroup only keeps the barriers. */
@@ -168,12 +208,12 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) epi_kernel(const uint16_t 
         for (int i = 0; i < ACC; ++i) acc[i] = t >= 0 ? acc_value(b, task, t, i) : 0.0f;
         __syncthreads();
         const long long t0 = globaltimer_ns();
-        if (t >= 0) {
-            if (MODE == LIB)
+        if (MODE == LIB) {
+            if (t >= 0)
                 swiglu_backward_epilogue(acc, ROWS, BN, gu, 2 * INTER, INTER, n0, w, 0.0f, h, INTER, dgu, 2 * INTER, rdot,
                                          1, c, false);
-            else
-                variant<MODE>(acc, gu, n0, w, h, dgu, rdot, c, dsm, rsum, wsm, &keep);
+        } else if ((int)(threadIdx.x >> 5) >= 12 - mode_of<MODE>::team) {
+            variant<MODE>(acc, gu, n0, w, h, dgu, rdot, c, dsm, rsum, wsm, &keep);
         }
         __syncthreads();
         if (t == 0) times[(long long)b * TASKS + task] = globaltimer_ns() - t0;
@@ -267,10 +307,14 @@ int main(void) {
     TRY(cudaMemcpy(w, w_h, (size_t)sms * ROWS * 4, cudaMemcpyHostToDevice));
 
     void (*kernels[NUM_MODES])(const uint16_t *, const float *, uint16_t *, uint16_t *, float *, long long *, float *) = {
-        epi_kernel<LIB>, epi_kernel<NOSTORE>, epi_kernel<NOLOAD>, epi_kernel<NOSHFL>, epi_kernel<ROWS2>};
+        epi_kernel<LIB>,   epi_kernel<NOSTORE>, epi_kernel<NOLOAD>, epi_kernel<NOSHFL>, epi_kernel<ROWS2>,
+        epi_kernel<TREE6>, epi_kernel<TEAM11>,  epi_kernel<TEAM12>, epi_kernel<TEAM11T>};
     long long *times_h = (long long *)malloc((size_t)sms * TASKS * 8);
-    uint16_t *out_h[2], *out_dgu[2];
-    float *out_rdot[2];
+    /* the modes that compute the outputs (all but nostore, noload, noshfl) */
+    const int exact[] = {LIB, ROWS2, TREE6, TEAM11, TEAM12, TEAM11T};
+    const int n_exact = (int)(sizeof exact / sizeof exact[0]);
+    uint16_t *out_h[NUM_MODES] = {0}, *out_dgu[NUM_MODES] = {0};
+    float *out_rdot[NUM_MODES] = {0};
     printf("%-8s %12s %12s   (µs per 256-column tile: median of tasks 8.. over CTAs)\n", "variant", "1 CTA",
            "1 CTA per SM");
     for (int m = 0; m < NUM_MODES; ++m) {
@@ -295,28 +339,28 @@ int main(void) {
             med[pass] = v[n / 2];
         }
         printf("%-8s %12.2f %12.2f\n", mode_name[m], med[0], med[1]);
-        if (m == LIB || m == ROWS2) { /* the full-grid run's outputs: CTA 0's last task */
-            const int k = m == LIB ? 0 : 1;
-            out_h[k] = (uint16_t *)malloc(ROWS * INTER * 2);
-            out_dgu[k] = (uint16_t *)malloc(ROWS * 2 * INTER * 2);
-            out_rdot[k] = (float *)malloc(ROWS * 4);
-            TRY(cudaMemcpy(out_h[k], h, ROWS * INTER * 2, cudaMemcpyDeviceToHost));
-            TRY(cudaMemcpy(out_dgu[k], dgu, ROWS * 2 * INTER * 2, cudaMemcpyDeviceToHost));
-            TRY(cudaMemcpy(out_rdot[k], rdot + (size_t)(TASKS - 1) * ROWS, ROWS * 4, cudaMemcpyDeviceToHost));
-        }
+        for (int e = 0; e < n_exact; ++e)
+            if (exact[e] == m) { /* the full-grid run's outputs: CTA 0's last task */
+                out_h[m] = (uint16_t *)malloc(ROWS * INTER * 2);
+                out_dgu[m] = (uint16_t *)malloc(ROWS * 2 * INTER * 2);
+                out_rdot[m] = (float *)malloc(ROWS * 4);
+                TRY(cudaMemcpy(out_h[m], h, ROWS * INTER * 2, cudaMemcpyDeviceToHost));
+                TRY(cudaMemcpy(out_dgu[m], dgu, ROWS * 2 * INTER * 2, cudaMemcpyDeviceToHost));
+                TRY(cudaMemcpy(out_rdot[m], rdot + (size_t)(TASKS - 1) * ROWS, ROWS * 4, cudaMemcpyDeviceToHost));
+            }
     }
-    /* The host replay of CTA 0's last task, and lib against rows2 */
+    /* The host replay of CTA 0's last task against lib; every other exact mode against lib's bits */
     uint16_t *ref_h = (uint16_t *)calloc(ROWS * INTER, 2), *ref_dgu = (uint16_t *)calloc(ROWS * 2 * INTER, 2);
     float ref_rdot[ROWS];
     const int n0 = ((TASKS - 1) % (INTER / BN)) * BN;
-    for (int k = 0; k < 2; ++k) {
-        replay(0, TASKS - 1, gu_h, w_h, out_h[k], ref_h, ref_dgu, ref_rdot);
+    {
+        replay(0, TASKS - 1, gu_h, w_h, out_h[LIB], ref_h, ref_dgu, ref_rdot);
         int bad = 0;
         double worst = 0.0, scale = 0.0;
         for (int r = 0; r < ROWS; ++r) {
             for (int cc = 0; cc < BN; ++cc) {
                 const long long hi = (long long)r * INTER + n0 + cc, gi = (long long)r * 2 * INTER + n0 + cc;
-                const uint16_t got[3] = {out_h[k][hi], out_dgu[k][gi], out_dgu[k][gi + INTER]};
+                const uint16_t got[3] = {out_h[LIB][hi], out_dgu[LIB][gi], out_dgu[LIB][gi + INTER]};
                 const uint16_t want[3] = {ref_h[hi], ref_dgu[gi], ref_dgu[gi + INTER]};
                 for (int q = 0; q < 3; ++q) { /* one bf16 step: the device's expf may differ by an ulp */
                     const float a = bf16_to_f32(got[q]), e = bf16_to_f32(want[q]);
@@ -325,18 +369,24 @@ int main(void) {
             }
             scale = fmax(scale, fabs(ref_rdot[r]));
         }
-        for (int r = 0; r < ROWS; ++r) worst = fmax(worst, fabs(out_rdot[k][r] - ref_rdot[r]));
+        for (int r = 0; r < ROWS; ++r) worst = fmax(worst, fabs(out_rdot[LIB][r] - ref_rdot[r]));
         char what[160];
-        snprintf(what, sizeof what, "%s: h, dg, du against the host (%d of %d values off by more than a bf16 step)",
-                 k ? "rows2" : "lib", bad, ROWS * BN * 3);
+        snprintf(what, sizeof what, "lib: h, dg, du against the host (%d of %d values off by more than a bf16 step)", bad,
+                 ROWS * BN * 3);
         check(bad == 0, what);
-        snprintf(what, sizeof what, "%s: router-weight partials against the host (worst %.2e of scale %.2e)",
-                 k ? "rows2" : "lib", worst, scale);
+        snprintf(what, sizeof what, "lib: router-weight partials against the host (worst %.2e of scale %.2e)", worst,
+                 scale);
         check(worst <= 1e-6 * scale, what);
     }
-    check(memcmp(out_h[0], out_h[1], ROWS * INTER * 2) == 0 && memcmp(out_dgu[0], out_dgu[1], ROWS * 2 * INTER * 2) == 0 &&
-              memcmp(out_rdot[0], out_rdot[1], ROWS * 4) == 0,
-          "rows2 gives lib's bits");
+    for (int e = 1; e < n_exact; ++e) {
+        const int m = exact[e];
+        char what[160];
+        snprintf(what, sizeof what, "%s gives lib's bits", mode_name[m]);
+        check(memcmp(out_h[LIB], out_h[m], ROWS * INTER * 2) == 0 &&
+                  memcmp(out_dgu[LIB], out_dgu[m], ROWS * 2 * INTER * 2) == 0 &&
+                  memcmp(out_rdot[LIB], out_rdot[m], ROWS * 4) == 0,
+              what);
+    }
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

@@ -177,18 +177,28 @@ static __device__ __forceinline__ void swiglu_handed(const tile_handoff &ho, con
     }
 }
 
-/* The router dot's partials of a warp's RPI rows rp + 8 k, one per lane, summed over the warp's
- * lanes (xor 16 .. 1: a fixed order) and added to the rows' sums (rows < `rows`) by lane 0. */
-template <int RPI>
-static __device__ __forceinline__ void add_row_partials(float (&part)[RPI], int rp, int rows, float *rsum) {
+/* Four values' sums over the warp's lanes, v[i]'s in lanes 8 i .. 8 i + 7: the butterfly of xor
+ * 16, 8, 4, 2, 1 transposed. At xor 16 a lane keeps two of the values and sends its partner the
+ * other two, at xor 8 one, then each lane sums one value: 6 shuffles instead of 20. Every sum adds
+ * the same two halves as the plain butterfly's (a + b is b + a), so the results have its bits. */
+static __device__ __forceinline__ float warp_sums4(const float (&v)[4]) {
+    const int lane = threadIdx.x & 31;
+    const bool b4 = lane & 16, b3 = lane & 8;
+    const float a0 = (b4 ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, b4 ? v[0] : v[2], 16);
+    const float a1 = (b4 ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, b4 ? v[1] : v[3], 16);
+    float s = (b3 ? a1 : a0) + __shfl_xor_sync(0xffffffffu, b3 ? a0 : a1, 8);
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1)
-#pragma unroll
-        for (int k = 0; k < RPI; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], m);
-    if ((threadIdx.x & 31) == 0)
-#pragma unroll
-        for (int k = 0; k < RPI; ++k)
-            if (rp + 8 * k < rows) rsum[rp + 8 * k] += part[k];
+    for (int m = 4; m >= 1; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
+    return s;
+}
+
+/* The router dot's partials of a warp's four rows rp + 8 k, one per lane, summed over the warp's
+ * lanes (warp_sums4: the order of xor 16 .. 1) and added to the rows' sums (rows < `rows`) by
+ * lane 8 k. */
+static __device__ __forceinline__ void add_row_partials(const float (&part)[4], int rp, int rows, float *rsum) {
+    const float s = warp_sums4(part);
+    const int lane = threadIdx.x & 31, row = rp + 8 * (lane >> 3);
+    if ((lane & 7) == 0 && row < rows) rsum[row] += s;
 }
 
 /* The SwiGLU backward of a dh tile (fp32 dh0 = dy·W_down in acc, columns [n0, n0 + n_valid) of the
@@ -240,7 +250,7 @@ static __device__ __forceinline__ void swiglu_backward_epilogue(const float (&ac
            chunks instead, with the accumulators copied out through a switch, doubled the kernel's
            spills). Rows warp + 32 m + 8 k, k = 0..3: four independent chains per iteration, each
            row's sums in the same order as with two */
-        constexpr int RPI = 4; /* rows per iteration */
+        constexpr int RPI = 4; /* rows per iteration (add_row_partials sums four) */
 #pragma unroll 1
         for (int rp = warp; rp < TILE_BM; rp += RPI * (CONSUMER_THREADS / 32)) {
             uint32_t gpair[RPI], upair[RPI];

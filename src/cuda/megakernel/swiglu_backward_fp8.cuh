@@ -56,7 +56,9 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
     const int t = threadIdx.x - PRODUCER_THREADS, lane = t & 31, warp = t >> 5;
     const int frow = (warp & 3) * 16 + (lane >> 2), col0 = 2 * (lane & 3); /* the fragment's rows in its half */
     float *dsm = (float *)(c + TILE_BM * TILE_C_LD), *wsm = dsm + 64 * FP8_DH_LD;
-    constexpr int RPI = 2; /* rows per iteration (four spilled more and ran slower: docs/log.md) */
+    constexpr int RPI = 2; /* rows per iteration (four spilled more and ran slower: docs/log.md); the
+                              router dot's sums take RPI * 2 = 4 values (warp_sums4) */
+    static_assert(RPI == 2, "warp_sums4 sums a row pair's two halves");
     if (t < TILE_BM) wsm[t] = w && t < rows ? w[t] : 1.0f;
 #pragma unroll
     for (int b = 0; b < TILE_BN / MOK_FP8_BLOCK; ++b) {
@@ -162,19 +164,15 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
                         scales[(inter + cb) / MOK_FP8_BLOCK] = mok__fp8_pow2(eu);
                     }
                 }
-#pragma unroll
-                for (int mm = 16; mm >= 1; mm >>= 1)
-#pragma unroll
-                    for (int k = 0; k < RPI; ++k)
-#pragma unroll
-                        for (int hc = 0; hc < 2; ++hc) part[k][hc] += __shfl_xor_sync(0xffffffffu, part[k][hc], mm);
-                if (rdot && lane == 0)
-#pragma unroll
-                    for (int k = 0; k < RPI; ++k) {
-                        const int row = r0 + rp + 8 * k;
-                        /* from 0.0f, as a sum over the halves would start: -0 becomes +0 */
-                        if (row < rows) rdot[row * rdot_ld + b] = (0.0f + part[k][0]) + part[k][1];
-                    }
+                /* the warp's sums of part[k][hc] into lanes 8 (2 k + hc) ..: each row's two halves
+                   in lanes 16 k and 16 k + 8, added in lane 16 k */
+                const float lanes4[4] = {part[0][0], part[0][1], part[1][0], part[1][1]};
+                const float s = warp_sums4(lanes4), s_hi = __shfl_xor_sync(0xffffffffu, s, 8);
+                if (rdot && (lane & 15) == 0) {
+                    const int row = r0 + rp + 8 * (lane >> 4);
+                    /* from 0.0f, as a sum over the halves would start: -0 becomes +0 */
+                    if (row < rows) rdot[row * rdot_ld + b] = (0.0f + s) + s_hi;
+                }
             }
             consumer_sync(); /* the phase's tiles are read: the next phase may write them */
         }
