@@ -5,7 +5,9 @@
 # source-level warp-stall sampling, and prints the source lines with the most stall samples
 # (scripts/ncu_lines.py). Default layer: Qwen3-30B-A3B, 16384 tokens, one GPU. Writes to $OUT (or
 # build/ncu): the report, its details page, the SASS-view CSV, the
-# cubins' listing and the per-line table. Build first (make CUDA=1 all).
+# cubins' listing and the per-line table; with NCU_ONLY=TEXT (e.g. swiglu.cuh) also the table of
+# the source lines containing TEXT with their stall reasons (scripts/ncu_lines.py --only). Build
+# first (make CUDA=1 all).
 set -u
 cd "$(dirname "$0")/.."
 kind=${1:-backward}
@@ -33,4 +35,8 @@ lib=$PWD/build/libmok.so
 for f in "$tmp"/*.cubin; do [ -f "$f" ] && nvdisasm -g -c "$f"; done >"$rep-listing.sass" 2>/dev/null
 rm -rf "$tmp"
 python3 scripts/ncu_lines.py "$rep-sass.csv" 40 --lines "$rep-listing.sass" --kernel "${kind}_kernel" | tee "$rep-lines.txt"
+if [ -n "${NCU_ONLY:-}" ]; then
+    python3 scripts/ncu_lines.py "$rep-sass.csv" 40 --lines "$rep-listing.sass" --kernel "${kind}_kernel" \
+        --only "$NCU_ONLY" | tee "$rep-only.txt"
+fi
 gzip -f "$rep-sass.csv" "$rep-listing.sass"

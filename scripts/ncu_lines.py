@@ -1,7 +1,7 @@
 """Where a kernel's warps stall, by instruction and by source line, from an Nsight Compute
 source-page CSV of the SASS view (`ncu -i R --page source --csv --print-source sass`).
 
-    python3 scripts/ncu_lines.py SASS.csv [N] [--lines LISTING --kernel NAME]
+    python3 scripts/ncu_lines.py SASS.csv [N] [--lines LISTING --kernel NAME [--only TEXT]]
 
 LISTING is `nvdisasm -g -c` of the cubin that ran (scripts/ncu-pass.sh makes it from
 build/libmok.so): its `//## File "...", line L` comments give each instruction's source line, so
@@ -9,6 +9,10 @@ the samples can be summed per line. The executed local-memory instructions (LDL,
 are summed per line too. The CSV's rows are matched to the listing's instructions of
 function NAME by their offset from the function's first instruction; the opcodes of the first
 rows are compared, and a mismatch drops the per-line table rather than print a wrong one.
+
+With --only TEXT the tables keep the source lines whose "file:line" contains TEXT (a file name,
+say swiglu.cuh) and give each line's three largest stall reasons, summed over its instructions:
+where one part of a kernel waits, apart from the warps that idle elsewhere.
 
 Column names differ between ncu versions, so the sample column is found by name: the first
 whose header has "Sampling" and "All" in it, else the first with "Samples". If none is found the
@@ -66,6 +70,11 @@ def main():
         i = args.index("--kernel")
         kernel = args[i + 1]
         del args[i:i + 2]
+    only = None
+    if "--only" in args:
+        i = args.index("--only")
+        only = args[i + 1]
+        del args[i:i + 2]
     path = args[0]
     top = int(args[1]) if len(args) > 1 else 40
     with open(path, newline="", errors="replace") as f:
@@ -85,16 +94,21 @@ def main():
         return 1
     src = next(i for i, c in enumerate(head) if "Source" in c)
     addr = next((i for i, c in enumerate(head) if c.strip("# ").lower() == "address"), None)
-    stall_cols = [i for i, c in enumerate(head) if "stall" in c.lower() and i != col]
+    # the reasons: one column each (stall_*), not their "(Not Issued)" halves or the totals
+    stall_cols = [i for i, c in enumerate(head) if c.startswith("stall_") and "Not Issued" not in c]
     data = [r for r in rows[head_i + 1:] if len(r) == len(head)]
     sampled = [r for r in data if number(r[col])]
     total = sum(number(r[col]) for r in sampled) or 1.0
     print(f"{path}: {len(data)} instructions, {len(sampled)} with samples, {total:.0f} samples ({head[col]})")
     print("columns:", ", ".join(head))
 
-    def why(r):
-        reasons = sorted(((number(r[i]) or 0.0, head[i]) for i in stall_cols), reverse=True)[:3]
-        return ", ".join(f"{name} {v:.0f}" for v, name in reasons if v > 0)
+    def why(rs):
+        sums = defaultdict(float)
+        for r in rs:
+            for i in stall_cols:
+                sums[head[i]] += number(r[i]) or 0.0
+        reasons = sorted(((v, name) for name, v in sums.items()), reverse=True)[:3]
+        return ", ".join(f"{name[len('stall_'):]} {v:.0f}" for v, name in reasons if v > 0)
 
     line_of = {}
     if lines_path and kernel and addr is not None:
@@ -121,15 +135,23 @@ def main():
             print(f"ncu_lines: the CSV is {name} ({bad} of {len(checked)} opcodes differ)")
             where = funcs[name][0]
             line_of = {id(r): where.get(o - base, "?") for o, r in zip(offs, data)}
+    if only is not None and not line_of:
+        print(f"ncu_lines: --only needs the per-line table (--lines and --kernel matching the CSV)")
+        return 1
+    if only is not None:
+        sampled = [r for r in sampled if only in line_of[id(r)]]
+        part = sum(number(r[col]) for r in sampled)
+        print(f"\nlines with '{only}': {part:.0f} samples, {100 * part / total:.2f}% of all")
     if line_of:
-        per = defaultdict(lambda: [0.0, 0])
+        per = defaultdict(lambda: [0.0, 0, []])
         for r in sampled:
             e = per[line_of[id(r)]]
             e[0] += number(r[col])
             e[1] += 1
+            e[2].append(r)
         print(f"\nby source line (top {top}):")
-        for ln, (s, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
-            print(f"{100 * s / total:6.2f}%  {ln:<28} {n:5d} instructions")
+        for ln, (s, n, rs) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"{100 * s / total:6.2f}%  {ln:<28} {n:5d} instructions  [{why(rs)}]")
     executed = next((i for i, c in enumerate(head) if c.strip() == "Instructions Executed"), None)
     local = [r for r in data if r[src].split() and r[src].split()[-1] and
              any(w.split(".")[0] in ("LDL", "STL") for w in r[src].split()[:2])]
@@ -147,7 +169,7 @@ def main():
     for r in sorted(sampled, key=lambda r: -number(r[col]))[:top]:
         where = r[addr] if addr is not None else ""
         ln = line_of.get(id(r), "")
-        print(f"{100 * number(r[col]) / total:6.2f}%  {where:>10} {ln:<24} {r[src].strip()[:70]}  [{why(r)}]")
+        print(f"{100 * number(r[col]) / total:6.2f}%  {where:>10} {ln:<24} {r[src].strip()[:70]}  [{why([r])}]")
     return 0
 
 
