@@ -23,6 +23,9 @@
  *   team11     the row loop run by 11 warps: the consumers and the producer warpgroup's warps 1-3
  *              (the consumers still load g|u and write dh0); team12 with all four; team11t
  *              team11 with tree6's sums.
+ * Then lib on every other SM: with the others idle, reading a buffer that fits L2, or reading one
+ * from memory (the pass runs the epilogue beside other SMs' main loops, where it takes about
+ * twice its time alone).
  * lib is checked against a host replay of the arithmetic (h, dg, du within one bf16 step; the
  * router-weight partials, over the device's h, within 1e-6 of their scale), and rows2, tree6 and
  * the teams against lib (bitwise).
@@ -221,6 +224,75 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) epi_kernel(const uint16_t 
     if (MODE == NOSTORE && t >= 0) sink[b * CONSUMERS + t] = keep;
 }
 
+/* The library's epilogue on the even CTAs while the odd ones (STREAM 1) read a buffer with 16-byte
+ * loads that bypass L1 until every even CTA is done, or (STREAM 0) leave at once: how much of the
+ * epilogue's time in the pass comes from what the SMs beside it draw from L2 or memory (a buffer
+ * that fits L2 stands for the main loops' operands, a larger one for traffic to memory; n16, its
+ * 16-byte words, a power of two). */
+template <int STREAM>
+__global__ void __launch_bounds__(COMPUTE_THREADS, 1) beside_kernel(const uint16_t *gu_all, const float *w_all,
+                                                                    uint16_t *h_all, uint16_t *dgu_all, float *rdot_all,
+                                                                    long long *times, const int4 *buf, long long n16,
+                                                                    unsigned *done, float *sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int b = blockIdx.x, t = threadIdx.x - PRODUCER_THREADS, evens = (gridDim.x + 1) / 2;
+    if (b & 1) {
+        if (!STREAM) return;
+        int4 x = make_int4(0, 0, 0, 0);
+        long long i = ((long long)(b / 2) * COMPUTE_THREADS + threadIdx.x) * 4;
+        const long long step = (long long)(gridDim.x / 2) * COMPUTE_THREADS * 4;
+        for (unsigned k = 0;; ++k) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) { /* four loads in flight a thread */
+                int4 v;
+                asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                             : "l"(buf + ((i + u) & (n16 - 1))));
+                x.x ^= v.x;
+                x.y ^= v.y;
+                x.z ^= v.z;
+                x.w ^= v.w;
+            }
+            i = (i + step) & (n16 - 1);
+            if ((k & 63) == 0 && *(volatile unsigned *)done >= (unsigned)evens) break;
+        }
+        sink[b * COMPUTE_THREADS + threadIdx.x] = (float)(x.x ^ x.y ^ x.z ^ x.w);
+        return;
+    }
+    uint16_t *c = (uint16_t *)smem;
+    const uint16_t *gu = gu_all + (long long)b * ROWS * 2 * INTER;
+    uint16_t *h = h_all + (long long)b * ROWS * INTER, *dgu = dgu_all + (long long)b * ROWS * 2 * INTER;
+    for (int task = 0; task < TASKS; ++task) {
+        const long long n0 = (long long)(task % (INTER / BN)) * BN;
+        float acc[ACC];
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) acc[i] = t >= 0 ? acc_value(b, task, t, i) : 0.0f;
+        __syncthreads();
+        const long long t0 = globaltimer_ns();
+        if (t >= 0)
+            swiglu_backward_epilogue(acc, ROWS, BN, gu, 2 * INTER, INTER, n0, w_all + (long long)b * ROWS, 0.0f, h, INTER,
+                                     dgu, 2 * INTER, rdot_all + ((long long)b * TASKS + task) * ROWS, 1, c, false);
+        __syncthreads();
+        if (t == 0) times[(long long)b * TASKS + task] = globaltimer_ns() - t0;
+    }
+    if (threadIdx.x == 0) atomicAdd(done, 1u);
+}
+
+/* The median of tasks 8.. over CTAs 0, every, 2 every, .. below grid, in µs. */
+static double median_us(const long long *times_h, int grid, int every) {
+    static double v[1 << 16];
+    int n = 0;
+    for (int b = 0; b < grid; b += every)
+        for (int task = 8; task < TASKS; ++task) v[n++] = times_h[(long long)b * TASKS + task] / 1e3;
+    for (int i = 1; i < n; ++i) /* insertion sort: a few thousand values */
+        for (int j = i; j > 0 && v[j - 1] > v[j]; --j) {
+            double tmp = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = tmp;
+        }
+    return v[n / 2];
+}
+
 static float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
@@ -326,17 +398,7 @@ int main(void) {
             TRY(cudaGetLastError());
             TRY(cudaDeviceSynchronize());
             TRY(cudaMemcpy(times_h, times, (size_t)grid * TASKS * 8, cudaMemcpyDeviceToHost));
-            int n = 0;
-            static double v[1 << 16];
-            for (int b = 0; b < grid; ++b)
-                for (int task = 8; task < TASKS; ++task) v[n++] = times_h[(long long)b * TASKS + task] / 1e3;
-            for (int i = 1; i < n; ++i) /* insertion sort: a few thousand values */
-                for (int j = i; j > 0 && v[j - 1] > v[j]; --j) {
-                    double tmp = v[j];
-                    v[j] = v[j - 1];
-                    v[j - 1] = tmp;
-                }
-            med[pass] = v[n / 2];
+            med[pass] = median_us(times_h, grid, 1);
         }
         printf("%-8s %12.2f %12.2f\n", mode_name[m], med[0], med[1]);
         for (int e = 0; e < n_exact; ++e)
@@ -348,6 +410,34 @@ int main(void) {
                 TRY(cudaMemcpy(out_dgu[m], dgu, ROWS * 2 * INTER * 2, cudaMemcpyDeviceToHost));
                 TRY(cudaMemcpy(out_rdot[m], rdot + (size_t)(TASKS - 1) * ROWS, ROWS * 4, cudaMemcpyDeviceToHost));
             }
+    }
+    /* The library's epilogue on every other SM: alone, beside SMs reading a 16 MB buffer (L2), and
+       beside SMs reading a 1 GB one (memory) */
+    {
+        const long long n16[2] = {(16ll << 20) / 16, (1ll << 30) / 16};
+        int4 *buf;
+        unsigned *done;
+        TRY(cudaMalloc(&buf, (size_t)n16[1] * 16));
+        TRY(cudaMemset(buf, 1, (size_t)n16[1] * 16));
+        TRY(cudaMalloc(&done, 4));
+        float *sink2;
+        TRY(cudaMalloc(&sink2, (size_t)sms * COMPUTE_THREADS * 4));
+        TRY(cudaFuncSetAttribute(beside_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        TRY(cudaFuncSetAttribute(beside_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        const char *what[3] = {"half: lib on every other SM, the rest idle", "beside L2: the rest read 16 MB",
+                               "beside memory: the rest read 1 GB"};
+        for (int k = 0; k < 3; ++k) {
+            TRY(cudaMemset(done, 0, 4));
+            if (k == 0) beside_kernel<0><<<sms, COMPUTE_THREADS, smem>>>(gu, w, h, dgu, rdot, times, buf, n16[0], done, sink2);
+            else beside_kernel<1><<<sms, COMPUTE_THREADS, smem>>>(gu, w, h, dgu, rdot, times, buf, n16[k - 1], done, sink2);
+            TRY(cudaGetLastError());
+            TRY(cudaDeviceSynchronize());
+            TRY(cudaMemcpy(times_h, times, (size_t)sms * TASKS * 8, cudaMemcpyDeviceToHost));
+            printf("%-44s %8.2f\n", what[k], median_us(times_h, sms, 2));
+        }
+        TRY(cudaFree(buf));
+        TRY(cudaFree(done));
+        TRY(cudaFree(sink2));
     }
     /* The host replay of CTA 0's last task against lib; every other exact mode against lib's bits */
     uint16_t *ref_h = (uint16_t *)calloc(ROWS * INTER, 2), *ref_dgu = (uint16_t *)calloc(ROWS * 2 * INTER, 2);
