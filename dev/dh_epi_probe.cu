@@ -84,8 +84,8 @@ __host__ __device__ static inline float acc_value(int cta, int task, int t, int 
  * Row group g (0..31) is rows rp + 8 k, rp = 32 (g / 8) + g % 8: team warp i takes g = i + team m,
  * so with the 8 consumers alone warp w takes rows w + 32 m + 8 k, as the library's loop does, and
  * every row's sums run in the same order whatever the team (the same bits). tree: the 4 rows'
- * partials summed across the warp by a transposed tree, 6 shuffles instead of 20 (each level the
- * sum of the same two halves as the plain tree's, so the same bits). */
+ * partials summed across the warp by the library's transposed tree (warp_sums4), else by the
+ * plain xor 16 .. 1 butterfly. */
 template <int MODE>
 static __device__ __forceinline__ void variant(const float (&acc)[ACC], const uint16_t *gu, long long n0, const float *w,
                                                uint16_t *h_out, uint16_t *dgu_out, float *rdot, uint16_t *c, float *dsm,
@@ -159,14 +159,8 @@ static __device__ __forceinline__ void variant(const float (&acc)[ACC], const ui
                     *(uint32_t *)up = ub;
                 }
             }
-            if (mode_of<MODE>::tree) {
-                const bool b4 = lane & 16, b3 = lane & 8;
-                const float a0 = (b4 ? part[2] : part[0]) + __shfl_xor_sync(0xffffffffu, b4 ? part[0] : part[2], 16);
-                const float a1 = (b4 ? part[3] : part[1]) + __shfl_xor_sync(0xffffffffu, b4 ? part[1] : part[3], 16);
-                float v = (b3 ? a1 : a0) + __shfl_xor_sync(0xffffffffu, b3 ? a0 : a1, 8);
-                v += __shfl_xor_sync(0xffffffffu, v, 4);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
+            if constexpr (mode_of<MODE>::tree) { /* the library's transposed tree (swiglu.cuh) */
+                const float v = warp_sums4(part);
                 if ((lane & 7) == 0) rsum[rp + 8 * (lane >> 3)] += v; /* lane 8 k holds row rp + 8 k */
             } else {
                 if (MODE != NOSHFL) {
@@ -185,12 +179,12 @@ static __device__ __forceinline__ void variant(const float (&acc)[ACC], const ui
     if (t >= 0 && t < ROWS) rdot[t] = rsum[t];
 }
 
-/* COMPUTE_THREADS threads, as a compute CTA: the producer warpgroup only keeps the barriers. */
+/* CTA b's TASKS epilogues in mode MODE, each timed between two barriers into times; smem is the
+ * staging tile and the dh scratch. */
 template <int MODE>
-__global__ void __launch_bounds__(COMPUTE_THREADS, 1) epi_kernel(const uint16_t *gu_all, const float *w_all,
-                                                                 uint16_t *h_all, uint16_t *dgu_all, float *rdot_all,
-                                                                 long long *times, float *sink) {
-    extern __shared__ __align__(128) unsigned char smem[];
+static __device__ __forceinline__ void epi_tasks(const uint16_t *gu_all, const float *w_all, uint16_t *h_all,
+                                                 uint16_t *dgu_all, float *rdot_all, long long *times, float *sink,
+                                                 unsigned char *smem) {
     uint16_t *c = (uint16_t *)smem;
     float *dsm = (float *)(smem + ROWS * C_LD * 2), *rsum = dsm + ROWS * DH_LD, *wsm = rsum + ROWS;
     const int b = blockIdx.x, t = threadIdx.x - PRODUCER_THREADS; /* t < 0: the producer warpgroup */
@@ -224,6 +218,15 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) epi_kernel(const uint16_t 
     if (MODE == NOSTORE && t >= 0) sink[b * CONSUMERS + t] = keep;
 }
 
+/* COMPUTE_THREADS threads, as a compute CTA: the producer warpgroup only keeps the barriers. */
+template <int MODE>
+__global__ void __launch_bounds__(COMPUTE_THREADS, 1) epi_kernel(const uint16_t *gu_all, const float *w_all,
+                                                                 uint16_t *h_all, uint16_t *dgu_all, float *rdot_all,
+                                                                 long long *times, float *sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    epi_tasks<MODE>(gu_all, w_all, h_all, dgu_all, rdot_all, times, sink, smem);
+}
+
 /* The library's epilogue on the even CTAs while the odd ones (STREAM 1) read a buffer with 16-byte
  * loads that bypass L1 until every even CTA is done, or (STREAM 0) leave at once: how much of the
  * epilogue's time in the pass comes from what the SMs beside it draw from L2 or memory (a buffer
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) beside_kernel(const uint16
                                                                     long long *times, const int4 *buf, long long n16,
                                                                     unsigned *done, float *sink) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const int b = blockIdx.x, t = threadIdx.x - PRODUCER_THREADS, evens = (gridDim.x + 1) / 2;
+    const int b = blockIdx.x, evens = (gridDim.x + 1) / 2;
     if (b & 1) {
         if (!STREAM) return;
         int4 x = make_int4(0, 0, 0, 0);
@@ -259,22 +262,7 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) beside_kernel(const uint16
         sink[b * COMPUTE_THREADS + threadIdx.x] = (float)(x.x ^ x.y ^ x.z ^ x.w);
         return;
     }
-    uint16_t *c = (uint16_t *)smem;
-    const uint16_t *gu = gu_all + (long long)b * ROWS * 2 * INTER;
-    uint16_t *h = h_all + (long long)b * ROWS * INTER, *dgu = dgu_all + (long long)b * ROWS * 2 * INTER;
-    for (int task = 0; task < TASKS; ++task) {
-        const long long n0 = (long long)(task % (INTER / BN)) * BN;
-        float acc[ACC];
-#pragma unroll
-        for (int i = 0; i < ACC; ++i) acc[i] = t >= 0 ? acc_value(b, task, t, i) : 0.0f;
-        __syncthreads();
-        const long long t0 = globaltimer_ns();
-        if (t >= 0)
-            swiglu_backward_epilogue(acc, ROWS, BN, gu, 2 * INTER, INTER, n0, w_all + (long long)b * ROWS, 0.0f, h, INTER,
-                                     dgu, 2 * INTER, rdot_all + ((long long)b * TASKS + task) * ROWS, 1, c, false);
-        __syncthreads();
-        if (t == 0) times[(long long)b * TASKS + task] = globaltimer_ns() - t0;
-    }
+    epi_tasks<LIB>(gu_all, w_all, h_all, dgu_all, rdot_all, times, sink, smem);
     if (threadIdx.x == 0) atomicAdd(done, 1u);
 }
 
