@@ -8,8 +8,9 @@
  *
  * The probe runs the epilogue alone: one CTA per SM (and one CTA alone) with the compute CTA's
  * layout (a producer warpgroup, idle here, and the two consumer warpgroups that run the
- * epilogue), TASKS epilogues each on fresh accumulators, each timed with %globaltimer between
- * two barriers. The library's epilogue itself (its header, included) runs beside variants of its
+ * epilogue), TASKS epilogues each on fresh accumulators, each timed with %globaltimer and in SM
+ * cycles (clock64) between two barriers: the cycles read the same at any clock, so they set the
+ * probe, which runs from idle at the boost clock, beside a pass that runs at the power cap's. The library's epilogue itself (its header, included) runs beside variants of its
  * loop (same layouts: 64-column chunks through a 128 x 136 bf16 staging tile and a 128 x 68 fp32
  * scratch) that each take one part away or change one thing:
  *   lib        the library's swiglu_backward_epilogue;
@@ -204,7 +205,7 @@ static __device__ __forceinline__ void epi_tasks(const uint16_t *gu_all, const f
 #pragma unroll
         for (int i = 0; i < ACC; ++i) acc[i] = t >= 0 ? acc_value(b, task, t, i) : 0.0f;
         __syncthreads();
-        const long long t0 = globaltimer_ns();
+        const long long t0 = globaltimer_ns(), c0 = clock64();
         if (MODE == LIB) {
             if (t >= 0)
                 swiglu_backward_epilogue(acc, ROWS, BN, gu, 2 * INTER, INTER, n0, w, 0.0f, h, INTER, dgu, 2 * INTER, rdot,
@@ -213,7 +214,10 @@ static __device__ __forceinline__ void epi_tasks(const uint16_t *gu_all, const f
             variant<MODE>(acc, gu, n0, w, h, dgu, rdot, c, dsm, rsum, wsm, &keep);
         }
         __syncthreads();
-        if (t == 0) times[(long long)b * TASKS + task] = globaltimer_ns() - t0;
+        if (t == 0) {
+            times[2 * ((long long)b * TASKS + task)] = globaltimer_ns() - t0;
+            times[2 * ((long long)b * TASKS + task) + 1] = clock64() - c0;
+        }
     }
     if (MODE == NOSTORE && t >= 0) sink[b * CONSUMERS + t] = keep;
 }
@@ -266,12 +270,13 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) beside_kernel(const uint16
     if (threadIdx.x == 0) atomicAdd(done, 1u);
 }
 
-/* The median of tasks 8.. over CTAs 0, every, 2 every, .. below grid, in µs. */
-static double median_us(const long long *times_h, int grid, int every) {
+/* The median of tasks 8.. over CTAs 0, every, 2 every, .. below grid: of their times in µs
+ * (what = 0) or of their SM cycles in thousands (what = 1). */
+static double median_of(const long long *times_h, int grid, int every, int what) {
     static double v[1 << 16];
     int n = 0;
     for (int b = 0; b < grid; b += every)
-        for (int task = 8; task < TASKS; ++task) v[n++] = times_h[(long long)b * TASKS + task] / 1e3;
+        for (int task = 8; task < TASKS; ++task) v[n++] = times_h[2 * ((long long)b * TASKS + task) + what] / 1e3;
     for (int i = 1; i < n; ++i) /* insertion sort: a few thousand values */
         for (int j = i; j > 0 && v[j - 1] > v[j]; --j) {
             double tmp = v[j];
@@ -362,33 +367,35 @@ int main(void) {
     TRY(cudaMalloc(&w, (size_t)sms * ROWS * 4));
     TRY(cudaMalloc(&rdot, (size_t)sms * TASKS * ROWS * 4));
     TRY(cudaMalloc(&sink, (size_t)sms * CONSUMERS * 4));
-    TRY(cudaMalloc(&times, (size_t)sms * TASKS * 8));
+    TRY(cudaMalloc(&times, (size_t)sms * TASKS * 16));
     TRY(cudaMemcpy(gu, gu_h, n_gu * 2, cudaMemcpyHostToDevice));
     TRY(cudaMemcpy(w, w_h, (size_t)sms * ROWS * 4, cudaMemcpyHostToDevice));
 
     void (*kernels[NUM_MODES])(const uint16_t *, const float *, uint16_t *, uint16_t *, float *, long long *, float *) = {
         epi_kernel<LIB>,   epi_kernel<NOSTORE>, epi_kernel<NOLOAD>, epi_kernel<NOSHFL>, epi_kernel<ROWS2>,
         epi_kernel<TREE6>, epi_kernel<TEAM11>,  epi_kernel<TEAM12>, epi_kernel<TEAM11T>};
-    long long *times_h = (long long *)malloc((size_t)sms * TASKS * 8);
+    long long *times_h = (long long *)malloc((size_t)sms * TASKS * 16);
     /* the modes that compute the outputs (all but nostore, noload, noshfl) */
     const int exact[] = {LIB, ROWS2, TREE6, TEAM11, TEAM12, TEAM11T};
     const int n_exact = (int)(sizeof exact / sizeof exact[0]);
     uint16_t *out_h[NUM_MODES] = {0}, *out_dgu[NUM_MODES] = {0};
     float *out_rdot[NUM_MODES] = {0};
-    printf("%-8s %12s %12s   (µs per 256-column tile: median of tasks 8.. over CTAs)\n", "variant", "1 CTA",
-           "1 CTA per SM");
+    printf("%-8s %12s %12s   %8s %8s   (µs, then thousands of SM cycles, per 256-column tile: median of tasks 8.. "
+           "over CTAs)\n",
+           "variant", "1 CTA", "1 CTA per SM", "1 CTA", "per SM");
     for (int m = 0; m < NUM_MODES; ++m) {
         TRY(cudaFuncSetAttribute(kernels[m], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        double med[2];
+        double med[2], kcyc[2];
         for (int pass = 0; pass < 2; ++pass) {
             const int grid = pass == 0 ? 1 : sms;
             kernels[m]<<<grid, COMPUTE_THREADS, smem>>>(gu, w, h, dgu, rdot, times, sink);
             TRY(cudaGetLastError());
             TRY(cudaDeviceSynchronize());
-            TRY(cudaMemcpy(times_h, times, (size_t)grid * TASKS * 8, cudaMemcpyDeviceToHost));
-            med[pass] = median_us(times_h, grid, 1);
+            TRY(cudaMemcpy(times_h, times, (size_t)grid * TASKS * 16, cudaMemcpyDeviceToHost));
+            med[pass] = median_of(times_h, grid, 1, 0);
+            kcyc[pass] = median_of(times_h, grid, 1, 1);
         }
-        printf("%-8s %12.2f %12.2f\n", mode_name[m], med[0], med[1]);
+        printf("%-8s %12.2f %12.2f   %8.2f %8.2f\n", mode_name[m], med[0], med[1], kcyc[0], kcyc[1]);
         for (int e = 0; e < n_exact; ++e)
             if (exact[e] == m) { /* the full-grid run's outputs: CTA 0's last task */
                 out_h[m] = (uint16_t *)malloc(ROWS * INTER * 2);
@@ -420,8 +427,8 @@ int main(void) {
             else beside_kernel<1><<<sms, COMPUTE_THREADS, smem>>>(gu, w, h, dgu, rdot, times, buf, n16[k - 1], done, sink2);
             TRY(cudaGetLastError());
             TRY(cudaDeviceSynchronize());
-            TRY(cudaMemcpy(times_h, times, (size_t)sms * TASKS * 8, cudaMemcpyDeviceToHost));
-            printf("%-44s %8.2f\n", what[k], median_us(times_h, sms, 2));
+            TRY(cudaMemcpy(times_h, times, (size_t)sms * TASKS * 16, cudaMemcpyDeviceToHost));
+            printf("%-44s %8.2f   %8.2f\n", what[k], median_of(times_h, sms, 2, 0), median_of(times_h, sms, 2, 1));
         }
         TRY(cudaFree(buf));
         TRY(cudaFree(done));
