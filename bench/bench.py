@@ -23,6 +23,7 @@ them), and its times against the bf16 row's (fp8_vs_bf16). Where the backend ref
 the row says "skipped: " and the library's reason.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -303,6 +304,10 @@ def peer_rows(group, ranks, name, experts, tokens, skew, config, reps, row, peer
     """The peers of a case: LigerCute (routed experts only) in a process of its own per GPU, beside
     mok's routed-only layer on the same inputs (the case's own row when it has no shared expert).
     Returns the rows to print; the ratios go into `row`."""
+    # the peer shares the GPUs with this process: what PyTorch's allocator keeps cached from the
+    # baselines (tens of GB on the widest layers) would leave it too little memory
+    gc.collect()
+    torch.cuda.empty_cache()
     peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps, ranks, B.PREHEAT_S, B.SETTLE_S)
     if "skipped" in peer:
         print(f"peer ligercute {name} EP{ranks} T {tokens}: skipped ({peer['skipped']})", flush=True)

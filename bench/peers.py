@@ -31,6 +31,20 @@ def run_liger(site, layer, experts, tokens, skew, reps, ranks=1, preheat_s=None,
         return {"skipped": f"LigerCute did not finish within {timeout_s} s"}
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"skipped": f"LigerCute failed (exit {done.returncode}): {tail[:200]}"}
+        return {"skipped": f"LigerCute failed (exit {done.returncode}): {failure_line(done.stderr)[:200]}"}
     return json.loads(rows[-1])
+
+
+def failure_line(stderr):
+    """The line of a failed peer's stderr that says why: the last exception line ("...Error: ...",
+    "...Exception: ..."), else the last line that is not a warning (torch.distributed prints one
+    after the error when a process exits without destroying its group)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if ":" in line and (head.endswith("Error") or head.endswith("Exception")):
+            return line
+    for line in reversed(lines):
+        if "warning" not in line.lower():
+            return line
+    return lines[-1] if lines else "no output"

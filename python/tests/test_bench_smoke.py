@@ -87,6 +87,18 @@ def test_liger_peer_launch(tmp_path, monkeypatch, ranks):
     monkeypatch.setattr(peers.subprocess, "run", failing)
     assert "no NVSHMEM" in peers.run_liger(str(tmp_path), "deepseek-v3", 256, 8192, 0.0, 3, ranks)["skipped"]
 
+    def failing_then_warning(cmd, **kwargs):  # torch.distributed warns after the error on its way out
+        err = ("Traceback (most recent call last):\n  File \"liger_peer.py\", line 9\n"
+               "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+               "[rank0]:[W1207 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called\n")
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=err)
+
+    monkeypatch.setattr(peers.subprocess, "run", failing_then_warning)
+    reason = peers.run_liger(str(tmp_path), "deepseek-v3", 256, 8192, 0.0, 3, ranks)["skipped"]
+    assert "out of memory" in reason and "destroy_process_group" not in reason
+    assert peers.failure_line("") == "no output"
+    assert peers.failure_line("a\nUserWarning: b\n") == "a"
+
 
 @pytest.mark.parametrize("first", [False, True])
 def test_variant_order(tmp_path, first):
