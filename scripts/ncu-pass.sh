@@ -27,12 +27,13 @@ echo "ncu exit $? (log: $rep-run.txt)"
 ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
 grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Compute \(SM\) Throughput|Memory Throughput" "$rep-details.txt"
 # the SASS view carries the per-instruction samples (the CUDA view of this ncu printed the source
-# text alone); the listing of the library's cubins gives each instruction's source line
+# text alone); the listing of the library's cubins gives each instruction's source line and the
+# lines it was inlined at (-gi), so --only counts an inlined helper at its caller's line
 ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
 tmp=$(mktemp -d)
 lib=$PWD/build/libmok.so
 (cd "$tmp" && cuobjdump -xelf all "$lib" >/dev/null 2>&1)
-for f in "$tmp"/*.cubin; do [ -f "$f" ] && nvdisasm -g -c "$f"; done >"$rep-listing.sass" 2>/dev/null
+for f in "$tmp"/*.cubin; do [ -f "$f" ] && nvdisasm -gi -c "$f"; done >"$rep-listing.sass" 2>/dev/null
 rm -rf "$tmp"
 python3 scripts/ncu_lines.py "$rep-sass.csv" 40 --lines "$rep-listing.sass" --kernel "${kind}_kernel" | tee "$rep-lines.txt"
 if [ -n "${NCU_ONLY:-}" ]; then

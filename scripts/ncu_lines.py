@@ -3,16 +3,20 @@ source-page CSV of the SASS view (`ncu -i R --page source --csv --print-source s
 
     python3 scripts/ncu_lines.py SASS.csv [N] [--lines LISTING --kernel NAME [--only TEXT]]
 
-LISTING is `nvdisasm -g -c` of the cubin that ran (scripts/ncu-pass.sh makes it from
+LISTING is `nvdisasm -gi -c` (or `-g -c`) of the cubin that ran (scripts/ncu-pass.sh makes it from
 build/libmok.so): its `//## File "...", line L` comments give each instruction's source line, so
-the samples can be summed per line. The executed local-memory instructions (LDL, STL: spills)
+the samples can be summed per line. With -gi each instruction carries its inline chain (the
+function it was written in, then each line it was inlined at, out to the kernel); a line is the
+innermost frame of its chain. The executed local-memory instructions (LDL, STL: spills)
 are summed per line too. The CSV's rows are matched to the listing's instructions of
 function NAME by their offset from the function's first instruction; the opcodes of the first
 rows are compared, and a mismatch drops the per-line table rather than print a wrong one.
 
-With --only TEXT the tables keep the source lines whose "file:line" contains TEXT (a file name,
-say swiglu.cuh) and give each line's three largest stall reasons, summed over its instructions:
-where one part of a kernel waits, apart from the warps that idle elsewhere.
+With --only TEXT the tables keep the instructions with a frame whose "file:line" contains TEXT (a
+file name, say swiglu.cuh), each counted at the innermost such frame, and give each line's three
+largest stall reasons, summed over its instructions: where one part of a kernel waits, apart from
+the warps that idle elsewhere. From a -gi listing the helpers that part inlines (a conversion in
+portable.h, a store in row_stores.cuh) count at the line of that part which called them.
 
 Column names differ between ncu versions, so the sample column is found by name: the first
 whose header has "Sampling" and "All" in it, else the first with "Samples". If none is found the
@@ -32,10 +36,12 @@ def number(s):
 
 
 def listing_functions(path, kernel):
-    """{function: ({offset: "file:line"}, {offset: opcode})} for every function whose name contains
-    `kernel` in an `nvdisasm -g -c` listing (a template's instantiations are functions of their own,
-    each with offsets from 0)."""
-    funcs, cur_fn, cur = {}, None, "?"
+    """{function: ({offset: chain}, {offset: opcode})} for every function whose name contains
+    `kernel` in an `nvdisasm -gi -c` or `-g -c` listing (a template's instantiations are functions
+    of their own, each with offsets from 0). A chain is a tuple of "file:line", innermost first:
+    -gi writes an instruction's frames as consecutive `//## File` lines, each inlined at the next;
+    -g writes the innermost alone."""
+    funcs, cur_fn, cur, chain_open = {}, None, ("?",), False
     for line in open(path, errors="replace"):
         s = line.strip()
         if s.endswith(":") and not s.startswith("/*") and not s.startswith("."):
@@ -43,14 +49,17 @@ def listing_functions(path, kernel):
                 cur_fn = s[:-1] if kernel in s else None
                 if cur_fn:
                     funcs[cur_fn] = ({}, {})
-                cur = "?"
+                cur, chain_open = ("?",), False
             continue
         if cur_fn is None:
             continue
         m = re.search(r'//## File "([^"]+)", line (\d+)', s)
         if m:
-            cur = f"{m.group(1).split('/')[-1]}:{m.group(2)}"
+            frame = f"{m.group(1).split('/')[-1]}:{m.group(2)}"
+            cur = cur + (frame,) if chain_open else (frame,)
+            chain_open = True
             continue
+        chain_open = False
         m = re.match(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", s)
         if m:
             off = int(m.group(1), 16)
@@ -134,12 +143,14 @@ def main():
         else:
             print(f"ncu_lines: the CSV is {name} ({bad} of {len(checked)} opcodes differ)")
             where = funcs[name][0]
-            line_of = {id(r): where.get(o - base, "?") for o, r in zip(offs, data)}
+            line_of = {id(r): where.get(o - base, ("?",)) for o, r in zip(offs, data)}
+    chain_of = line_of  # id(row): the instruction's chain, innermost first
+    line_of = {k: (next((f for f in c if only in f), c[0]) if only is not None else c[0]) for k, c in chain_of.items()}
     if only is not None and not line_of:
         print(f"ncu_lines: --only needs the per-line table (--lines and --kernel matching the CSV)")
         return 1
     if only is not None:
-        sampled = [r for r in sampled if only in line_of[id(r)]]
+        sampled = [r for r in sampled if only in line_of[id(r)]]  # some frame of its chain
         part = sum(number(r[col]) for r in sampled)
         print(f"\nlines with '{only}': {part:.0f} samples, {100 * part / total:.2f}% of all")
     if line_of:
