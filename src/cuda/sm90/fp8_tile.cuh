@@ -25,8 +25,11 @@
 
 /* The FP8 consumers hold 128 accumulators and 64 partial sums; with gemm_tile.cuh's 208 registers
  * the rest of their loop spilled accumulators around every promotion. So the FP8 kernels split the
- * CTA's 64,512 registers 128 * 56 + 256 * 224: the consumers' loop keeps its values in registers,
- * the producer (addresses, counters, the schedule's cursor) spills a little more than at 80. */
+ * CTA's 64,512 registers 128 * 56 + 256 * 224: the consumers' loop keeps its accumulators and
+ * partial sums in registers (at 216 it spilled 19-21 values a stage), but still reloads the ring's
+ * phase and two scale addresses each stage; the producer (addresses, counters, the schedule's
+ * cursor) reloads for every task the loop invariants it hoisted. The FP8 backward executes about
+ * six times the bf16 one's local-memory instructions (docs/log.md). */
 #define FP8_PRODUCER_REGS 56
 #define FP8_CONSUMER_REGS 224
 static_assert(PRODUCER_THREADS * FP8_PRODUCER_REGS + CONSUMER_THREADS * FP8_CONSUMER_REGS <= 168 * COMPUTE_THREADS,
