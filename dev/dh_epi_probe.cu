@@ -10,9 +10,10 @@
  * layout (a producer warpgroup, idle here, and the two consumer warpgroups that run the
  * epilogue), TASKS epilogues each on fresh accumulators, each timed with %globaltimer and in SM
  * cycles (clock64) between two barriers: the cycles read the same at any clock, so they set the
- * probe, which runs from idle at the boost clock, beside a pass that runs at the power cap's. The library's epilogue itself (its header, included) runs beside variants of its
- * loop (same layouts: 64-column chunks through a 128 x 136 bf16 staging tile and a 128 x 68 fp32
- * scratch) that each take one part away or change one thing:
+ * probe, which runs from idle at the boost clock, beside a pass at another clock. The library's
+ * epilogue itself (its header, included) runs beside variants of its loop (same layouts:
+ * 64-column chunks through a 128 x 136 bf16 staging tile and a 128 x 68 fp32 scratch) that each
+ * take one part away or change one thing:
  *   lib        the library's swiglu_backward_epilogue;
  *   nostore    h, dg and du are not stored (their values feed a checksum instead);
  *   noload     g|u are not loaded per chunk (the staging tile keeps what it was given once);
