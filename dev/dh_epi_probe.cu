@@ -161,9 +161,8 @@ static __device__ __forceinline__ void variant(const float (&acc)[ACC], const ui
                     *(uint32_t *)up = ub;
                 }
             }
-            if constexpr (mode_of<MODE>::tree) { /* the library's transposed tree (swiglu.cuh) */
-                const float v = warp_sums4(part);
-                if ((lane & 7) == 0) rsum[rp + 8 * (lane >> 3)] += v; /* lane 8 k holds row rp + 8 k */
+            if constexpr (mode_of<MODE>::tree) { /* the library's transposed tree and row sums (swiglu.cuh) */
+                add_row_partials(part, rp, ROWS, rsum);
             } else {
                 if (MODE != NOSHFL) {
 #pragma unroll

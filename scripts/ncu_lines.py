@@ -119,7 +119,7 @@ def main():
         reasons = sorted(((v, name) for name, v in sums.items()), reverse=True)[:3]
         return ", ".join(f"{name[len('stall_'):]} {v:.0f}" for v, name in reasons if v > 0)
 
-    line_of = {}
+    chain_of = {}  # id(row): the instruction's chain of "file:line", innermost first
     if lines_path and kernel and addr is not None:
         offs = [int(r[addr], 16) for r in data]
         base = min(offs) if offs else 0
@@ -143,9 +143,9 @@ def main():
         else:
             print(f"ncu_lines: the CSV is {name} ({bad} of {len(checked)} opcodes differ)")
             where = funcs[name][0]
-            line_of = {id(r): where.get(o - base, ("?",)) for o, r in zip(offs, data)}
-    chain_of = line_of  # id(row): the instruction's chain, innermost first
-    line_of = {k: (next((f for f in c if only in f), c[0]) if only is not None else c[0]) for k, c in chain_of.items()}
+            chain_of = {id(r): where.get(o - base, ("?",)) for o, r in zip(offs, data)}
+    # an instruction's line: its innermost frame, or with --only the innermost frame containing TEXT
+    line_of = {k: next((f for f in c if only in f), c[0]) if only is not None else c[0] for k, c in chain_of.items()}
     if only is not None and not line_of:
         print(f"ncu_lines: --only needs the per-line table (--lines and --kernel matching the CSV)")
         return 1
