@@ -8,6 +8,7 @@ The trace is Chrome trace JSON, {"traceEvents": [{"name", "cat": "comm"|"compute
 "pid": rank (forward) or 72 + rank (backward), "tid": worker, "ts": us, "dur": us, "args": {"rank": r,
 "pass": "forward"|"backward", "minibatch": m}}]} plus the processes' and threads' names ("M"
 events), and holds the tasks of the workspace's last forward and last backward on one time axis.
+A GPU trace adds one "resident" event per CTA, whose args' sm_cycles give the SM clock (--report).
 One row per (rank, pass, worker), comm rows labelled and shaded; bars coloured by task kind; time
 in ms from the first task. It also opens in chrome://tracing or https://ui.perfetto.dev.
 
@@ -127,6 +128,15 @@ def kernel_bounds(residents, tasks):
     return {"kernel_us": k1 - k0, "lead_us": t0 - k0, "tail_us": k1 - t1}
 
 
+def sm_clock(residents):
+    """The clock the SMs held through a pass, from its residency events' SM cycles (args
+    sm_cycles over the event's microseconds): (median, lowest, highest) MHz over the CTAs, or None
+    when the trace has no cycles."""
+    mhz = sorted(e["args"]["sm_cycles"] / e["dur"] for e in residents
+                 if e.get("args", {}).get("sm_cycles") and e["dur"] > 0)
+    return (mhz[len(mhz) // 2], mhz[0], mhz[-1]) if mhz else None
+
+
 def idle_lines(ev, rank, window, windows=10, cat="compute"):
     """Where a rank's compute (or comm) CTAs are not in a task: before their first, between tasks
     (the gaps a CTA waits for its next task to be posted or its inputs to be ready: a task's time
@@ -177,7 +187,8 @@ def idle_lines(ev, rank, window, windows=10, cat="compute"):
 
 def report(ev, residents, label, flops=None):
     """The text summary of one pass's events (load(..., pass_name=...)) and its residency events:
-    per rank its span, the kernel's bounds on the GPU when the residency events give them, and
+    per rank its span, the kernel's bounds on the GPU and the SMs' clock when the residency events
+    give them, and
     where its compute and its comm CTAs idle (idle_lines); then per task kind of rank 0 the
     tasks, their busy SM-ms, the spread of a task's time, and where the backend measured them its time in GEMM main
     loops (args gemm_us) and after the last one (args epilogue_us); with flops ({kind: FLOPs of
@@ -190,6 +201,9 @@ def report(ev, residents, label, flops=None):
         kb = kernel_bounds([e for e in residents if e["pid"] == r], mine)
         extra = (f"; kernel {kb['kernel_us'] / 1e3:.3f} ms on the GPU, {kb['lead_us'] / 1e3:.3f} ms before "
                  f"the first task, {kb['tail_us'] / 1e3:.3f} ms after the last" if kb else "")
+        clock = sm_clock([e for e in residents if e["pid"] == r])
+        if clock:
+            extra += f"; SM clock {clock[0]:.0f} MHz (CTAs {clock[1]:.0f}-{clock[2]:.0f})"
         first0 = t0 if first0 is None else first0
         skew_note = (f"; first task {(t0 - first0) / 1e3:+.3f} ms from rank 0's on the trace's axis (the "
                      f"GPUs' timers)" if r else "")

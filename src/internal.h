@@ -107,6 +107,8 @@ typedef struct mok_trace_event {
     int32_t epi_ns;     /* GPU compute tasks: from the end of the last main loop to the task's end
                            (its epilogue and closing barrier); 0 otherwise */
     int64_t start_ns, end_ns;
+    int64_t cycles; /* GPU residency events: the SM's cycles (clock64) from the CTA's entry to its
+                       exit, so that a trace tells the clock each SM ran at; 0 otherwise */
 } mok_trace_event;
 /* The kind of a worker's residency event (entry to exit of a GPU CTA), beside the task kinds. */
 #define MOK_TRACE_RESIDENT 64

@@ -6,7 +6,8 @@
  * whose args repeat the rank and the pass. Times are microseconds from the earliest event of
  * either pass, so that the two passes keep their order on one axis. GPU CTAs add one "resident"
  * event each (category "resident"), from the kernel's start on that CTA to its end: what lies
- * outside the tasks. */
+ * outside the tasks; its args' sm_cycles are the SM's cycles over that time, so cycles over its
+ * microseconds is the clock (MHz) the SM held through the pass. */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -53,11 +54,13 @@ static void write_event(FILE *f, int *first, const mok_trace_event *e, int pass,
     const int resident = e->kind == MOK_TRACE_RESIDENT;
     fprintf(f,
             "%s{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-            "\"args\":{\"rank\":%d,\"pass\":\"%s\",\"minibatch\":%d,\"gemm_us\":%.3f,\"epilogue_us\":%.3f}}",
+            "\"args\":{\"rank\":%d,\"pass\":\"%s\",\"minibatch\":%d,\"gemm_us\":%.3f,\"epilogue_us\":%.3f",
             next(first), resident ? "resident" : mok__task_kind_name(e->kind),
             resident ? "resident" : e->comm ? "comm" : "compute", pid_of(e->rank, pass), e->worker,
             (double)(e->start_ns - origin) / 1e3, (double)(e->end_ns - e->start_ns) / 1e3, e->rank, pass_names[pass],
             e->minibatch, (double)e->gemm_ns / 1e3, (double)e->epi_ns / 1e3);
+    if (resident && e->cycles > 0) fprintf(f, ",\"sm_cycles\":%lld", (long long)e->cycles);
+    fputs("}}", f);
 }
 
 mok_status mok__trace_write_json(const char *path, const mok_trace_event *const *events, const int64_t *counts,

@@ -5,11 +5,13 @@
  * "rank R forward" / "rank R backward" with pid R / MOK_MAX_RANKS + R, every worker that ran a
  * task a thread named "comm worker W" or "compute worker W", and each event's kind belongs to
  * its pass. One rank's passes have no combine or push events (the tiles write in place), two
- * ranks' have both. The file is read line by line: the writer puts one event on each line. */
+ * ranks' have both. The file is read line by line: the writer puts one event on each line. The
+ * writer itself on made-up GPU events: a CTA's residency event carries its SM cycles. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "internal.h"
 #include "layer.h"
 #include "test.h"
 
@@ -226,4 +228,38 @@ MOK_TEST(trace_one_rank_writes_in_place) {
         layer_backend_close(&B);
         layer_free(&L);
     }
+}
+
+/* A GPU CTA's residency event writes its SM cycles (args sm_cycles, from which bench/timeline.py
+ * takes the clock); a task event and a residency event without cycles write none. */
+MOK_TEST(trace_resident_sm_cycles) {
+    const mok_trace_event pass0[3] = {
+        {.kind = MOK_TRACE_RESIDENT, .worker = 5, .minibatch = -1, .start_ns = 1000, .end_ns = 111000,
+         .cycles = 217800},
+        {.kind = MOK_TRACE_RESIDENT, .worker = 6, .minibatch = -1, .start_ns = 1000, .end_ns = 111000},
+        {.kind = 0, .worker = 5, .minibatch = 0, .start_ns = 2000, .end_ns = 50000, .cycles = 12345},
+    };
+    const mok_trace_event *events[MOK_TRACE_PASSES] = {pass0, NULL};
+    const int64_t counts[MOK_TRACE_PASSES] = {3, 0};
+    char path[96], line[1024];
+    snprintf(path, sizeof path, "/tmp/mok_test_trace_cycles_%d.json", (int)getpid());
+    CHECK(mok__trace_write_json(path, events, counts, 1) == MOK_OK, "write: %s", mok_last_error());
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL, "open %s", path);
+    int with = 0, resident = 0, tasks = 0, task_cycles = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        if (strstr(line, "\"cat\":\"resident\"")) {
+            ++resident;
+            if (strstr(line, "\"tid\":5,")) with += strstr(line, "\"sm_cycles\":217800}") != NULL;
+            else with += 10 * (strstr(line, "sm_cycles") != NULL); /* none without cycles */
+        } else if (strstr(line, "\"ph\":\"X\"")) {
+            ++tasks;
+            task_cycles += strstr(line, "sm_cycles") != NULL;
+        }
+    }
+    if (f) fclose(f);
+    remove(path);
+    CHECK(resident == 2 && with == 1, "%d residency events, cycles written as expected: %d (want 2, 1)", resident,
+          with);
+    CHECK(tasks == 1 && task_cycles == 0, "%d task events, %d with sm_cycles (want 1, 0)", tasks, task_cycles);
 }

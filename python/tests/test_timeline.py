@@ -49,6 +49,26 @@ def test_report_numbers():
     assert "main loops" not in kinds["dispatch"]  # no GEMM: no loop figures
 
 
+def test_report_sm_clock():
+    """The residency events' SM cycles give each rank's clock: cycles over microseconds, the
+    median and the range over its CTAs; a trace without cycles (cpu, older files) says nothing."""
+    import timeline
+
+    def resident(tid, ts, dur, cycles=None):
+        e = event("resident", "resident", tid, ts, dur)
+        if cycles is not None:
+            e["args"]["sm_cycles"] = cycles
+        return e
+
+    residents = [resident(0, -5.0, 110.0, 110.0 * 1980), resident(1, -5.0, 110.0, 110.0 * 1500),
+                 resident(2, -5.0, 110.0, 110.0 * 1755)]
+    line = timeline.report(EVENTS, residents, "t")[0]
+    assert line.startswith("t rank 0: span 0.100 ms; kernel 0.110 ms on the GPU")
+    assert line.endswith("; SM clock 1755 MHz (CTAs 1500-1980)")
+    assert "SM clock" not in timeline.report(EVENTS, [resident(0, -5.0, 110.0)], "t")[0]
+    assert timeline.sm_clock([]) is None
+
+
 def test_report_command(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": EVENTS + [event("dh", "compute", 1, 200.0, 30.0, 20.0, 9.0,

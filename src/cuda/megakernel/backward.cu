@@ -446,6 +446,9 @@ template <bool FP8>
 __global__ void __launch_bounds__(COMPUTE_THREADS, 1) backward_kernel(pass_params p, const __grid_constant__ pass_maps maps) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const long long entry = TRACE_ON(p) ? globaltimer_ns() : 0;
+    __shared__ long long s_entry_cycles; /* config.trace: thread 0's clock64 at entry (shared, not a
+                                            register held through the kernel) */
+    if (TRACE_ON(p) && threadIdx.x == 0) s_entry_cycles = clock64();
     int comm;
     if (pass_start(p, &comm)) return;
     mok_sched_view v = mok__sched_view(&p.layout, (void *)p.schedule);
@@ -454,7 +457,7 @@ __global__ void __launch_bounds__(COMPUTE_THREADS, 1) backward_kernel(pass_param
     else walk_compute<backward_compute<FP8>>(p, v, smem_raw, nullptr, maps.m);
     if (TRACE_ON(p)) {
         __syncthreads();
-        if (threadIdx.x == 0) trace_resident(p, entry, comm);
+        if (threadIdx.x == 0) trace_resident(p, entry, s_entry_cycles, comm);
     }
 }
 

@@ -102,6 +102,7 @@ static __device__ void finish_task(const pass_params &p, const mok_task_span &sp
             e.epi_ns = (int32_t)epi_ns;
             e.start_ns = start;
             e.end_ns = end;
+            e.cycles = 0;
             p.trace[n] = e;
         }
     }
@@ -118,8 +119,9 @@ static __device__ void finish_task(const pass_params &p, const mok_task_span &sp
     if (span.done[1] >= 0) red_release_gpu(p.counters + span.done[1], 1ull);
 }
 
-/* Thread 0 of a CTA, at its end (config.trace): its residency from `entry`, as one event. */
-static __device__ void trace_resident(const pass_params &p, long long entry, int comm) {
+/* Thread 0 of a CTA, at its end (config.trace): its residency from `entry` (globaltimer) and the
+ * SM's cycles since `entry_cycles` (clock64), as one event. */
+static __device__ void trace_resident(const pass_params &p, long long entry, long long entry_cycles, int comm) {
     if (!TRACE_ON(p)) return;
     unsigned long long n = atomicAdd(p.trace_count, 1ull);
     if ((long long)n >= p.trace_cap) return;
@@ -133,6 +135,7 @@ static __device__ void trace_resident(const pass_params &p, long long entry, int
     e.epi_ns = 0;
     e.start_ns = entry;
     e.end_ns = globaltimer_ns();
+    e.cycles = clock64() - entry_cycles;
     p.trace[n] = e;
 }
 
