@@ -305,7 +305,8 @@ def peer_rows(group, ranks, name, experts, tokens, skew, config, reps, row, peer
     mok's routed-only layer on the same inputs (the case's own row when it has no shared expert).
     Returns the rows to print; the ratios go into `row`."""
     # the peer shares the GPUs with this process: what PyTorch's allocator keeps cached from the
-    # baselines (tens of GB on the widest layers) would leave it too little memory
+    # baselines (tens of GB on the widest layers) may leave it too little memory (the likely, not
+    # confirmed, cause of LigerCute's failure on DeepSeek-V4-Pro: docs/log.md)
     gc.collect()
     torch.cuda.empty_cache()
     peer = PEERS.run_liger(peer_site, name, experts, tokens, skew, reps, ranks, B.PREHEAT_S, B.SETTLE_S)
