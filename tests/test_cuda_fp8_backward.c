@@ -5,7 +5,7 @@
  * the replay of g|u past the context); the replay and mok_recompute_context giving the bits of a
  * backward from the forward's context; and bitwise determinism across runs, comm CTAs, minibatch
  * and ring sizes, turned transfers, the cp.async path and the dh tiles' width (128 or 256 columns,
- * MOK_CUDA_COLS_DH).
+ * MOK_CUDA_COLS_DH); NaN and Inf in x and in a weight, at both dh widths.
  *
  * Tolerances: layer.c's FP8 rows for tensor-core block sums (layer.tensor_core_sums, with its
  * judgement of single-term flips in the weight gradients) on random layers, and the cpu's FP8 rows
@@ -13,6 +13,7 @@
  * GEMM's block sums are exact on the tensor cores, where those rows see a missing quantization
  * point). Every case prints its errors (1 = the tolerance), passing or not. Every test skips without a GPU; the EP2
  * cases without two. Seeds derive from MOK_TEST_SEED and the case's name. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,4 +226,102 @@ MOK_TEST(cuda_fp8_backward_determinism) {
     }
     layer_result_free(&first);
     layer_free(&L);
+}
+
+/* ---- NaN and Inf ------------------------------------------------------------------------------ */
+
+static int rows_equal(const void *a, const void *b, int64_t row, size_t bytes) {
+    return memcmp((const char *)a + row * bytes, (const char *)b + row * bytes, bytes) == 0;
+}
+
+/* One non-finite value (bf16 bits `bad`) in x or in one expert's gate weight, as test_cpu_fp8.c's
+ * cpu cases: the passes return MOK_OK; the tokens it cannot reach keep y, dx and d_router_w bit
+ * for bit, the experts it cannot reach their gradients; a reached token's y is NaN; everything
+ * agrees with the FP8 reference. The SwiGLU backward's blocks that hold the value's NaN take the
+ * quantization's non-finite path (fp8_rows.cuh), the others its finite one. */
+static void nonfinite_case(const char *name, const mok_shape *s, uint16_t bad, int in_weight, int cols_dh) {
+    if (!mok_test_case_selected(name)) return;
+    const int64_t t1[1] = {300};
+    layer L;
+    if (make_layer(&L, name, s, 1, t1, LAYER_ROUTE_SKEWED, 0.0f) != 0) return;
+    const int64_t H = s->hidden, I = s->intermediate, k = s->topk, E = s->num_experts, per = I * H;
+    uint64_t state = L.seed;
+    const int64_t bad_token = (int64_t)(matrix_pick(&state) % (uint64_t)t1[0]);
+    const int64_t bad_col = (int64_t)(matrix_pick(&state) % (uint64_t)H);
+    const int64_t bad_i = (int64_t)(matrix_pick(&state) % (uint64_t)I);
+    int64_t bad_expert = -1; /* in_weight: an expert of the bad token's, so that some token reaches it */
+    for (int64_t j = 0; j < k && bad_expert < 0; ++j) bad_expert = L.topk_ids[0][bad_token * k + j];
+    char tag[256], message[1024] = "";
+    snprintf(tag, sizeof tag, "%s (token %lld expert %lld col %lld, MOK_TEST_SEED=%llu)", name, (long long)bad_token,
+             (long long)bad_expert, (long long)bad_col, mok_test_seed());
+    const gpu_variant width = {0, 0, 0, 0, 0, cols_dh, 0};
+    layer_result clean = {0}, dirty = {0}, ref = {0};
+    gpu_variant_env(&width, 1);
+    mok_status st = gpu_run(&L, NULL, 0, 0, &clean, message, sizeof message);
+    CHECK(st == MOK_OK, "%s: clean run: %s", tag, message);
+    if (st == MOK_OK && bad_expert < 0) {
+        CHECK(0, "%s: the bad token has no expert; the case tests nothing", tag);
+        st = MOK_ERR_INVALID_ARGUMENT;
+    }
+    if (st == MOK_OK) {
+        if (in_weight) L.w[LAYER_GATE][0][bad_expert * per + bad_i * H + bad_col] = bad;
+        else L.x[0][bad_token * H + bad_col] = bad;
+        st = gpu_run(&L, NULL, 0, 0, &dirty, message, sizeof message);
+        CHECK(st == MOK_OK, "%s: the run with a non-finite value: %s", tag, message);
+    }
+    gpu_variant_env(&width, 0);
+    if (st == MOK_OK) {
+        int64_t reached_tokens = 0;
+        for (int64_t t = 0; t < t1[0]; ++t) {
+            int reached = !in_weight && t == bad_token;
+            for (int64_t j = 0; in_weight && j < k; ++j) reached |= L.topk_ids[0][t * k + j] == bad_expert;
+            if (reached) {
+                ++reached_tokens;
+                int64_t not_nan = 0;
+                for (int64_t h = 0; h < H; ++h) not_nan += !isnan(mok_bf16_to_float(dirty.y[0][t * H + h]));
+                CHECK(not_nan == 0, "%s: %lld elements of reached token %lld's y are not NaN", tag,
+                      (long long)not_nan, (long long)t);
+                continue;
+            }
+            CHECK(rows_equal(clean.y[0], dirty.y[0], t, (size_t)H * 2), "%s: y of token %lld changed", tag,
+                  (long long)t);
+            if (!in_weight) { /* a bad weight reaches every token through its expert's dx part */
+                CHECK(rows_equal(clean.dx[0], dirty.dx[0], t, (size_t)H * 2), "%s: dx of token %lld changed", tag,
+                      (long long)t);
+                CHECK(rows_equal(clean.d_router_w[0], dirty.d_router_w[0], t, (size_t)k * 4),
+                      "%s: d_router_w of token %lld changed", tag, (long long)t);
+            }
+        }
+        for (int64_t e = 0; e < E; ++e) {
+            int reached = in_weight ? e == bad_expert : 0;
+            for (int64_t j = 0; !in_weight && j < k; ++j) reached |= L.topk_ids[0][bad_token * k + j] == e;
+            if (reached) continue;
+            for (int m = 0; m < 3; ++m)
+                CHECK(memcmp((uint16_t *)clean.dw[m][0] + e * per, (uint16_t *)dirty.dw[m][0] + e * per,
+                             (size_t)per * 2) == 0,
+                      "%s: gradient %d of expert %lld, which the bad value does not reach, changed", tag, m,
+                      (long long)e);
+        }
+        CHECK(reached_tokens > 0, "%s: the bad value reaches no token; the case tests nothing", tag);
+        st = layer_run_reference(&L, &ref);
+        CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
+        if (st == MOK_OK) {
+            const double e = layer_compare(&L, &dirty, &ref, tag);
+            CHECK(e <= 1.0, "%s: cuda FP8 backward vs the FP8 reference: error %.3g > 1", tag, e);
+            printf("    %s: error %.3f vs the reference\n", name, e);
+        }
+    }
+    layer_result_free(&clean);
+    layer_result_free(&dirty);
+    layer_result_free(&ref);
+    layer_free(&L);
+}
+
+MOK_TEST(cuda_fp8_backward_nonfinite) {
+    if (skip("cuda_fp8_backward_nonfinite")) return;
+    const mok_shape a = fp8_shape(256, 256, 8, 2, 128), w2 = fp8_shape(256, 512, 8, 2, 256);
+    nonfinite_case("fp8 bwd NaN in x", &a, 0x7fc0, 0, 0);
+    nonfinite_case("fp8 bwd -Inf in x, 256-col dh", &w2, 0xff80, 0, 256);
+    nonfinite_case("fp8 bwd +Inf in a gate weight", &a, 0x7f80, 1, 0);
+    nonfinite_case("fp8 bwd NaN in a gate weight, 256-col dh", &w2, 0x7fc0, 1, 256);
 }

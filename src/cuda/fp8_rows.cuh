@@ -31,15 +31,52 @@ static __device__ __forceinline__ int fp8_warp_scale_exp(const float (&v)[4]) {
  * instruction does otherwise: it saturates ±Inf and magnitudes past 464 to ±448, where the
  * portable rule gives the NaN code with the input's sign. dev/e4m3_probe.cu checks every fp32
  * pattern against mok__e4m3_from_f32. */
-static __device__ __forceinline__ uint32_t e4m3x2_from_f32(float lo, float hi) {
+static __device__ __forceinline__ uint32_t e4m3x2_cvt(float lo, float hi) {
     uint16_t pair;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-    uint32_t out = pair;
+    return pair;
+}
+static __device__ __forceinline__ uint32_t e4m3x2_from_f32(float lo, float hi) {
+    uint32_t out = e4m3x2_cvt(lo, hi);
     const uint32_t l = __float_as_uint(lo), h = __float_as_uint(hi);
     if ((l & 0x7fffffffu) > 0x43e80000u) out = (out & 0xff00u) | ((l >> 24) & 0x80u) | MOK_E4M3_NAN;
     if ((h & 0x7fffffffu) > 0x43e80000u) out = (out & 0x00ffu) | ((((h >> 24) & 0x80u) | MOK_E4M3_NAN) << 8);
     return out;
 }
+
+/* Blocks of bf16 values held as packed pairs. A bf16 magnitude's bit pattern (v & 0x7fff) orders
+ * as its value, and the finite ones are those up to BF16_FINITE_MAX_BITS (Inf is 0x7f80, NaNs lie
+ * above), so a block's amax is an integer maximum of its pairs' magnitudes: an AND and a u16x2
+ * max (one VIMNMX) per pair. When that maximum is finite it is mok__fp8_amax's, and every value
+ * of the block times 2^-e (e from that amax) lies within ±448: cvt.rn.satfinite.e4m3x2 alone
+ * (e4m3x2_cvt) gives mok__e4m3_from_f32's codes. A block that holds an Inf or a NaN takes
+ * bf16x2_finite_abs_max and e4m3x2_from_f32 instead. */
+#define BF16_FINITE_MAX_BITS 0x7f7fu
+static __device__ __forceinline__ uint32_t bf16x2_abs_max(uint32_t m, uint32_t pair) {
+    return __vmaxu2(m, pair & 0x7fff7fffu);
+}
+/* The same over finite magnitudes only (a non-finite one counts as 0, as in mok__fp8_amax). */
+static __device__ __forceinline__ uint32_t bf16x2_finite_abs_max(uint32_t m, uint32_t pair) {
+    const uint32_t a = pair & 0x7fff7fffu;
+    return __vmaxu2(m, a & __vcmpleu2(a, BF16_FINITE_MAX_BITS * 0x10001u));
+}
+/* The warp's maximum of the lanes' packed maxima, as the bit pattern of a bf16 magnitude. */
+static __device__ __forceinline__ uint32_t bf16x2_warp_max(uint32_t m) {
+    return __reduce_max_sync(0xffffffffu, __vmaxu2(m, m >> 16) & 0xffffu);
+}
+/* The amax that a magnitude's bit pattern stands for. */
+static __device__ __forceinline__ float bf16_bits_f32(uint32_t bits) { return __uint_as_float(bits << 16); }
+/* Two values' codes in a block known finite (FIX false: the conversion alone) or not. */
+template <bool FIX>
+static __device__ __forceinline__ uint32_t e4m3x2_codes(float lo, float hi) {
+    if constexpr (FIX) return e4m3x2_from_f32(lo, hi);
+    else return e4m3x2_cvt(lo, hi);
+}
+/* A compile-time FIX for a generic lambda: body(e4m3_fix<true>{}) */
+template <bool FIX>
+struct e4m3_fix {
+    static constexpr bool value = FIX;
+};
 
 /* Four values' codes (value · 2^-e each, mok__fp8_quantize), packed little-endian in value order. */
 static __device__ __forceinline__ uint32_t fp8_codes4(const float (&v)[4], int e) {

@@ -33,8 +33,8 @@ static __device__ __forceinline__ void gu_pairs(const float (&acc)[TILE_ACC], in
 /* FP8 (NT = 128, one quantization block per row): h_out is h^'s codes (h_ld of them per row) and
  * h^ = Q(h) goes there, its scales to h_scales (hs_ld per row), instead of h. Q runs on the
  * registers: a row's 128 values of h are 32 in each of the four lanes that share lane / 4, so its
- * amax is theirs by two shuffles (exact and order-free: the scale of fp8_rows.cuh's warp form);
- * the codes go out through the staging tile as rows of FP8_CODES_LD bytes. */
+ * amax is theirs by two shuffles of the magnitudes' bit patterns (exact and order-free, as
+ * fp8_rows.cuh's blocks); the codes go out through the staging tile as rows of FP8_CODES_LD bytes. */
 #define FP8_CODES_LD 144 /* bytes: 128 codes, padded so that the 8 rows of a warp's store hit other banks */
 template <int NT, bool FP8 = false>
 static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC], int nreal, long long ctx_row0,
@@ -59,20 +59,33 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
         stsm_pairs<STSM_PADDED>(base, w16, j, g[0], g[1], g[2], g[3]);
         stsm_pairs<STSM_PADDED>(base2, w16, j, u[0], u[1], u[2], u[3]);
     }
-    /* FP8: each of the thread's two rows' scale exponent (h[p] is block p / 2 of row row0 + 8 (p % 2)) */
+    /* FP8: each of the thread's two rows' scale exponent (h[p] is block p / 2 of row row0 + 8 (p % 2)),
+       from the rows' magnitude maxima (fp8_rows.cuh); `fix` when a row of the warp's holds an Inf
+       or a NaN (warp-uniform) */
     int e[2] = {0, 0};
+    bool fix = false;
     if constexpr (FP8) {
+        uint32_t m[2] = {0u, 0u};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float amax = 0.0f;
 #pragma unroll
-            for (int b = 0; b < NT / 8; ++b) {
-                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] << 16));
-                amax = mok__fp8_amax(amax, __uint_as_float(h[2 * b + half] & 0xffff0000u));
+            for (int b = 0; b < NT / 8; ++b) m[half] = bf16x2_abs_max(m[half], h[2 * b + half]);
+            m[half] = __vmaxu2(m[half], m[half] >> 16) & 0xffffu;
+        }
+        fix = __any_sync(0xffffffffu, max(m[0], m[1]) > BF16_FINITE_MAX_BITS);
+        if (fix)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                m[half] = 0u;
+#pragma unroll
+                for (int b = 0; b < NT / 8; ++b) m[half] = bf16x2_finite_abs_max(m[half], h[2 * b + half]);
+                m[half] = __vmaxu2(m[half], m[half] >> 16) & 0xffffu;
             }
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-            e[half] = mok__fp8_scale_exp(amax);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            m[half] = max(m[half], __shfl_xor_sync(0xffffffffu, m[half], 1));
+            m[half] = max(m[half], __shfl_xor_sync(0xffffffffu, m[half], 2));
+            e[half] = mok__fp8_scale_exp(bf16_bits_f32(m[half]));
         }
     }
     const long long left = ctx ? ctx_rows - ctx_row0 : 0;
@@ -91,12 +104,17 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
         for (int half = 0; half < 2; ++half) {
             const int row = row0 + 8 * half;
             const float inverse = mok__fp8_pow2(-e[half]);
+            auto store = [&](auto fix_flag) {
 #pragma unroll
-            for (int b = 0; b < NT / 8; ++b) {
-                const uint32_t pair = h[2 * b + half];
-                *(uint16_t *)(codes + row * FP8_CODES_LD + 8 * b + col) = (uint16_t)e4m3x2_from_f32(
-                    __uint_as_float(pair << 16) * inverse, __uint_as_float(pair & 0xffff0000u) * inverse);
-            }
+                for (int b = 0; b < NT / 8; ++b) {
+                    const uint32_t pair = h[2 * b + half];
+                    *(uint16_t *)(codes + row * FP8_CODES_LD + 8 * b + col) =
+                        (uint16_t)e4m3x2_codes<decltype(fix_flag)::value>(__uint_as_float(pair << 16) * inverse,
+                                                                         __uint_as_float(pair & 0xffff0000u) * inverse);
+                }
+            };
+            if (fix) store(e4m3_fix<true>{});
+            else store(e4m3_fix<false>{});
             if ((t & 3) == 0 && row < nreal) h_scales[row * hs_ld + n0 / MOK_FP8_BLOCK] = mok__fp8_pow2(e[half]);
         }
         consumer_sync();

@@ -18,6 +18,9 @@
  * loads g|u of rows 64h .. 64h + 63 (16-byte cp.async), warpgroup h puts its dh0 of the block in
  * the scratch, and all eight warps take the phase's rows, RPI at a time: the values and the
  * lanes' maxima of every row first, then the warp maxima, then codes, stores and the router dot.
+ * The maxima are of the values' bit patterns (fp8_rows.cuh); an iteration whose blocks are all
+ * finite converts without e4m3x2_from_f32's fix-up, one that holds an Inf or a NaN takes the
+ * maxima of finite values and the fix-up, so both give mok__fp8_quantize's codes.
  * The router dot sums a lane's two columns, the warp's lanes by xor 16 .. 1, then the block's two
  * halves in order. With a replay, g|u and dg|du share their columns (gu == dgu_out): a phase's g|u
  * are in shared memory before any of its dg|du are written. */
@@ -36,11 +39,13 @@
 static_assert(64 * FP8_GU_LD * 2 <= SMEM_STAGING_BYTES, "a phase's g|u fit the staging tile");
 static_assert((64 * FP8_DH_LD + TILE_BM) * 4 <= DH_SCRATCH_BYTES, "a phase's dh0 and the weights fit the dh scratch");
 
-/* Two bf16 values (a packed pair) quantized with scale 2^e: their codes, and bf16 of v^. */
+/* Two bf16 values (a packed pair) quantized with scale 2^e: their codes, and bf16 of v^ (FIX:
+ * fp8_rows.cuh's e4m3x2_codes). */
+template <bool FIX>
 static __device__ __forceinline__ uint32_t fp8_pair(uint32_t pair, int e, uint32_t *dequantized) {
     const float inverse = mok__fp8_pow2(-e), scale = mok__fp8_pow2(e);
-    const uint32_t codes = e4m3x2_from_f32(__uint_as_float(pair << 16) * inverse,
-                                           __uint_as_float(pair & 0xffff0000u) * inverse);
+    const uint32_t codes = e4m3x2_codes<FIX>(__uint_as_float(pair << 16) * inverse,
+                                             __uint_as_float(pair & 0xffff0000u) * inverse);
     float lo, hi;
     f32x2_from_e4m3x2(codes, &lo, &hi);
     *dequantized = bf16x2_from_f32(lo * scale, hi * scale);
@@ -90,11 +95,11 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
             for (int rp = warp; rp < 64; rp += RPI * (CONSUMER_THREADS / 32)) {
                 uint32_t hb[RPI][2], gb[RPI][2], ub[RPI][2];
                 float2 d[RPI][2];
-                float m[RPI][3];
+                uint32_t m[RPI][3]; /* the lanes' packed magnitude maxima of h, dg, du (fp8_rows.cuh) */
 #pragma unroll
                 for (int k = 0; k < RPI; ++k) { /* values and the lanes' maxima */
                     const int lr = rp + 8 * k;
-                    m[k][0] = m[k][1] = m[k][2] = 0.0f;
+                    m[k][0] = m[k][1] = m[k][2] = 0u;
 #pragma unroll
                     for (int hc = 0; hc < 2; ++hc) {
                         hb[k][hc] = gb[k][hc] = ub[k][hc] = 0u;
@@ -115,55 +120,78 @@ static __device__ __forceinline__ void swiglu_backward_fp8(const float (&acc)[TI
                         hb[k][hc] = bf16x2_from_f32(h[0], h[1]);
                         gb[k][hc] = bf16x2_from_f32(dg[0], dg[1]);
                         ub[k][hc] = bf16x2_from_f32(du[0], du[1]);
-                        const uint32_t v[3] = {hb[k][hc], gb[k][hc], ub[k][hc]};
-#pragma unroll
-                        for (int i = 0; i < 3; ++i) {
-                            m[k][i] = mok__fp8_amax(m[k][i], __uint_as_float(v[i] << 16));
-                            m[k][i] = mok__fp8_amax(m[k][i], __uint_as_float(v[i] & 0xffff0000u));
-                        }
+                        m[k][0] = bf16x2_abs_max(m[k][0], hb[k][hc]);
+                        m[k][1] = bf16x2_abs_max(m[k][1], gb[k][hc]);
+                        m[k][2] = bf16x2_abs_max(m[k][2], ub[k][hc]);
                     }
                 }
+                uint32_t top = 0u; /* the largest magnitude of the iteration's blocks: warp-uniform */
 #pragma unroll
                 for (int k = 0; k < RPI; ++k)
 #pragma unroll
-                    for (int i = 0; i < 3; ++i) m[k][i] = warp_amax(m[k][i]);
+                    for (int i = 0; i < 3; ++i) {
+                        m[k][i] = bf16x2_warp_max(m[k][i]);
+                        top = max(top, m[k][i]);
+                    }
                 float part[RPI][2];
+                /* codes, stores, the router dot's lane partials; FIX: a block may hold an Inf or a NaN */
+                auto quantize = [&](auto fix) {
+                    constexpr bool FIX = decltype(fix)::value;
+                    if constexpr (FIX) { /* the maxima of finite magnitudes only */
 #pragma unroll
-                for (int k = 0; k < RPI; ++k) { /* codes, stores, the router dot's lane partials */
-                    const int row = r0 + rp + 8 * k;
-                    part[k][0] = part[k][1] = 0.0f;
-                    const long long col = cb + 2 * lane;
-                    uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
-                    if (row >= rows) { /* warp-uniform */
-                        if (zero_pad)
+                        for (int k = 0; k < RPI; ++k) {
+                            m[k][0] = m[k][1] = m[k][2] = 0u;
 #pragma unroll
-                            for (int hc = 0; hc < 2; ++hc)
-                                *(uint32_t *)(hp + 64 * hc) = *(uint32_t *)(gp + 64 * hc) = *(uint32_t *)(up + 64 * hc) = 0u;
-                        continue;
-                    }
-                    const int eh = mok__fp8_scale_exp(m[k][0]), eg = mok__fp8_scale_exp(m[k][1]);
-                    const int eu = mok__fp8_scale_exp(m[k][2]);
-                    uint8_t *q = gq_out + row * gq_ld + col; /* dg^'s code; du^'s inter further */
+                            for (int hc = 0; hc < 2; ++hc) {
+                                m[k][0] = bf16x2_finite_abs_max(m[k][0], hb[k][hc]);
+                                m[k][1] = bf16x2_finite_abs_max(m[k][1], gb[k][hc]);
+                                m[k][2] = bf16x2_finite_abs_max(m[k][2], ub[k][hc]);
+                            }
 #pragma unroll
-                    for (int hc = 0; hc < 2; ++hc) {
-                        uint32_t hq, unused;
-                        fp8_pair(hb[k][hc], eh, &hq);
-                        const uint32_t gcodes = fp8_pair(gb[k][hc], eg, &unused);
-                        const uint32_t ucodes = fp8_pair(ub[k][hc], eu, &unused);
-                        *(uint32_t *)(hp + 64 * hc) = hq;
-                        *(uint32_t *)(gp + 64 * hc) = gb[k][hc];
-                        *(uint32_t *)(up + 64 * hc) = ub[k][hc];
-                        *(uint16_t *)(q + 64 * hc) = (uint16_t)gcodes;
-                        *(uint16_t *)(q + inter + 64 * hc) = (uint16_t)ucodes;
-                        part[k][hc] += d[k][hc].x * __uint_as_float(hq << 16);
-                        part[k][hc] += d[k][hc].y * __uint_as_float(hq & 0xffff0000u);
+                            for (int i = 0; i < 3; ++i) m[k][i] = bf16x2_warp_max(m[k][i]);
+                        }
                     }
-                    if (lane == 0) {
-                        float *scales = (float *)(gq_out + row * gq_ld + 2 * inter);
-                        scales[cb / MOK_FP8_BLOCK] = mok__fp8_pow2(eg);
-                        scales[(inter + cb) / MOK_FP8_BLOCK] = mok__fp8_pow2(eu);
+#pragma unroll
+                    for (int k = 0; k < RPI; ++k) {
+                        const int row = r0 + rp + 8 * k;
+                        part[k][0] = part[k][1] = 0.0f;
+                        const long long col = cb + 2 * lane;
+                        uint16_t *hp = h_out + row * h_ld + col, *gp = dgu_out + row * dgu_ld + col, *up = gp + inter;
+                        if (row >= rows) { /* warp-uniform */
+                            if (zero_pad)
+#pragma unroll
+                                for (int hc = 0; hc < 2; ++hc)
+                                    *(uint32_t *)(hp + 64 * hc) = *(uint32_t *)(gp + 64 * hc) =
+                                        *(uint32_t *)(up + 64 * hc) = 0u;
+                            continue;
+                        }
+                        const int eh = mok__fp8_scale_exp(bf16_bits_f32(m[k][0]));
+                        const int eg = mok__fp8_scale_exp(bf16_bits_f32(m[k][1]));
+                        const int eu = mok__fp8_scale_exp(bf16_bits_f32(m[k][2]));
+                        uint8_t *q = gq_out + row * gq_ld + col; /* dg^'s code; du^'s inter further */
+#pragma unroll
+                        for (int hc = 0; hc < 2; ++hc) {
+                            uint32_t hq, unused;
+                            fp8_pair<FIX>(hb[k][hc], eh, &hq);
+                            const uint32_t gcodes = fp8_pair<FIX>(gb[k][hc], eg, &unused);
+                            const uint32_t ucodes = fp8_pair<FIX>(ub[k][hc], eu, &unused);
+                            *(uint32_t *)(hp + 64 * hc) = hq;
+                            *(uint32_t *)(gp + 64 * hc) = gb[k][hc];
+                            *(uint32_t *)(up + 64 * hc) = ub[k][hc];
+                            *(uint16_t *)(q + 64 * hc) = (uint16_t)gcodes;
+                            *(uint16_t *)(q + inter + 64 * hc) = (uint16_t)ucodes;
+                            part[k][hc] += d[k][hc].x * __uint_as_float(hq << 16);
+                            part[k][hc] += d[k][hc].y * __uint_as_float(hq & 0xffff0000u);
+                        }
+                        if (lane == 0) {
+                            float *scales = (float *)(gq_out + row * gq_ld + 2 * inter);
+                            scales[cb / MOK_FP8_BLOCK] = mok__fp8_pow2(eg);
+                            scales[(inter + cb) / MOK_FP8_BLOCK] = mok__fp8_pow2(eu);
+                        }
                     }
-                }
+                };
+                if (top <= BF16_FINITE_MAX_BITS) quantize(e4m3_fix<false>{});
+                else quantize(e4m3_fix<true>{});
                 /* the warp's sums of part[k][hc] into lanes 8 (2 k + hc) ..: each row's two halves
                    in lanes 16 k and 16 k + 8, added in lane 16 k */
                 const float lanes4[4] = {part[0][0], part[0][1], part[1][0], part[1][1]};
