@@ -30,7 +30,15 @@
  *            sub-partition's tensor core runs wgmmas in issue order (assumed, measured here), one
  *            warpgroup's chunk is on the tensor cores while the other promotes;
  *   pipe     (128x128 only: registers) pipelined: each warpgroup issues K block kb into a second
- *            set of partial sums before it promotes block kb - 1, one wgmma group in flight.
+ *            set of partial sums before it promotes block kb - 1, one wgmma group in flight;
+ *   pipe64   (128x256) pipelined in 64-column chunks (m64n64k32): two sets of 32 partial sums,
+ *            chunk j + 1 issued before chunk j is waited for and promoted, across K blocks, so a
+ *            warpgroup always has a group in flight (128 + 64 registers, as the free tile; A is
+ *            read from shared memory once per chunk, four times a K block);
+ *   pipe64/K the same within each K block only: the block's last chunk is waited for and
+ *            promoted before the next block's first is issued. This is the form the megakernel's
+ *            consumer loop compiles to without serialised wgmmas: there ptxas reported C7514 for a
+ *            set read across the loop's back edge, here it does not.
  *
  * What it measures, in one run:
  *   1. correctness, before any timing, for every tile and arrangement, fp32 and bf16 output,
@@ -139,7 +147,7 @@ struct Fp8Tile {
 #define FP8_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                     "+f"(d[i + 6]), "+f"(d[i + 7])
 
-/* wgmma_e4m3_n128: the library's own (src/cuda/sm90/fp8_wgmma.cuh, included above). */
+/* wgmma_e4m3_n128 and wgmma_e4m3_n64: the library's own (src/cuda/sm90/fp8_wgmma.cuh, included above). */
 
 static __device__ __forceinline__ void wgmma_e4m3_n192(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
@@ -160,6 +168,7 @@ static __device__ __forceinline__ void wgmma_e4m3_n192(float (&d)[96], uint64_t 
         : "l"(desc_a), "l"(desc_b), "r"(scale_d)
         : "memory");
 }
+
 #undef FP8_ACC8
 
 template <int CHUNK_N>
@@ -447,10 +456,127 @@ static __device__ __forceinline__ void consume_fp8_pipelined(const uint8_t *scal
     }
 }
 
+/* The 128 x 256 tile pipelined in 64-column chunks: each K block's four n64 chunks (four m64n64k32
+ * wgmmas each) go into two sets of 32 partial sums in turn, and a warpgroup issues chunk j + 1
+ * before it waits for chunk j and promotes it, so one group is always in flight, across K blocks
+ * too: 128 accumulators + 2 x 32 partial sums per thread. The price: A's 64 rows of the stage are
+ * read from shared memory once per chunk (four times a K block, against twice for the free tile's
+ * n128 chunks). A stage is released after its last chunk's wait. The first chunk of a tile has no
+ * predecessor: it "promotes" the zeroed second set with scale 0 (fma(0, 0, +0) = +0), so the
+ * accumulators are written on every path (no branch around wgmma operands). */
+template <class Cfg, bool CROSS>
+static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_slots, uint32_t ring,
+                                                          uint32_t full_bar, uint32_t empty_bar, bf16 *C16,
+                                                          float *C32, int M, int N, int num_m, int num_n,
+                                                          int num_kb, int *err) {
+    static_assert(Cfg::BN == 256, "the 128 x 256 tile");
+    constexpr int CN = 64, CACC = CN / 2, CH = Cfg::BN / CN;
+    static_assert(CH % 2 == 0, "a chunk's set is its index's parity, across K blocks");
+    const int consumer = threadIdx.x / WG_THREADS - 1;
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    const int row = consumer * 64 + warp * 16 + lane / 4;
+    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * FP8_BK);
+    const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    constexpr uint64_t chunk_step = (CN * FP8_BK) >> 4, k_step = WGMMA_K_FP8 >> 4;
+
+    float acc[Cfg::ACC];
+    float set[2][CACC];
+    int stage = 0, prev_stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_m * num_n; tile += gridDim.x) {
+        const TilePos pos = tile_at<Cfg>(tile, num_m, num_n);
+        const int sb_at = BM + sb_box_offset(pos.n0);
+#pragma unroll
+        for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < CACC; ++i) set[1][i] = 0.0f;
+        float prev_lo = 0.0f, prev_hi = 0.0f;  // the chunk in flight before the last one: its scales
+        for (int kb = 0; kb < num_kb; ++kb) {
+            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
+                wgmma_wait<0>();
+                return;
+            }
+            __syncwarp();
+            const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
+            const float sa_lo = slot[row], sa_hi = slot[row + 8];
+            const float sb0 = slot[sb_at], sb1 = slot[sb_at + 1];
+            const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                float (&into)[CACC] = set[c & 1];
+                float (&prev)[CACC] = set[(c + 1) & 1];
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < FP8_BK / WGMMA_K_FP8; ++k)
+                    wgmma_e4m3_n64(into, desc_a0 + stage_offset + k_step * k,
+                                   desc_b0 + stage_offset + chunk_step * c + k_step * k, k);
+                wgmma_commit();
+                if (CROSS || c > 0) {
+                    wgmma_wait<1>();
+                    pin_accumulators(prev);
+                    /* the previous K block's last chunk is complete: its stage goes back */
+                    if (c == 0 && kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+                    const int pc = (c + CH - 1) % CH;  // the promoted chunk's index
+#pragma unroll
+                    for (int i = 0; i < CACC / 4; ++i) {
+                        float *a = acc + pc * CACC + 4 * i;
+                        a[0] = __fmaf_rn(prev[4 * i + 0], prev_lo, a[0]);
+                        a[1] = __fmaf_rn(prev[4 * i + 1], prev_lo, a[1]);
+                        a[2] = __fmaf_rn(prev[4 * i + 2], prev_hi, a[2]);
+                        a[3] = __fmaf_rn(prev[4 * i + 3], prev_hi, a[3]);
+                    }
+                }
+                const float sb = c < CH / 2 ? sb0 : sb1;  // powers of two: exact products
+                prev_lo = sa_lo * sb;
+                prev_hi = sa_hi * sb;
+            }
+            if (!CROSS) {  // the block's last chunk, before the next block's first is issued
+                wgmma_wait<0>();
+                pin_accumulators(set[1]);
+                if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
+#pragma unroll
+                for (int i = 0; i < CACC / 4; ++i) {
+                    float *a = acc + (CH - 1) * CACC + 4 * i;
+                    a[0] = __fmaf_rn(set[1][4 * i + 0], prev_lo, a[0]);
+                    a[1] = __fmaf_rn(set[1][4 * i + 1], prev_lo, a[1]);
+                    a[2] = __fmaf_rn(set[1][4 * i + 2], prev_hi, a[2]);
+                    a[3] = __fmaf_rn(set[1][4 * i + 3], prev_hi, a[3]);
+                }
+            }
+            prev_stage = stage;
+            if (++stage == Cfg::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        /* the tile's last chunk (index CH - 1, in set 1) */
+        if (CROSS) {
+        wgmma_wait<0>();
+        pin_accumulators(set[1]);
+        if (num_kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+#pragma unroll
+        for (int i = 0; i < CACC / 4; ++i) {
+            float *a = acc + (CH - 1) * CACC + 4 * i;
+            a[0] = __fmaf_rn(set[1][4 * i + 0], prev_lo, a[0]);
+            a[1] = __fmaf_rn(set[1][4 * i + 1], prev_lo, a[1]);
+            a[2] = __fmaf_rn(set[1][4 * i + 2], prev_hi, a[2]);
+            a[3] = __fmaf_rn(set[1][4 * i + 3], prev_hi, a[3]);
+        }
+        }
+        /* acc's chunk c of 64 columns is store_tile's columns 64 c ..: the same layout as two n128
+           chunks (register 4 i of an n128 chunk is column 8 i, i < 16: the first 64 columns) */
+        if (C32)
+            store_tile<Cfg>(acc, C32, M, N, pos.m0 + row, pos.n0, lane);
+        else
+            store_tile<Cfg>(acc, C16, M, N, pos.m0 + row, pos.n0, lane);
+    }
+}
+
 /* C = the block-scaled product of A[M, K] and B[N, K] (see the top of the file), into C32 (fp32)
  * if it is not null, else into C16 (bf16). grid = min(#SMs, #tiles), block = 384 threads, one
  * CTA per SM. K % 128 == 0, N % 128 == 0, M >= 1. */
-enum Arrangement { ARRANGE_FREE, ARRANGE_STAGGERED, ARRANGE_PIPELINED };
+enum Arrangement { ARRANGE_FREE, ARRANGE_STAGGERED, ARRANGE_PIPELINED, ARRANGE_PIPE64, ARRANGE_PIPE64_BLOCK };
 
 template <int BN_, int ARRANGE>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -499,7 +625,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
-    if constexpr (ARRANGE == ARRANGE_PIPELINED)
+    if constexpr (ARRANGE == ARRANGE_PIPE64 || ARRANGE == ARRANGE_PIPE64_BLOCK)
+        consume_fp8_pipe64<Cfg, ARRANGE == ARRANGE_PIPE64>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16, C32, M, N, num_m, num_n,
+                                num_kb, err);
+    else if constexpr (ARRANGE == ARRANGE_PIPELINED)
         consume_fp8_pipelined<Cfg>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16, C32, M, N, num_m, num_n,
                                    num_kb, err);
     else
@@ -841,6 +970,7 @@ static const Fp8Variant FP8_VARIANTS[] = {
     FP8_VARIANT("128x128 pipe", 128, ARRANGE_PIPELINED),
     FP8_VARIANT("128x192 free", 192, ARRANGE_FREE), FP8_VARIANT("128x192 stag", 192, ARRANGE_STAGGERED),
     FP8_VARIANT("128x256 free", 256, ARRANGE_FREE), FP8_VARIANT("128x256 stag", 256, ARRANGE_STAGGERED),
+    FP8_VARIANT("128x256 pipe64", 256, ARRANGE_PIPE64), FP8_VARIANT("128x256 pipe64/K", 256, ARRANGE_PIPE64_BLOCK),
 };
 #undef FP8_VARIANT
 constexpr int NUM_FP8_VARIANTS = sizeof(FP8_VARIANTS) / sizeof(FP8_VARIANTS[0]);
