@@ -36,9 +36,9 @@
  *            warpgroup always has a group in flight (128 + 64 registers, as the free tile; A is
  *            read from shared memory once per chunk, four times a K block);
  *   pipe64/K the same within each K block only: the block's last chunk is waited for and
- *            promoted before the next block's first is issued. This is the form the megakernel's
- *            consumer loop compiles to without serialised wgmmas: there ptxas reported C7514 for a
- *            set read across the loop's back edge, here it does not.
+ *            promoted before the next block's first is issued (the form for a consumer loop where
+ *            ptxas does not follow a set across the loop's back edge and serialises the wgmmas:
+ *            its C7514 remark).
  *
  * What it measures, in one run:
  *   1. correctness, before any timing, for every tile and arrangement, fp32 and bf16 output,
@@ -147,7 +147,7 @@ struct Fp8Tile {
 #define FP8_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                     "+f"(d[i + 6]), "+f"(d[i + 7])
 
-/* wgmma_e4m3_n128 and wgmma_e4m3_n64: the library's own (src/cuda/sm90/fp8_wgmma.cuh, included above). */
+/* wgmma_e4m3_n128: the library's own (src/cuda/sm90/fp8_wgmma.cuh, included above). */
 
 static __device__ __forceinline__ void wgmma_e4m3_n192(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
@@ -169,6 +169,21 @@ static __device__ __forceinline__ void wgmma_e4m3_n192(float (&d)[96], uint64_t 
         : "memory");
 }
 
+
+static __device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1;\n"
+        "}\n"
+        : FP8_ACC8(0), FP8_ACC8(8), FP8_ACC8(16), FP8_ACC8(24)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "memory");
+}
 #undef FP8_ACC8
 
 template <int CHUNK_N>
@@ -270,6 +285,41 @@ static __device__ __forceinline__ void promote(float (&acc)[Cfg::ACC], const flo
     }
 }
 
+/* A consumer thread's place: its warpgroup (consumer 0 or 1: tile rows 64 consumer ..), its lane,
+ * the tile row of its registers 4i+{0,1}, and the descriptors of its warpgroup's A rows and of B
+ * in stage 0 of the ring. */
+struct ConsumerPlace {
+    int consumer, lane, row;
+    uint64_t desc_a0, desc_b0;
+};
+template <class Cfg>
+static __device__ __forceinline__ ConsumerPlace consumer_place(uint32_t ring) {
+    const int consumer = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    return {consumer, lane, consumer * 64 + warp * 16 + lane / 4, make_smem_desc(ring + consumer * 64 * FP8_BK),
+            make_smem_desc(ring + Cfg::A_BYTES)};
+}
+
+/* A stage's scales as one consumer thread uses them, and the stage they came from. */
+struct StageScales {
+    float sa_lo, sa_hi, sb0, sb1;
+    int stage;
+};
+
+/* Waits for stage `stage` (parity `phase`) and reads the thread's scales from its slot; false if
+ * the wait gave up (the warpgroup's wgmmas drained first). */
+static __device__ __forceinline__ bool enter_stage(const uint8_t *scale_slots, uint32_t full_bar, int stage,
+                                                   uint32_t phase, int row, int sb_at, int *err, StageScales &out) {
+    if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
+        wgmma_wait<0>();
+        return false;
+    }
+    // Threads leave the spin loop one by one; wgmma is .sync.aligned.
+    __syncwarp();
+    const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
+    out = {slot[row], slot[row + 8], slot[sb_at], slot[sb_at + 1], stage};
+    return true;
+}
+
 /* The consumers. NOTE (ring protocol, as gemm_wgmma_v1): full[s] completes with the producer's
  * arrive.expect_tx and the TMA bytes; empty[s] counts 8 arrivals (lane 0 of each consumer warp,
  * after the wait that shows its last chunk's wgmmas on stage s complete; the stage's scales were
@@ -284,12 +334,9 @@ template <class Cfg, bool STAGGER>
 static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, uint32_t ring, uint32_t full_bar,
                                                    uint32_t empty_bar, uint32_t turn_bar, bf16 *C16, float *C32,
                                                    int M, int N, int num_m, int num_n, int num_kb, int *err) {
-    const int consumer = threadIdx.x / WG_THREADS - 1;
-    const int warp = (threadIdx.x / 32) % 4;
-    const int lane = threadIdx.x % 32;
-    const int row = consumer * 64 + warp * 16 + lane / 4;  // the tile row of registers 4i+{0,1}
-    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * FP8_BK);
-    const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    const ConsumerPlace me = consumer_place<Cfg>(ring);
+    const int consumer = me.consumer, lane = me.lane, row = me.row;
+    const uint64_t desc_a0 = me.desc_a0, desc_b0 = me.desc_b0;
     constexpr uint64_t chunk_step = (Cfg::CHUNK_N * FP8_BK) >> 4;  // descriptor units of 16 bytes
     constexpr uint64_t k_step = WGMMA_K_FP8 >> 4;
 
@@ -305,15 +352,9 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
 #pragma unroll
         for (int i = 0; i < Cfg::ACC; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb) {
-            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-                wgmma_wait<0>();
-                return;
-            }
-            // Threads leave the spin loop one by one; wgmma is .sync.aligned.
-            __syncwarp();
-            const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
-            const float sa_lo = slot[row], sa_hi = slot[row + 8];
-            const float sb0 = slot[sb_at], sb1 = slot[sb_at + 1];
+            StageScales sc;
+            if (!enter_stage(scale_slots, full_bar, stage, phase, row, sb_at, err, sc)) return;
+            const float sa_lo = sc.sa_lo, sa_hi = sc.sa_hi, sb0 = sc.sb0, sb1 = sc.sb1;
             const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
 #pragma unroll
             for (int c = 0; c < Cfg::CHUNKS; ++c) {
@@ -352,11 +393,6 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
     }
 }
 
-/* A stage's scales as one consumer thread uses them, and the stage they came from. */
-struct StageScales {
-    float sa_lo, sa_hi, sb0, sb1;
-    int stage;
-};
 
 /* One step of the pipelined consumer: waits for the next stage, reads its scales, issues its four
  * wgmmas into `into`; then, if `has_prev`, waits until only that group is in flight (so the
@@ -370,13 +406,8 @@ static __device__ __forceinline__ bool pipelined_step(float (&acc)[Cfg::ACC], fl
                                                       const uint8_t *scale_slots, uint64_t desc_a0, uint64_t desc_b0,
                                                       uint32_t full_bar, uint32_t empty_bar, int row, int lane,
                                                       int sb_at, int split_i, int *err) {
-    if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-        wgmma_wait<0>();
-        return false;
-    }
-    __syncwarp();
-    const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
-    const StageScales cur = {slot[row], slot[row + 8], slot[sb_at], slot[sb_at + 1], stage};
+    StageScales cur;
+    if (!enter_stage(scale_slots, full_bar, stage, phase, row, sb_at, err, cur)) return false;
     const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
     wgmma_fence();
 #pragma unroll
@@ -411,12 +442,9 @@ static __device__ __forceinline__ void consume_fp8_pipelined(const uint8_t *scal
                                                              int num_kb, int *err) {
     static_assert(Cfg::CHUNKS == 1 && Cfg::ACC + 2 * Cfg::CHUNK_ACC <= 192, "two partial sets fit 128x128 only");
     static_assert(Cfg::STAGES >= 2, "a warpgroup holds block kb - 1's stage while it waits for block kb's");
-    const int consumer = threadIdx.x / WG_THREADS - 1;
-    const int warp = (threadIdx.x / 32) % 4;
-    const int lane = threadIdx.x % 32;
-    const int row = consumer * 64 + warp * 16 + lane / 4;
-    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * FP8_BK);
-    const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    const ConsumerPlace me = consumer_place<Cfg>(ring);
+    const int lane = me.lane, row = me.row;
+    const uint64_t desc_a0 = me.desc_a0, desc_b0 = me.desc_b0;
 
     float acc[Cfg::ACC];
     float even[Cfg::CHUNK_ACC], odd[Cfg::CHUNK_ACC];
@@ -456,6 +484,19 @@ static __device__ __forceinline__ void consume_fp8_pipelined(const uint8_t *scal
     }
 }
 
+/* acc's 64-column chunk c += part · (lo for the thread's first row, hi for its second), as promote. */
+template <class Cfg>
+static __device__ __forceinline__ void promote64(float (&acc)[Cfg::ACC], const float (&part)[32], int c, float lo,
+                                                 float hi) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float &a = acc[32 * c + 4 * i + j];
+            a = __fmaf_rn(part[4 * i + j], j < 2 ? lo : hi, a);
+        }
+}
+
 /* The 128 x 256 tile pipelined in 64-column chunks: each K block's four n64 chunks (four m64n64k32
  * wgmmas each) go into two sets of 32 partial sums in turn, and a warpgroup issues chunk j + 1
  * before it waits for chunk j and promotes it, so one group is always in flight, across K blocks
@@ -472,12 +513,9 @@ static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_s
     static_assert(Cfg::BN == 256, "the 128 x 256 tile");
     constexpr int CN = 64, CACC = CN / 2, CH = Cfg::BN / CN;
     static_assert(CH % 2 == 0, "a chunk's set is its index's parity, across K blocks");
-    const int consumer = threadIdx.x / WG_THREADS - 1;
-    const int warp = (threadIdx.x / 32) % 4;
-    const int lane = threadIdx.x % 32;
-    const int row = consumer * 64 + warp * 16 + lane / 4;
-    const uint64_t desc_a0 = make_smem_desc(ring + consumer * 64 * FP8_BK);
-    const uint64_t desc_b0 = make_smem_desc(ring + Cfg::A_BYTES);
+    const ConsumerPlace me = consumer_place<Cfg>(ring);
+    const int lane = me.lane, row = me.row;
+    const uint64_t desc_a0 = me.desc_a0, desc_b0 = me.desc_b0;
     constexpr uint64_t chunk_step = (CN * FP8_BK) >> 4, k_step = WGMMA_K_FP8 >> 4;
 
     float acc[Cfg::ACC];
@@ -493,14 +531,8 @@ static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_s
         for (int i = 0; i < CACC; ++i) set[1][i] = 0.0f;
         float prev_lo = 0.0f, prev_hi = 0.0f;  // the chunk in flight before the last one: its scales
         for (int kb = 0; kb < num_kb; ++kb) {
-            if (!mbar_wait(full_bar + 8 * stage, phase, err, KERNEL_FULL_TIMEOUT)) {
-                wgmma_wait<0>();
-                return;
-            }
-            __syncwarp();
-            const float *slot = reinterpret_cast<const float *>(scale_slots + stage * SCALE_SLOT_BYTES);
-            const float sa_lo = slot[row], sa_hi = slot[row + 8];
-            const float sb0 = slot[sb_at], sb1 = slot[sb_at + 1];
+            StageScales sc;  // this block's
+            if (!enter_stage(scale_slots, full_bar, stage, phase, row, sb_at, err, sc)) return;
             const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
 #pragma unroll
             for (int c = 0; c < CH; ++c) {
@@ -517,32 +549,17 @@ static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_s
                     pin_accumulators(prev);
                     /* the previous K block's last chunk is complete: its stage goes back */
                     if (c == 0 && kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-                    const int pc = (c + CH - 1) % CH;  // the promoted chunk's index
-#pragma unroll
-                    for (int i = 0; i < CACC / 4; ++i) {
-                        float *a = acc + pc * CACC + 4 * i;
-                        a[0] = __fmaf_rn(prev[4 * i + 0], prev_lo, a[0]);
-                        a[1] = __fmaf_rn(prev[4 * i + 1], prev_lo, a[1]);
-                        a[2] = __fmaf_rn(prev[4 * i + 2], prev_hi, a[2]);
-                        a[3] = __fmaf_rn(prev[4 * i + 3], prev_hi, a[3]);
-                    }
+                    promote64<Cfg>(acc, prev, (c + CH - 1) % CH, prev_lo, prev_hi);
                 }
-                const float sb = c < CH / 2 ? sb0 : sb1;  // powers of two: exact products
-                prev_lo = sa_lo * sb;
-                prev_hi = sa_hi * sb;
+                const float sb = c < CH / 2 ? sc.sb0 : sc.sb1;  // powers of two: exact products
+                prev_lo = sc.sa_lo * sb;
+                prev_hi = sc.sa_hi * sb;
             }
             if (!CROSS) {  // the block's last chunk, before the next block's first is issued
                 wgmma_wait<0>();
                 pin_accumulators(set[1]);
                 if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
-#pragma unroll
-                for (int i = 0; i < CACC / 4; ++i) {
-                    float *a = acc + (CH - 1) * CACC + 4 * i;
-                    a[0] = __fmaf_rn(set[1][4 * i + 0], prev_lo, a[0]);
-                    a[1] = __fmaf_rn(set[1][4 * i + 1], prev_lo, a[1]);
-                    a[2] = __fmaf_rn(set[1][4 * i + 2], prev_hi, a[2]);
-                    a[3] = __fmaf_rn(set[1][4 * i + 3], prev_hi, a[3]);
-                }
+                promote64<Cfg>(acc, set[1], CH - 1, prev_lo, prev_hi);
             }
             prev_stage = stage;
             if (++stage == Cfg::STAGES) {
@@ -552,17 +569,10 @@ static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_s
         }
         /* the tile's last chunk (index CH - 1, in set 1) */
         if (CROSS) {
-        wgmma_wait<0>();
-        pin_accumulators(set[1]);
-        if (num_kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-#pragma unroll
-        for (int i = 0; i < CACC / 4; ++i) {
-            float *a = acc + (CH - 1) * CACC + 4 * i;
-            a[0] = __fmaf_rn(set[1][4 * i + 0], prev_lo, a[0]);
-            a[1] = __fmaf_rn(set[1][4 * i + 1], prev_lo, a[1]);
-            a[2] = __fmaf_rn(set[1][4 * i + 2], prev_hi, a[2]);
-            a[3] = __fmaf_rn(set[1][4 * i + 3], prev_hi, a[3]);
-        }
+            wgmma_wait<0>();
+            pin_accumulators(set[1]);
+            if (num_kb > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+            promote64<Cfg>(acc, set[1], CH - 1, prev_lo, prev_hi);
         }
         /* acc's chunk c of 64 columns is store_tile's columns 64 c ..: the same layout as two n128
            chunks (register 4 i of an n128 chunk is column 8 i, i < 16: the first 64 columns) */

@@ -34,33 +34,10 @@ static __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[WGMMA_N128_ACC
 #undef MOK_E4M3_ACC8
 }
 
-#define WGMMA_N64_ACC 32 /* fp32 accumulators per thread of an m64n64 wgmma */
-
-/* D[64 x 64] (+)= A[64 x 32] · B[32 x 64], as wgmma_e4m3_n128. */
-static __device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[WGMMA_N64_ACC], uint64_t desc_a, uint64_t desc_b,
-                                                      int scale_d) {
-#define MOK_E4M3_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
-                         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1;\n"
-        "}\n"
-        : MOK_E4M3_ACC8(0), MOK_E4M3_ACC8(8), MOK_E4M3_ACC8(16), MOK_E4M3_ACC8(24)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-        : "memory");
-#undef MOK_E4M3_ACC8
-}
-
 /* Keeps the compiler from moving accesses of a wgmma's registers across its asynchronous region. */
-template <int N>
-static __device__ __forceinline__ void pin_partial(float (&d)[N]) {
+static __device__ __forceinline__ void pin_partial(float (&d)[WGMMA_N128_ACC]) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < WGMMA_N128_ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 #endif
