@@ -66,6 +66,14 @@ static mok_status gpu_run(const layer *L, const mok_config *config, int accumula
     return st;
 }
 
+/* got against the FP8 reference: its error (1 = the tolerance), printed passing or not. */
+static void against_reference(const layer *L, const layer_result *got, const layer_result *ref, const char *tag,
+                              const char *name) {
+    const double e = layer_compare(L, got, ref, tag);
+    CHECK(e <= 1.0, "%s: cuda FP8 backward vs the FP8 reference: error %.3g > 1", tag, e);
+    printf("    %s: error %.3f vs the reference\n", name, e);
+}
+
 /* One layer (exact: gpu_fp8_reshape's exact values): the FP8 reference, then the GPU's
  * backward, compared. */
 static void check_case(const char *name, const mok_shape *shape, int P, const int64_t *tokens, int routing,
@@ -93,11 +101,7 @@ static void check_case(const char *name, const mok_shape *shape, int P, const in
         gpu_variant_env(&width, 0);
         CHECK(st == MOK_OK, "%s: gpu: %s", tag, message);
     }
-    if (st == MOK_OK) {
-        const double e = layer_compare(&L, &got, &ref, tag);
-        CHECK(e <= 1.0, "%s: cuda FP8 backward vs the FP8 reference: error %.3g > 1", tag, e);
-        printf("    %s: error %.3f vs the reference\n", name, e);
-    }
+    if (st == MOK_OK) against_reference(&L, &got, &ref, tag, name);
     layer_result_free(&got);
     layer_result_free(&ref);
     layer_free(&L);
@@ -305,11 +309,7 @@ static void nonfinite_case(const char *name, const mok_shape *s, uint16_t bad, i
         CHECK(reached_tokens > 0, "%s: the bad value reaches no token; the case tests nothing", tag);
         st = layer_run_reference(&L, &ref);
         CHECK(st == MOK_OK, "%s: reference: %s", tag, ref.message);
-        if (st == MOK_OK) {
-            const double e = layer_compare(&L, &dirty, &ref, tag);
-            CHECK(e <= 1.0, "%s: cuda FP8 backward vs the FP8 reference: error %.3g > 1", tag, e);
-            printf("    %s: error %.3f vs the reference\n", name, e);
-        }
+        if (st == MOK_OK) against_reference(&L, &dirty, &ref, tag, name);
     }
     layer_result_free(&clean);
     layer_result_free(&dirty);
