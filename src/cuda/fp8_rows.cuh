@@ -60,9 +60,11 @@ static __device__ __forceinline__ uint32_t bf16x2_finite_abs_max(uint32_t m, uin
     const uint32_t a = pair & 0x7fff7fffu;
     return __vmaxu2(m, a & __vcmpleu2(a, BF16_FINITE_MAX_BITS * 0x10001u));
 }
+/* The larger of a packed pair of maxima, as the bit pattern of a bf16 magnitude. */
+static __device__ __forceinline__ uint32_t bf16x2_fold(uint32_t m) { return __vmaxu2(m, m >> 16) & 0xffffu; }
 /* The warp's maximum of the lanes' packed maxima, as the bit pattern of a bf16 magnitude. */
 static __device__ __forceinline__ uint32_t bf16x2_warp_max(uint32_t m) {
-    return __reduce_max_sync(0xffffffffu, __vmaxu2(m, m >> 16) & 0xffffu);
+    return __reduce_max_sync(0xffffffffu, bf16x2_fold(m));
 }
 /* The amax that a magnitude's bit pattern stands for. */
 static __device__ __forceinline__ float bf16_bits_f32(uint32_t bits) { return __uint_as_float(bits << 16); }

@@ -70,7 +70,7 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
         for (int half = 0; half < 2; ++half) {
 #pragma unroll
             for (int b = 0; b < NT / 8; ++b) m[half] = bf16x2_abs_max(m[half], h[2 * b + half]);
-            m[half] = __vmaxu2(m[half], m[half] >> 16) & 0xffffu;
+            m[half] = bf16x2_fold(m[half]);
         }
         fix = __any_sync(0xffffffffu, max(m[0], m[1]) > BF16_FINITE_MAX_BITS);
         if (fix)
@@ -79,7 +79,7 @@ static __device__ __forceinline__ void swiglu_staged(const float (&acc)[TILE_ACC
                 m[half] = 0u;
 #pragma unroll
                 for (int b = 0; b < NT / 8; ++b) m[half] = bf16x2_finite_abs_max(m[half], h[2 * b + half]);
-                m[half] = __vmaxu2(m[half], m[half] >> 16) & 0xffffu;
+                m[half] = bf16x2_fold(m[half]);
             }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
