@@ -169,7 +169,6 @@ static __device__ __forceinline__ void wgmma_e4m3_n192(float (&d)[96], uint64_t 
         : "memory");
 }
 
-
 static __device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n"
@@ -392,7 +391,6 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
             store_tile<Cfg>(acc, C16, M, N, pos.m0 + row, pos.n0, lane);
     }
 }
-
 
 /* One step of the pipelined consumer: waits for the next stage, reads its scales, issues its four
  * wgmmas into `into`; then, if `has_prev`, waits until only that group is in flight (so the
@@ -636,8 +634,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     setmaxnreg_inc<CONSUMER_REGS>();
     if constexpr (ARRANGE == ARRANGE_PIPE64 || ARRANGE == ARRANGE_PIPE64_BLOCK)
-        consume_fp8_pipe64<Cfg, ARRANGE == ARRANGE_PIPE64>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16, C32, M, N, num_m, num_n,
-                                num_kb, err);
+        consume_fp8_pipe64<Cfg, ARRANGE == ARRANGE_PIPE64>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16,
+                                                           C32, M, N, num_m, num_n, num_kb, err);
     else if constexpr (ARRANGE == ARRANGE_PIPELINED)
         consume_fp8_pipelined<Cfg>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16, C32, M, N, num_m, num_n,
                                    num_kb, err);
