@@ -81,12 +81,16 @@
  * with the cuBLASLt baselines: add -DWITH_CUBLAS before the source and -lcublasLt after it. To look
  * at one failure alone: `--case I` runs the fp8 checks of test shape I only (no timings), `--variant
  * NAME` (e.g. 128x128-free, or its index) checks and times that tile only; a wrong option prints
- * the list of both. */
+ * the list of both. Each timed layer runs inside an NVTX range "layerI" (I its index in LAYERS), so
+ * that Nsight Compute can profile one of its launches:
+ *   ncu --clock-control none --nvtx --nvtx-include "layer0/" -k regex:fp8_tile_kernel -c 1 --set full \
+ *       ./build/fp8_tile_probe --variant 128x256-free */
 #include "gemm_common.cuh"
 
 #include "cuda/sm90/fp8_wgmma.cuh" /* the E4M3 wgmma the megakernel's FP8 tile runs */
 
 #include <cuda_fp8.h>
+#include <nvtx3/nvToolsExt.h>
 #ifdef WITH_CUBLAS
 #include <cublasLt.h>
 #endif
@@ -1750,6 +1754,11 @@ int main(int argc, char **argv) {
         const Shape &s = layer.s;
         const size_t count = (size_t)s.M * s.N;
         printf("\n%s: M %d N %d K %d\n", layer.name, s.M, s.N, s.K);
+        /* One NVTX range per layer, "layerI", so that Nsight Compute can profile one layer's
+           launches: ncu --nvtx --nvtx-include "layerI/" ... */
+        char range[16];
+        snprintf(range, sizeof range, "layer%d", li);
+        nvtxRangePushA(range);
         bool ok = true;
         ms_bf16[li] = 0.0;
         if (bf16_ok) {
@@ -1822,6 +1831,7 @@ int main(int argc, char **argv) {
             }
         }
 #endif
+        nvtxRangePop();
         if (!ok) ++failed;
     }
 #ifdef WITH_CUBLAS
