@@ -38,7 +38,12 @@
  *   pipe64/K the same within each K block only: the block's last chunk is waited for and
  *            promoted before the next block's first is issued (the form for a consumer loop where
  *            ptxas does not follow a set across the loop's back edge and serialises the wgmmas:
- *            its C7514 remark).
+ *            its C7514 remark);
+ *   areg     (128x256) free, with A from registers: each warpgroup loads its 64 x 128 codes of
+ *            the stage once (ldmatrix, 16 registers a thread: fp8_wgmma.cuh's fp8_a_fragment)
+ *            and both chunks' wgmmas read them there, so A leaves shared memory once a K block
+ *            instead of once a chunk (the operand bytes a stage reads from shared memory: 80 KB
+ *            against 96).
  *
  * What it measures, in one run:
  *   1. correctness, before any timing, for every tile and arrangement, fp32 and bf16 output,
@@ -333,7 +338,7 @@ static __device__ __forceinline__ bool enter_stage(const uint8_t *scale_slots, u
  * a phase ahead: each signal follows a wait for the other's previous signal, so the parity of a
  * waiter's count of waits names the right phase. Both consumers walk the same chunks, so none is
  * left waiting. */
-template <class Cfg, bool STAGGER>
+template <class Cfg, bool STAGGER, bool A_REGS>
 static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, uint32_t ring, uint32_t full_bar,
                                                    uint32_t empty_bar, uint32_t turn_bar, bf16 *C16, float *C32,
                                                    int M, int N, int num_m, int num_n, int num_kb, int *err) {
@@ -343,8 +348,11 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
     constexpr uint64_t chunk_step = (Cfg::CHUNK_N * FP8_BK) >> 4;  // descriptor units of 16 bytes
     constexpr uint64_t k_step = WGMMA_K_FP8 >> 4;
 
+    static_assert(!A_REGS || Cfg::CHUNK_N == 128, "A from registers: m64n128k32 chunks only");
+    const uint32_t a_half0 = ring + consumer * 64 * FP8_BK, a_offset = fp8_a_fragment_offset();
     float acc[Cfg::ACC];
     float partial[Cfg::CHUNK_ACC];
+    uint32_t ra[FP8_BK / WGMMA_K_FP8][4];
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
     bool wait_turn = consumer == 1;
@@ -359,6 +367,11 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
             if (!enter_stage(scale_slots, full_bar, stage, phase, row, sb_at, err, sc)) return;
             const float sa_lo = sc.sa_lo, sa_hi = sc.sa_hi, sb0 = sc.sb0, sb1 = sc.sb1;
             const uint64_t stage_offset = (uint64_t)((stage * Cfg::STAGE_BYTES) >> 4);
+            if (A_REGS) {
+#pragma unroll
+                for (int k = 0; k < FP8_BK / WGMMA_K_FP8; ++k)
+                    fp8_a_fragment(ra[k], a_half0 + stage * Cfg::STAGE_BYTES, a_offset, k);
+            }
 #pragma unroll
             for (int c = 0; c < Cfg::CHUNKS; ++c) {
                 if (STAGGER) {
@@ -374,9 +387,13 @@ static __device__ __forceinline__ void consume_fp8(const uint8_t *scale_slots, u
                 }
                 wgmma_fence();
 #pragma unroll
-                for (int k = 0; k < FP8_BK / WGMMA_K_FP8; ++k)
-                    wgmma_e4m3<Cfg::CHUNK_N>(partial, desc_a0 + stage_offset + k_step * k,
-                                             desc_b0 + stage_offset + chunk_step * c + k_step * k, k);
+                for (int k = 0; k < FP8_BK / WGMMA_K_FP8; ++k) {
+                    const uint64_t desc_b = desc_b0 + stage_offset + chunk_step * c + k_step * k;
+                    if constexpr (A_REGS)
+                        wgmma_e4m3_n128_ra(partial, ra[k], desc_b, k);
+                    else
+                        wgmma_e4m3<Cfg::CHUNK_N>(partial, desc_a0 + stage_offset + k_step * k, desc_b, k);
+                }
                 wgmma_commit();
                 if (STAGGER && lane == 0) mbar_arrive(turn_bar + 8 * (1 - consumer));
                 wgmma_wait<0>();
@@ -588,7 +605,7 @@ static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_s
 /* C = the block-scaled product of A[M, K] and B[N, K] (see the top of the file), into C32 (fp32)
  * if it is not null, else into C16 (bf16). grid = min(#SMs, #tiles), block = 384 threads, one
  * CTA per SM. K % 128 == 0, N % 128 == 0, M >= 1. */
-enum Arrangement { ARRANGE_FREE, ARRANGE_STAGGERED, ARRANGE_PIPELINED, ARRANGE_PIPE64, ARRANGE_PIPE64_BLOCK };
+enum Arrangement { ARRANGE_FREE, ARRANGE_STAGGERED, ARRANGE_PIPELINED, ARRANGE_PIPE64, ARRANGE_PIPE64_BLOCK, ARRANGE_AREG };
 
 template <int BN_, int ARRANGE>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -644,7 +661,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         consume_fp8_pipelined<Cfg>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16, C32, M, N, num_m, num_n,
                                    num_kb, err);
     else
-        consume_fp8<Cfg, ARRANGE == ARRANGE_STAGGERED>(smem_raw + (scales - raw), ring, full_bar, empty_bar, turn_bar,
+        consume_fp8<Cfg, ARRANGE == ARRANGE_STAGGERED, ARRANGE == ARRANGE_AREG>(smem_raw + (scales - raw), ring,
+                                                                               full_bar, empty_bar, turn_bar,
                                                        C16, C32, M, N, num_m, num_n, num_kb, err);
 }
 
@@ -983,6 +1001,7 @@ static const Fp8Variant FP8_VARIANTS[] = {
     FP8_VARIANT("128x192 free", 192, ARRANGE_FREE), FP8_VARIANT("128x192 stag", 192, ARRANGE_STAGGERED),
     FP8_VARIANT("128x256 free", 256, ARRANGE_FREE), FP8_VARIANT("128x256 stag", 256, ARRANGE_STAGGERED),
     FP8_VARIANT("128x256 pipe64", 256, ARRANGE_PIPE64), FP8_VARIANT("128x256 pipe64/K", 256, ARRANGE_PIPE64_BLOCK),
+    FP8_VARIANT("128x256 areg", 256, ARRANGE_AREG),
 };
 #undef FP8_VARIANT
 constexpr int NUM_FP8_VARIANTS = sizeof(FP8_VARIANTS) / sizeof(FP8_VARIANTS[0]);
