@@ -50,46 +50,12 @@ constexpr int A_BYTES = 128 * 128, B_BYTES = 256 * 128, SMEM_BYTES = A_BYTES + B
 
 /* D[64 x 256] (+)= A[64 x 32] · B[32 x 256], E4M3 from shared memory, both K-major. */
 static __device__ __forceinline__ void wgmma_e4m3_n256(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1;\n}\n"
-        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
-          ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
-        : "l"(da), "l"(db), "r"(scale_d)
-        : "memory");
-#undef ACC8
-}
-
-/* D[64 x 128] (+)= A[64 x 32] · B[32 x 128], E4M3, A from four registers of each thread. */
-static __device__ __forceinline__ void wgmma_e4m3_n128_areg(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
-                                                            int scale_d) {
-#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d)
-        : "memory");
-#undef ACC8
+    asm volatile("{\n.reg .pred p;\n"
+                 "setp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 " MOK_WGMMA_D128 ", %128, %129, p, 1, 1;\n}\n"
+                 : MOK_WGMMA_ACC128(d)
+                 : "l"(da), "l"(db), "r"(scale_d)
+                 : "memory");
 }
 
 template <int R>
@@ -185,7 +151,7 @@ __global__ void __launch_bounds__(THREADS, 1) rate_kernel(int stages, long long 
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
-                    wgmma_e4m3_n128_areg(part, ra[k], smem_desc(b + c * (B_BYTES / 2) + 32 * k, 16), k);
+                    wgmma_e4m3_n128_ra(part, ra[k], smem_desc(b + c * (B_BYTES / 2) + 32 * k, 16), k);
                 wgmma_commit();
                 wgmma_wait<0>();
                 pin(part);

@@ -4,10 +4,12 @@
  * 16, columns 8i + 2 (lane % 4) + {0, 1}; 4i + {2, 3}: the same 8 rows down). scale_d = 0
  * overwrites D, so a 128-K block's partial sum starts from zero. A second form takes A from
  * registers, loaded by ldmatrix from the same swizzled stage (dev/fp8_tile_probe.cu's `areg` tile;
- * the library's tile reads A from shared memory). Self-contained (no other header of the library),
- * so that dev/fp8_tile_probe.cu measures these very instruction wrappers. */
+ * the library's tile reads A from shared memory). dev/fp8_tile_probe.cu measures these very
+ * instruction wrappers. */
 #ifndef MOK_CUDA_SM90_FP8_WGMMA_CUH
 #define MOK_CUDA_SM90_FP8_WGMMA_CUH
+
+#include "cuda/sm90/ptx.cuh" /* the accumulator operand lists */
 
 #include <stdint.h>
 
@@ -16,48 +18,25 @@
 
 static __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[WGMMA_N128_ACC], uint64_t desc_a, uint64_t desc_b,
                                                        int scale_d) {
-#define MOK_E4M3_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
-                         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1;\n"
-        "}\n"
-        : MOK_E4M3_ACC8(0), MOK_E4M3_ACC8(8), MOK_E4M3_ACC8(16), MOK_E4M3_ACC8(24), MOK_E4M3_ACC8(32),
-          MOK_E4M3_ACC8(40), MOK_E4M3_ACC8(48), MOK_E4M3_ACC8(56)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-        : "memory");
-#undef MOK_E4M3_ACC8
+    asm volatile("{\n.reg .pred p;\n"
+                 "setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MOK_WGMMA_D64 ", %64, %65, p, 1, 1;\n}\n"
+                 : MOK_WGMMA_ACC64(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+                 : "memory");
 }
 
 /* The same with A from registers: a[k] holds this thread's A fragment of the 32-deep K step, as
  * ldmatrix.x4 leaves it (fp8_a_fragment). */
 static __device__ __forceinline__ void wgmma_e4m3_n128_ra(float (&d)[WGMMA_N128_ACC], const uint32_t (&a)[4],
                                                           uint64_t desc_b, int scale_d) {
-#define MOK_E4M3_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
-                         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1;\n"
-        "}\n"
-        : MOK_E4M3_ACC8(0), MOK_E4M3_ACC8(8), MOK_E4M3_ACC8(16), MOK_E4M3_ACC8(24), MOK_E4M3_ACC8(32),
-          MOK_E4M3_ACC8(40), MOK_E4M3_ACC8(48), MOK_E4M3_ACC8(56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
-        : "memory");
-#undef MOK_E4M3_ACC8
+    asm volatile("{\n.reg .pred p;\n"
+                 "setp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MOK_WGMMA_D64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : MOK_WGMMA_ACC64(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
+                 : "memory");
 }
 
 /* This thread's ldmatrix row within a warpgroup's 64 x 128 half-stage of A (128B swizzle: 128-byte

@@ -1,7 +1,7 @@
 /* ptx.cuh — thin wrappers of the sm_90a instructions the GEMM tile and the compute CTAs use:
  * mbarriers, the async-proxy fence, cp.async, TMA tensor loads and stores with their bulk groups,
- * wgmma (m64n256k16, bf16 in, fp32 accumulators) with its shared-memory descriptors, setmaxnreg
- * and stmatrix. Each wrapper is one instruction (or a
+ * wgmma (m64n256k16, bf16 in, fp32 accumulators) with its shared-memory descriptors and the
+ * accumulator operand lists every wgmma wrapper spells out, setmaxnreg and stmatrix. Each wrapper is one instruction (or a
  * fixed few); what they are used for, and in which order, is gemm_tile.cuh's and the walks'. */
 #ifndef MOK_CUDA_SM90_PTX_CUH
 #define MOK_CUDA_SM90_PTX_CUH
@@ -107,29 +107,40 @@ static __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo
            (uint64_t)1 << 62;
 }
 
+/* The accumulator operands of a wgmma, 64 (m64n128) or 128 (m64n256) fp32 per thread: %0 .. %63
+ * or %0 .. %127 in its text, and their read-write constraints on d[0 ..]. */
+#define MOK_WGMMA_R0_63                                                                               \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                           \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                 \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                 \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define MOK_WGMMA_R64_127                                                                             \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                 \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                 \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "     \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define MOK_WGMMA_D64 "{" MOK_WGMMA_R0_63 "}"
+#define MOK_WGMMA_D128 "{" MOK_WGMMA_R0_63 ", " MOK_WGMMA_R64_127 "}"
+#define MOK_WGMMA_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                             "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MOK_WGMMA_ACC64(d)                                                                            \
+    MOK_WGMMA_ACC8(d, 0), MOK_WGMMA_ACC8(d, 8), MOK_WGMMA_ACC8(d, 16), MOK_WGMMA_ACC8(d, 24),         \
+        MOK_WGMMA_ACC8(d, 32), MOK_WGMMA_ACC8(d, 40), MOK_WGMMA_ACC8(d, 48), MOK_WGMMA_ACC8(d, 56)
+#define MOK_WGMMA_ACC128(d)                                                                           \
+    MOK_WGMMA_ACC64(d), MOK_WGMMA_ACC8(d, 64), MOK_WGMMA_ACC8(d, 72), MOK_WGMMA_ACC8(d, 80),          \
+        MOK_WGMMA_ACC8(d, 88), MOK_WGMMA_ACC8(d, 96), MOK_WGMMA_ACC8(d, 104), MOK_WGMMA_ACC8(d, 112), \
+        MOK_WGMMA_ACC8(d, 120)
+
 /* D[64 x 256] (+)= A[64 x 16] · B[16 x 256], both from shared memory. */
 template <int TA, int TB>
 static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[WGMMA_N256_ACC], uint64_t da, uint64_t db, int scale_d) {
-#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                "+f"(d[i + 6]), "+f"(d[i + 7])
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, %131, %132;\n}\n"
-        : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64), ACC8(72),
-          ACC8(80), ACC8(88), ACC8(96), ACC8(104), ACC8(112), ACC8(120)
-        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB)
-        : "memory");
-#undef ACC8
+    asm volatile("{\n.reg .pred p;\n"
+                 "setp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MOK_WGMMA_D128
+                 ", %128, %129, p, 1, 1, %131, %132;\n}\n"
+                 : MOK_WGMMA_ACC128(d)
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB)
+                 : "memory");
 }
 
 /* setmaxnreg: the warpgroup gives registers back (dec) or takes them (inc), REGS per thread. */
