@@ -1,8 +1,9 @@
 /* ptx.cuh — thin wrappers of the sm_90a instructions the GEMM tile and the compute CTAs use:
  * mbarriers, the async-proxy fence, cp.async, TMA tensor loads and stores with their bulk groups,
  * wgmma (m64n256k16, bf16 in, fp32 accumulators) with its shared-memory descriptors and the
- * accumulator operand lists every wgmma wrapper spells out, setmaxnreg and stmatrix. Each wrapper is one instruction (or a
- * fixed few); what they are used for, and in which order, is gemm_tile.cuh's and the walks'. */
+ * accumulator operand lists every wgmma wrapper spells out, setmaxnreg and stmatrix. Each wrapper
+ * is one instruction (or a fixed few); what they are used for, and in which order, is
+ * gemm_tile.cuh's and the walks'. */
 #ifndef MOK_CUDA_SM90_PTX_CUH
 #define MOK_CUDA_SM90_PTX_CUH
 
