@@ -605,7 +605,9 @@ static __device__ __forceinline__ void consume_fp8_pipe64(const uint8_t *scale_s
 /* C = the block-scaled product of A[M, K] and B[N, K] (see the top of the file), into C32 (fp32)
  * if it is not null, else into C16 (bf16). grid = min(#SMs, #tiles), block = 384 threads, one
  * CTA per SM. K % 128 == 0, N % 128 == 0, M >= 1. */
-enum Arrangement { ARRANGE_FREE, ARRANGE_STAGGERED, ARRANGE_PIPELINED, ARRANGE_PIPE64, ARRANGE_PIPE64_BLOCK, ARRANGE_AREG };
+enum Arrangement {
+    ARRANGE_FREE, ARRANGE_STAGGERED, ARRANGE_PIPELINED, ARRANGE_PIPE64, ARRANGE_PIPE64_BLOCK, ARRANGE_AREG
+};
 
 template <int BN_, int ARRANGE>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -661,9 +663,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         consume_fp8_pipelined<Cfg>(smem_raw + (scales - raw), ring, full_bar, empty_bar, C16, C32, M, N, num_m, num_n,
                                    num_kb, err);
     else
-        consume_fp8<Cfg, ARRANGE == ARRANGE_STAGGERED, ARRANGE == ARRANGE_AREG>(smem_raw + (scales - raw), ring,
-                                                                               full_bar, empty_bar, turn_bar,
-                                                       C16, C32, M, N, num_m, num_n, num_kb, err);
+        consume_fp8<Cfg, ARRANGE == ARRANGE_STAGGERED, ARRANGE == ARRANGE_AREG>(
+            smem_raw + (scales - raw), ring, full_bar, empty_bar, turn_bar, C16, C32, M, N, num_m, num_n, num_kb, err);
 }
 
 /* ------------------------------------------------------------------------------------------ */

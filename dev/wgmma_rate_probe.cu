@@ -12,8 +12,9 @@
  *                 the E4M3 ceiling of this tile without promotion;
  *   e4m3/n128x2   two chunks of four m64n128k32 into two sets of 64 accumulators, one group in flight:
  *                 the n128 instruction's ceiling (A read twice a stage);
- *   e4m3/lib      the megakernel's FP8 loop (fp8_tile.cuh): per chunk four m64n128k32 into 64
- *                 partial sums, wait 0, promote 64 fmas into the chunk's accumulators;
+ *   e4m3/lib      the megakernel's FP8 loop (fp8_tile.cuh's fp8_chunk and fp8_promote): per chunk
+ *                 four m64n128k32 into 64 partial sums, wait 0, promote 64 fmas into the chunk's
+ *                 accumulators;
  *   e4m3/lib-sync lib with both warpgroups meeting at a named barrier every stage, as they do when
  *                 the producer's stages arrive just in time;
  *   e4m3/lib-1wg  lib with one warpgroup (64 x 256): a chunk's tensor time and the gap after it;
@@ -30,8 +31,7 @@
  * Build and run from the repository root (H100/H200):
  *   nvcc -std=c++17 -O3 -Isrc -Iinclude -gencode=arch=compute_90a,code=sm_90a dev/wgmma_rate_probe.cu \
  *        -o build/wgmma_rate_probe && ./build/wgmma_rate_probe */
-#include "cuda/sm90/fp8_wgmma.cuh"
-#include "cuda/sm90/ptx.cuh"
+#include "cuda/sm90/fp8_tile.cuh" /* the library's FP8 chunk and promotion, and the wgmma wrappers */
 #include "try.h"
 
 #include <algorithm>
@@ -58,34 +58,6 @@ static __device__ __forceinline__ void wgmma_e4m3_n256(float (&d)[128], uint64_t
                  : "memory");
 }
 
-template <int R>
-static __device__ __forceinline__ void pin(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* acc[64 c + i] = fma(part[i], scale, acc[64 c + i]), as fp8_tile.cuh's fp8_promote. */
-template <int C>
-static __device__ __forceinline__ void promote(float (&acc)[128], const float (&part)[64], float lo, float hi) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        float *a = acc + 64 * C + 4 * i;
-        a[0] = __fmaf_rn(part[4 * i + 0], lo, a[0]);
-        a[1] = __fmaf_rn(part[4 * i + 1], lo, a[1]);
-        a[2] = __fmaf_rn(part[4 * i + 2], hi, a[2]);
-        a[3] = __fmaf_rn(part[4 * i + 3], hi, a[3]);
-    }
-}
-
-static __device__ __forceinline__ void chunk(float (&part)[64], uint32_t a, uint32_t b) {
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) wgmma_e4m3_n128(part, smem_desc(a + 32 * k, 16), smem_desc(b + 32 * k, 16), k);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(part);
-}
-
 template <int V>
 __global__ void __launch_bounds__(THREADS, 1) rate_kernel(int stages, long long *cycles, float *sink) {
     extern __shared__ uint8_t smem_raw[];
@@ -105,7 +77,7 @@ __global__ void __launch_bounds__(THREADS, 1) rate_kernel(int stages, long long 
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    const float lo = 1.0f + threadIdx.x * 1e-7f, hi = 1.0f - threadIdx.x * 1e-7f;
+    const float lo = 1.0f + threadIdx.x * 1e-7f, hi = 1.0f - threadIdx.x * 1e-7f, sb = 1.0f - blockIdx.x * 1e-9f;
     const long long t0 = clock64();
     for (int s = 0; s < stages; ++s) {
         if constexpr (V == BF16_N256) {
@@ -115,26 +87,27 @@ __global__ void __launch_bounds__(THREADS, 1) rate_kernel(int stages, long long 
                 wgmma_m64n256k16<0, 0>(acc, smem_desc(a + 32 * k, 16), smem_desc(b + 32 * k, 16), 1);
             wgmma_commit();
             wgmma_wait<1>();
-            pin(acc);
+            pin_acc(acc);
         } else if constexpr (V == E4M3_N256) {
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < 4; ++k) wgmma_e4m3_n256(acc, smem_desc(a + 32 * k, 16), smem_desc(b + 32 * k, 16), 1);
             wgmma_commit();
             wgmma_wait<1>();
-            pin(acc);
+            pin_acc(acc);
         } else if constexpr (V == E4M3_N128X2) {
             float(&lo_acc)[64] = *reinterpret_cast<float(*)[64]>(acc);
             float(&hi_acc)[64] = *reinterpret_cast<float(*)[64]>(acc + 64);
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < 4; ++k) wgmma_e4m3_n128(lo_acc, smem_desc(a + 32 * k, 16), smem_desc(b + 32 * k, 16), 1);
+            for (int k = 0; k < 4; ++k)
+                wgmma_e4m3_n128(lo_acc, smem_desc(a + 32 * k, 16), smem_desc(b + 32 * k, 16), 1);
 #pragma unroll
             for (int k = 0; k < 4; ++k)
                 wgmma_e4m3_n128(hi_acc, smem_desc(a + 32 * k, 16), smem_desc(b + B_BYTES / 2 + 32 * k, 16), 1);
             wgmma_commit();
             wgmma_wait<1>();
-            pin(acc);
+            pin_acc(acc);
         } else if constexpr (V == E4M3_AREG) {
             uint32_t ra[4][4];
 #pragma unroll
@@ -154,20 +127,20 @@ __global__ void __launch_bounds__(THREADS, 1) rate_kernel(int stages, long long 
                     wgmma_e4m3_n128_ra(part, ra[k], smem_desc(b + c * (B_BYTES / 2) + 32 * k, 16), k);
                 wgmma_commit();
                 wgmma_wait<0>();
-                pin(part);
-                if (c == 0) promote<0>(acc, part, lo, hi); else promote<1>(acc, part, lo, hi);
+                pin_partial(part);
+                if (c == 0) fp8_promote<0>(acc, part, lo, hi, sb); else fp8_promote<1>(acc, part, lo, hi, sb);
             }
         } else {
             if constexpr (V == E4M3_LIB_SYNC) asm volatile("bar.sync 1, 256;" ::: "memory");
             float part[64];
-            chunk(part, a, b);
-            promote<0>(acc, part, lo, hi);
-            chunk(part, a, b + B_BYTES / 2);
-            promote<1>(acc, part, lo, hi);
+            fp8_chunk(part, a, b);
+            fp8_promote<0>(acc, part, lo, hi, sb);
+            fp8_chunk(part, a, b + B_BYTES / 2);
+            fp8_promote<1>(acc, part, lo, hi, sb);
         }
     }
     wgmma_wait<0>();
-    pin(acc);
+    pin_acc(acc);
     const long long t1 = clock64();
     if ((threadIdx.x & 127) == 0) cycles[blockIdx.x * 2 + consumer] = t1 - t0;
     float x = 0.0f;
